@@ -1,0 +1,174 @@
+"""`jaxdist` command line: typed flags (tyro) over the library, wiring models and meshes in.
+
+The CLI is the one part of jaxdist that imports models/ and meshes/; the core never does.
+"""
+
+import dataclasses
+import json
+import sys
+from typing import Literal
+
+import tyro
+
+from jaxdist.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Common:
+    model: str = "tiny"
+    """model preset: tiny, tiny-llama, gpt2-124m, llama-124m, 1b, llama-1b"""
+    mesh: str = "auto"
+    """mesh preset name (cpu8, single, gpu8, ...) or inline axis=size list (data=2,fsdp=4);
+    auto: cpu8 on CPU, fsdp over all devices on an accelerator"""
+    devices: str = "auto"
+    """cpu:N for N fake CPU devices; auto uses the accelerators present, else cpu:8"""
+    batch_size: int = 16
+    seed: int = 0
+    microbatches: int = 1
+    """gradient accumulation: the batch is run as this many slices per step"""
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """auto: bfloat16 on GPU/TPU, float32 on CPU; parameters stay float32"""
+    remat: Literal["none", "full", "dots"] = "none"
+    """rematerialization: none, full (recompute each layer), dots (save matmul outputs)"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Train(Common):
+    """Train a model (the default: tiny on 8 fake CPU devices, embedded corpus)."""
+
+    steps: int = 300
+    log_every: int = 10
+    run_dir: str | None = None
+    """directory for config.json, metrics.jsonl, summary.json (default runs/<time>)"""
+    data: str | None = None
+    """a text or JSONL file (or directory of them); default: Python's stdlib sources"""
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    peak_tflops: float | None = None
+    """peak TFLOP/s per device for MFU, where the device kind is not known"""
+    compile_only: bool = False
+    """compile the step for abstract inputs and report per-device memory; no training"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm(Common):
+    """Compile the train step and report its collectives per mesh axis beside the analytic
+    expectation."""
+
+    json: bool = False
+    """print one JSON object instead of a table"""
+
+
+def _setup(args: Common):
+    """Devices, mesh, rules and model config, all checked before anything compiles."""
+    from jaxdist.mesh import setup_devices
+
+    setup_devices(args.devices)
+
+    import jax
+
+    from jaxdist.mesh import build_mesh, parse_mesh
+    from meshes.presets import STANDARD_RULES, get_mesh_preset
+    from models.presets import get_model_config
+
+    platform = jax.default_backend()
+    dtype = args.compute_dtype
+    if dtype == "auto":
+        dtype = "float32" if platform == "cpu" else "bfloat16"
+    model_cfg = get_model_config(
+        args.model,
+        compute_dtype=dtype,
+        remat=args.remat,
+        attention="cudnn" if platform == "gpu" else "xla",
+    )
+    if args.mesh == "auto":
+        rules = STANDARD_RULES
+        mesh_cfg = get_mesh_preset("cpu8").mesh if platform == "cpu" else parse_mesh("fsdp=-1")
+    else:
+        preset = get_mesh_preset(args.mesh)
+        mesh_cfg, rules = preset.mesh, preset.rules
+    mesh = build_mesh(mesh_cfg)
+    return mesh, rules, model_cfg
+
+
+def _model_spec(model_cfg):
+    from jaxdist.train import ModelSpec
+    from models.transformer import Transformer
+
+    return ModelSpec(
+        name=model_cfg.name,
+        init=lambda rngs: Transformer(model_cfg, rngs),
+        seq_len=model_cfg.seq_len,
+        vocab_size=model_cfg.vocab_size,
+        flops_per_token=model_cfg.flops_per_token(),
+        config=model_cfg,
+    )
+
+
+def train(args: Train) -> int:
+    mesh, rules, model_cfg = _setup(args)
+    from jaxdist import train as loop
+    from jaxdist.data import DataConfig
+    from jaxdist.optim import OptimConfig
+    from jaxdist.step import StepConfig
+
+    model = _model_spec(model_cfg)
+    optim = OptimConfig(learning_rate=args.lr, warmup_steps=args.warmup_steps)
+    data = DataConfig(path=args.data, batch_size=args.batch_size, seed=args.seed)
+    step = StepConfig(microbatches=args.microbatches)
+    cfg = loop.LoopConfig(
+        steps=args.steps,
+        log_every=args.log_every,
+        run_dir=args.run_dir,
+        peak_tflops=args.peak_tflops,
+        seed=args.seed,
+    )
+    if args.compile_only:
+        compiled, _ = loop.prepare(model, mesh, rules, optim, data, step, cfg)
+        report = loop.compile_only(compiled, args.batch_size, model_cfg.seq_len)
+        report |= {"model": model.name, "params": compiled.num_params, "mesh": dict(mesh.shape)}
+        print(json.dumps(report))
+        return 0
+    loop.run(model, mesh, rules, optim, data, step, cfg)
+    return 0
+
+
+def comm(args: Comm) -> int:
+    mesh, rules, model_cfg = _setup(args)
+    from jaxdist import comm as comm_report
+    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.step import StepConfig, build
+
+    model = _model_spec(model_cfg)
+    tx = make_optimizer(OptimConfig(), 100)
+    compiled = build(
+        model.init, tx, rules, mesh, StepConfig(args.microbatches), args.seed, args.batch_size
+    )
+    report = comm_report.report(
+        compiled,
+        mesh,
+        rules,
+        args.batch_size,
+        model_cfg.seq_len,
+        model_cfg.activation_reductions(args.batch_size, args.microbatches),
+    )
+    if args.json:
+        print(json.dumps(report))
+    else:
+        comm_report.print_table(report)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = tyro.extras.subcommand_cli_from_dict(
+        {"train": Train, "comm": Comm}, args=argv, prog="jaxdist"
+    )
+    try:
+        return {Train: train, Comm: comm}[type(args)](args)
+    except ConfigError as e:
+        print(f"jaxdist: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Device meshes: parse a layout, make the devices exist, and build a mesh that uses all of them.
+
+The mesh always carries every axis in MESH_AXES (size 1 where a layout leaves one out), so a
+rule table can name any axis under any layout and a layout change is one flag.
+"""
+
+import dataclasses
+import math
+import os
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from jaxdist.errors import ConfigError
+
+# Outermost first: slow links (data, across hosts) outside, fast links (tensor) innermost.
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes per mesh axis; `dcn` holds the part of each axis that spans hosts or slices."""
+
+    ici: tuple[tuple[str, int], ...]
+    dcn: tuple[tuple[str, int], ...] = ()
+
+    def sizes(self) -> dict[str, int]:
+        ici, dcn = dict(self.ici), dict(self.dcn)
+        return {a: ici.get(a, 1) * dcn.get(a, 1) for a in MESH_AXES}
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.sizes().values())
+
+    def describe(self) -> str:
+        parts = [f"{a}={n}" for a, n in self.sizes().items() if n > 1]
+        return ",".join(parts) or "single"
+
+
+def parse_mesh(text: str) -> MeshConfig:
+    """Parses an inline layout such as `data=2,fsdp=2,tensor=2`; one axis may be -1 (the rest)."""
+    sizes: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep:
+            raise ConfigError(
+                f"mesh entry {part!r} is not axis=size; write e.g. --mesh data=2,fsdp=2,tensor=2"
+            )
+        if name not in MESH_AXES:
+            raise ConfigError(
+                f"unknown mesh axis {name!r} in --mesh {text!r}; known axes: {', '.join(MESH_AXES)}"
+            )
+        if name in sizes:
+            raise ConfigError(f"mesh axis {name!r} given twice in --mesh {text!r}")
+        try:
+            size = int(value)
+        except ValueError:
+            raise ConfigError(f"mesh axis {name}={value!r} is not an integer") from None
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh axis {name}={size} must be a positive size (or -1 for rest)")
+        sizes[name] = size
+    if sum(1 for n in sizes.values() if n == -1) > 1:
+        raise ConfigError(f"at most one mesh axis may be -1 in --mesh {text!r}")
+    return MeshConfig(ici=tuple(sizes.items()))
+
+
+def resolve_fill(config: MeshConfig, num_devices: int) -> MeshConfig:
+    """Replaces a -1 axis size with whatever the other axes leave of `num_devices`."""
+    ici = dict(config.ici)
+    fill = [a for a, n in ici.items() if n == -1]
+    if not fill:
+        return config
+    known = math.prod(n for n in ici.values() if n != -1) * math.prod(n for _, n in config.dcn)
+    if num_devices % known:
+        raise ConfigError(
+            f"mesh {ici} cannot fill {num_devices} devices: {num_devices} is not divisible by "
+            f"{known}; pick axis sizes whose product divides the device count"
+        )
+    ici[fill[0]] = num_devices // known
+    return dataclasses.replace(config, ici=tuple(ici.items()))
+
+
+def setup_devices(spec: str) -> None:
+    """Makes `--devices` true before JAX starts its backends.
+
+    `cpu:N` gives N fake CPU devices (collectives run in-process); `auto` uses the accelerators
+    present and, on a host with none, 8 fake CPU devices. Must run before anything touches
+    jax.devices(), since backends start once per process.
+    """
+    started = jax._src.xla_bridge.backends_are_initialized()  # noqa: SLF001 - no public query
+    if spec == "auto":
+        if not started:
+            # Only the CPU backend reads this, so it is harmless where accelerators exist.
+            jax.config.update("jax_num_cpu_devices", 8)
+        return
+    platform, _, count = spec.partition(":")
+    if platform != "cpu" or not count.isdigit() or int(count) < 1:
+        raise ConfigError(
+            f"--devices {spec!r} is not understood; use cpu:N (N fake CPU devices) or auto"
+        )
+    n = int(count)
+    if started:
+        have = jax.device_count()
+        if jax.default_backend() != "cpu" or have != n:
+            raise ConfigError(
+                f"--devices {spec} asked for after JAX already started with {have} "
+                f"{jax.default_backend()} devices; set it before any JAX work"
+            )
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def build_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
+    """A mesh over exactly `devices` (all of them by default), or a ConfigError saying why not."""
+    devices = list(jax.devices() if devices is None else devices)
+    config = resolve_fill(config, len(devices))
+    if config.num_devices != len(devices):
+        raise ConfigError(
+            f"mesh {config.describe()} needs {config.num_devices} devices but "
+            f"{len(devices)} are present; change --mesh so the sizes multiply to "
+            f"{len(devices)}, or --devices cpu:{config.num_devices} on a CPU host"
+        )
+    sizes = config.sizes()
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    if config.dcn and any(n > 1 for _, n in config.dcn):
+        from jax.experimental import mesh_utils
+
+        ici, dcn = dict(config.ici), dict(config.dcn)
+        grid = mesh_utils.create_hybrid_device_mesh(
+            [ici.get(a, 1) for a in MESH_AXES], [dcn.get(a, 1) for a in MESH_AXES], devices
+        )
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)

@@ -1,0 +1,172 @@
+"""Logical-axis rules: one table per mesh preset, checked at startup, resolved to shardings.
+
+A table row maps one logical axis to the mesh axes it is split over, once for parameters and
+once for activations (FSDP splits `embed` of a weight over `fsdp` while the activations split
+`batch` over it). Sharding enters through three doors, all here: parameter creation
+(`state_shardings`), batch placement (`batch_sharding`) and activation constraints
+(`constrain`).
+"""
+
+import contextlib
+import dataclasses
+import math
+import threading
+from collections.abc import Iterator
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdist.axes import LOGICAL_AXES
+from jaxdist.errors import ConfigError
+
+MeshAxes = str | tuple[str, ...] | None
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRules:
+    """Rows of (logical axis, mesh axes for parameters, mesh axes for activations)."""
+
+    rows: tuple[tuple[str, MeshAxes, MeshAxes], ...]
+
+    def mesh_axes(self, logical: str, kind: str) -> tuple[str, ...]:
+        for name, param_axes, act_axes in self.rows:
+            if name == logical:
+                return _as_tuple(param_axes if kind == "param" else act_axes)
+        raise ConfigError(
+            f"logical axis {logical!r} has no rule; add a row for it to the mesh preset's table"
+        )
+
+    def validate(self, mesh_axis_names: tuple[str, ...]) -> None:
+        """Raises ConfigError for unknown, repeated or missing names and unknown mesh axes."""
+        seen: set[str] = set()
+        for row in self.rows:
+            if len(row) != 3:
+                raise ConfigError(f"rule row {row!r} must be (logical, param_axes, act_axes)")
+            name = row[0]
+            if name not in LOGICAL_AXES:
+                raise ConfigError(
+                    f"rule table names unknown logical axis {name!r}; known: {LOGICAL_AXES}"
+                )
+            if name in seen:
+                raise ConfigError(
+                    f"logical axis {name!r} appears twice in the rule table; keep one row"
+                )
+            seen.add(name)
+            for kind, axes in (("param", row[1]), ("activation", row[2])):
+                axes_t = _as_tuple(axes)
+                for axis in axes_t:
+                    if axis not in mesh_axis_names:
+                        raise ConfigError(
+                            f"rule for {name!r} ({kind}) names mesh axis {axis!r}, which the "
+                            f"mesh lacks; mesh axes are {mesh_axis_names}"
+                        )
+                if len(set(axes_t)) != len(axes_t):
+                    raise ConfigError(f"rule for {name!r} ({kind}) repeats a mesh axis: {axes_t}")
+        missing = [n for n in LOGICAL_AXES if n not in seen]
+        if missing:
+            raise ConfigError(
+                f"rule table has no row for logical axes {missing}; write them out, "
+                "with None where they stay replicated"
+            )
+
+    def spec(
+        self, logical: tuple[str | None, ...], kind: str, what: str = "array"
+    ) -> PartitionSpec:
+        """The PartitionSpec for a tensor whose dims carry these logical names."""
+        entries: list[tuple[str, ...] | None] = []
+        used: dict[str, str] = {}
+        for dim_name in logical:
+            axes = () if dim_name is None else self.mesh_axes(dim_name, kind)
+            for axis in axes:
+                if axis in used:
+                    raise ConfigError(
+                        f"{what}: mesh axis {axis!r} would split both {used[axis]!r} and "
+                        f"{dim_name!r}; change the rule table so one of them uses another axis"
+                    )
+                used[axis] = dim_name
+            entries.append(axes if axes else None)
+        return PartitionSpec(*entries)
+
+
+def check_divisible(
+    what: str,
+    shape: tuple[int, ...],
+    logical: tuple[str | None, ...],
+    spec: PartitionSpec,
+    mesh: Mesh,
+) -> None:
+    """Each dim must split evenly over its mesh axes, else the layout is silently uneven."""
+    if len(shape) != len(logical):
+        raise ConfigError(f"{what}: shape {shape} has {len(shape)} dims but logical axes {logical}")
+    for dim, name, axes in zip(shape, logical, spec, strict=True):
+        axes_t = _as_tuple(axes)
+        ways = math.prod(mesh.shape[a] for a in axes_t)
+        if dim % ways:
+            raise ConfigError(
+                f"{what}: dimension {name!r} of size {dim} is not divisible by mesh axes "
+                f"{'x'.join(axes_t)} (size {ways}); pick a mesh whose {'x'.join(axes_t)} size "
+                f"divides {dim}, or change the model size"
+            )
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def state_shardings(state: nnx.State, rules: AxisRules, mesh: Mesh) -> nnx.State:
+    """NamedShardings for every parameter, from each Variable's `logical_axes` metadata.
+
+    Checks each parameter against the table and the mesh first, so an impossible layout fails
+    here, by name, before anything is compiled.
+    """
+
+    def one(path, var):
+        what = "parameter " + "/".join(str(getattr(k, "key", k)) for k in path)
+        logical = var.get_metadata().get("logical_axes")
+        if logical is None:
+            raise ConfigError(f"{what} declares no logical_axes; every parameter must")
+        spec = rules.spec(tuple(logical), "param", what)
+        check_divisible(what, tuple(var.shape), tuple(logical), spec, mesh)
+        return var.replace(NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
+
+
+def batch_sharding(rules: AxisRules, mesh: Mesh) -> NamedSharding:
+    """Where a [batch, seq] token batch lives: split over the activation `batch` axes."""
+    return NamedSharding(mesh, rules.spec(("batch", "seq"), "activation", "token batch"))
+
+
+# The activation-constraint door. Models call `constrain` with logical names; the trainer
+# enters `activation_rules` once around tracing. A thread-local is the price of keeping mesh
+# names out of models; `constrain` refuses to run outside it rather than silently not shard.
+_ACTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def activation_rules(rules: AxisRules, mesh: Mesh) -> Iterator[None]:
+    previous = getattr(_ACTIVE, "value", None)
+    _ACTIVE.value = (rules, mesh)
+    try:
+        yield
+    finally:
+        _ACTIVE.value = previous
+
+
+def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    active = getattr(_ACTIVE, "value", None)
+    if active is None:
+        raise RuntimeError(
+            "jaxdist.rules.constrain called outside activation_rules(rules, mesh); wrap the "
+            "model call (or the jit tracing of the step) in that context"
+        )
+    rules, mesh = active
+    spec = rules.spec(logical, "activation", f"activation {logical}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,0 +1,163 @@
+"""The train step: one pure function `train_step(state, batch) -> (state, metrics)`.
+
+Stage 2 (compute forward/backward locally) and stage 4 (synchronize the update) of a step live
+here. Stage 3 (move the tensors) is implicit: XLA inserts the collectives that the parameter
+and batch shardings imply; jaxdist.comm reads them back out of the compiled program.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdist.errors import ConfigError
+from jaxdist.rules import AxisRules, activation_rules, batch_sharding, state_shardings
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: the number of updates applied so far
+    params: nnx.State
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    microbatches: int = 1  # gradient accumulation: the batch is run in this many slices
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Mean next-token loss, in fp32 whatever the compute dtype."""
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef, tx: optax.GradientTransformation, config: StepConfig
+) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+    """Builds the pure step for one model structure, optimizer and accumulation setting."""
+
+    def loss_fn(params: nnx.State, tokens_BT1: jax.Array) -> jax.Array:
+        model = nnx.merge(graphdef, params)
+        logits_BTV = model(tokens_BT1[:, :-1])
+        return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
+
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def train_step(state: TrainState, tokens_BT1: jax.Array):
+        M = config.microbatches
+        if M == 1:
+            loss, grads = grad_fn(state.params, tokens_BT1)
+        else:
+            B = tokens_BT1.shape[0]
+            # Microbatch m takes rows m, m+M, ...: each device keeps its own rows, no reshuffle.
+            micro_MBT1 = tokens_BT1.reshape(B // M, M, -1).swapaxes(0, 1)
+
+            def accumulate(carry, tokens_bT1):
+                loss_sum, grad_sum = carry
+                loss, grads = grad_fn(state.params, tokens_bT1)
+                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (0.0, zeros), micro_MBT1)
+            loss = loss_sum / M
+            grads = jax.tree.map(lambda g: g / M, grad_sum)
+
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, {"loss": loss, "grad_norm": grad_norm}
+
+    return train_step
+
+
+class Compiled(NamedTuple):
+    """Everything the loop needs: the jitted step, its shardings, and the initial state maker."""
+
+    step_fn: Callable
+    init_fn: Callable[[], TrainState]
+    state_sharding: TrainState
+    batch_sharding: NamedSharding
+    abstract_state: TrainState
+    num_params: int
+
+
+def build(
+    init_model: Callable[[nnx.Rngs], nnx.Module],
+    tx: optax.GradientTransformation,
+    rules: AxisRules,
+    mesh: Mesh,
+    config: StepConfig,
+    seed: int,
+    batch_size: int,
+) -> Compiled:
+    """Shapes, shardings and the jitted step, checked against the mesh before any compile."""
+    rules.validate(mesh.axis_names)
+    if config.microbatches < 1 or batch_size % config.microbatches:
+        raise ConfigError(
+            f"batch size {batch_size} is not divisible by {config.microbatches} microbatches"
+        )
+    micro = batch_size // config.microbatches
+    tokens_sharding = batch_sharding(rules, mesh)
+    batch_ways = 1
+    for axis in tokens_sharding.spec[0] or ():
+        batch_ways *= mesh.shape[axis]
+    if micro % batch_ways:
+        raise ConfigError(
+            f"microbatch of {micro} rows (batch {batch_size} / {config.microbatches} "
+            f"microbatches) does not split over the {batch_ways} devices of the batch axes "
+            f"{tokens_sharding.spec[0]}; use a batch size that is a multiple of "
+            f"{batch_ways * config.microbatches}"
+        )
+
+    abstract_model = nnx.eval_shape(lambda: init_model(nnx.Rngs(seed)))
+    graphdef, abstract_params = nnx.split(abstract_model)
+    param_sharding = state_shardings(abstract_params, rules, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    opt_sharding = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract_opt,
+        param_sharding,
+        transform_non_params=lambda _: replicated,
+    )
+    state_sharding = TrainState(step=replicated, params=param_sharding, opt_state=opt_sharding)
+
+    def init() -> TrainState:
+        params = nnx.state(init_model(nnx.Rngs(seed)))
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    init_fn = jax.jit(init, out_shardings=state_sharding)
+    step = make_train_step(graphdef, tx, config)
+
+    def traced_step(state, batch):
+        with activation_rules(rules, mesh):
+            return step(state, batch)
+
+    step_fn = jax.jit(
+        traced_step,
+        in_shardings=(state_sharding, tokens_sharding),
+        out_shardings=(state_sharding, replicated),
+        donate_argnums=0,
+    )
+    abstract_state = TrainState(
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract_params,
+            param_sharding,
+        ),
+        jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract_opt,
+            opt_sharding,
+        ),
+    )
+    num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
+    return Compiled(step_fn, init_fn, state_sharding, tokens_sharding, abstract_state, num_params)

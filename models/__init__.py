@@ -1,0 +1,1 @@
+"""Model definitions. They speak logical axes only (jaxdist.axes) and know no mesh."""

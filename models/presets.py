@@ -1,0 +1,27 @@
+"""Named model sizes. GPT-2 style presets match the peer baselines' architecture exactly."""
+
+import dataclasses
+
+from jaxdist.errors import ConfigError
+from models.transformer import TransformerConfig
+
+BYTE_VOCAB = 256  # the embedded default corpus is read as bytes
+GPT_VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 128 for tiling
+
+PRESETS: dict[str, TransformerConfig] = {
+    c.name: c
+    for c in [
+        TransformerConfig("tiny", "gpt2", 2, 128, 4, 4, 512, BYTE_VOCAB, 128),
+        TransformerConfig("tiny-llama", "llama", 2, 128, 4, 2, 384, BYTE_VOCAB, 128),
+        TransformerConfig("gpt2-124m", "gpt2", 12, 768, 12, 12, 3072, GPT_VOCAB, 1024),
+        TransformerConfig("llama-124m", "llama", 12, 768, 12, 4, 2048, GPT_VOCAB, 1024),
+        TransformerConfig("1b", "gpt2", 16, 2048, 16, 16, 8192, GPT_VOCAB, 2048),
+        TransformerConfig("llama-1b", "llama", 16, 2048, 16, 8, 5632, GPT_VOCAB, 2048),
+    ]
+}
+
+
+def get_model_config(name: str, **overrides) -> TransformerConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

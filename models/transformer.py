@@ -1,0 +1,223 @@
+"""A decoder-only transformer family: GPT-2 style and Llama style variants of one code path.
+
+Legend (dims carry logical axes, jaxdist.axes):
+  B batch  T seq  D embed  F mlp  N heads  G kv_heads  H head_dim  V vocab  L layers
+
+Layers are stored stacked along L and run with `lax.scan`, so compile time does not grow with
+depth and every per-layer weight carries the `layers` logical axis.
+"""
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdist.rules import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    name: str
+    style: Literal["gpt2", "llama"]
+    num_layers: int
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    d_mlp: int
+    vocab_size: int
+    seq_len: int
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    compute_dtype: str = "float32"
+    # none: keep all activations; full: recompute each layer in backward; dots: keep matmuls.
+    remat: Literal["none", "full", "dots"] = "none"
+    attention: Literal["xla", "cudnn"] = "xla"
+
+    def __post_init__(self):
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model {self.d_model} not divisible by heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"heads {self.num_heads} not divisible by kv_heads {self.num_kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def num_params(self) -> int:
+        """All parameters, embeddings included (the figure peers report)."""
+        return sum(math.prod(s) for s in _param_shapes(self).values())
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, PaLM formula: 6*N + 12*L*D*T.
+
+        N counts the weight matrices (attention, MLP and output head), not the input or
+        position embeddings, which are lookups; 12*L*D*T is attention's QK^T and AV, forward and
+        backward, without causal halving (the convention published MFU figures use).
+        """
+        shapes = _param_shapes(self)
+        n = sum(math.prod(s) for k, s in shapes.items() if len(s) >= 3 or k == "head_DV")
+        return 6 * n + 12 * self.num_layers * self.d_model * self.seq_len
+
+
+def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    L, D, F, N, G, H, V = (
+        c.num_layers,
+        c.d_model,
+        c.d_mlp,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+    )
+    shapes = {
+        "tok_embed_VD": (V, D),
+        "head_DV": (D, V),
+        "norm_f_scale_D": (D,),
+        "wq_LDNH": (L, D, N, H),
+        "wk_LDGH": (L, D, G, H),
+        "wv_LDGH": (L, D, G, H),
+        "wo_LNHD": (L, N, H, D),
+        "norm1_scale_LD": (L, D),
+        "norm2_scale_LD": (L, D),
+        "w_up_LDF": (L, D, F),
+        "w_down_LFD": (L, F, D),
+    }
+    if c.style == "gpt2":
+        shapes |= {
+            "pos_embed_TD": (c.seq_len, D),
+            "norm_f_bias_D": (D,),
+            "norm1_bias_LD": (L, D),
+            "norm2_bias_LD": (L, D),
+        }
+    else:
+        shapes["w_gate_LDF"] = (L, D, F)
+    return shapes
+
+
+_LOGICAL = {
+    "tok_embed_VD": ("vocab", "embed"),
+    "head_DV": ("embed", "vocab"),
+    "pos_embed_TD": ("seq", "embed"),
+    "norm_f_scale_D": ("embed",),
+    "norm_f_bias_D": ("embed",),
+    "wq_LDNH": ("layers", "embed", "heads", "head_dim"),
+    "wk_LDGH": ("layers", "embed", "kv_heads", "head_dim"),
+    "wv_LDGH": ("layers", "embed", "kv_heads", "head_dim"),
+    "wo_LNHD": ("layers", "heads", "head_dim", "embed"),
+    "norm1_scale_LD": ("layers", "embed"),
+    "norm1_bias_LD": ("layers", "embed"),
+    "norm2_scale_LD": ("layers", "embed"),
+    "norm2_bias_LD": ("layers", "embed"),
+    "w_up_LDF": ("layers", "embed", "mlp"),
+    "w_gate_LDF": ("layers", "embed", "mlp"),
+    "w_down_LFD": ("layers", "mlp", "embed"),
+}
+
+
+class Transformer(nnx.Module):
+    def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+        self.config = config
+        std = 0.02
+        # GPT-2's residual scaling: output projections shrink with depth.
+        out_std = std / math.sqrt(2 * config.num_layers)
+        for name, shape in _param_shapes(config).items():
+            if "scale" in name:
+                value = jnp.ones(shape, jnp.float32)
+            elif "bias" in name:
+                value = jnp.zeros(shape, jnp.float32)
+            else:
+                scale = out_std if name in ("wo_LNHD", "w_down_LFD") else std
+                value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+            setattr(self, name, nnx.Param(value, logical_axes=_LOGICAL[name]))
+
+    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        c = self.config
+        dtype = jnp.dtype(c.compute_dtype)
+        p = {name: getattr(self, name)[...] for name in _param_shapes(c)}
+        # Cast once so FSDP gathers and tensor-parallel reductions move compute-dtype bytes.
+        p = {k: v.astype(dtype) for k, v in p.items()}
+
+        x_BTD = jnp.take(p["tok_embed_VD"], tokens_BT, axis=0)
+        T = tokens_BT.shape[1]
+        if c.style == "gpt2":
+            x_BTD = x_BTD + p["pos_embed_TD"][:T]
+        x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
+
+        layer_keys = [k for k in p if "_L" in k]
+        layers = {k: p[k] for k in layer_keys}
+        positions_T = jnp.arange(T)
+
+        def block(x_BTD, w):
+            return _block(c, x_BTD, w, positions_T), None
+
+        if c.remat == "full":
+            block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+        elif c.remat == "dots":
+            block = jax.checkpoint(
+                block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            )
+        x_BTD, _ = jax.lax.scan(block, x_BTD, layers)
+
+        x_BTD = _norm(c, x_BTD, p["norm_f_scale_D"], p.get("norm_f_bias_D"))
+        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, p["head_DV"])
+        return constrain(logits_BTV, ("batch", "seq", "vocab"))
+
+
+def _norm(c: TransformerConfig, x_BTD, scale_D, bias_D):
+    # Statistics in fp32 whatever the compute dtype: bf16 variance loses too many bits.
+    x32 = x_BTD.astype(jnp.float32)
+    if c.style == "gpt2":
+        x32 = x32 - x32.mean(-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32), -1, keepdims=True)
+    y = (x32 * jax.lax.rsqrt(var + c.norm_eps)).astype(x_BTD.dtype) * scale_D
+    return y if bias_D is None else y + bias_D
+
+
+def _rope(c: TransformerConfig, x_BTNH, positions_T):
+    H = x_BTNH.shape[-1]
+    freqs_H2 = c.rope_theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    angles_TH2 = positions_T[:, None].astype(jnp.float32) * freqs_H2[None, :]
+    sin, cos = jnp.sin(angles_TH2)[None, :, None, :], jnp.cos(angles_TH2)[None, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def _block(c: TransformerConfig, x_BTD, w, positions_T):
+    h_BTD = _norm(c, x_BTD, w["norm1_scale_LD"], w.get("norm1_bias_LD"))
+    q_BTNH = constrain(
+        jnp.einsum("btd,dnh->btnh", h_BTD, w["wq_LDNH"]), ("batch", "seq", "heads", "head_dim")
+    )
+    k_BTGH = constrain(
+        jnp.einsum("btd,dgh->btgh", h_BTD, w["wk_LDGH"]), ("batch", "seq", "kv_heads", "head_dim")
+    )
+    v_BTGH = constrain(
+        jnp.einsum("btd,dgh->btgh", h_BTD, w["wv_LDGH"]), ("batch", "seq", "kv_heads", "head_dim")
+    )
+    if c.style == "llama":
+        q_BTNH, k_BTGH = _rope(c, q_BTNH, positions_T), _rope(c, k_BTGH, positions_T)
+    attn_BTNH = jax.nn.dot_product_attention(
+        q_BTNH, k_BTGH, v_BTGH, is_causal=True, implementation=c.attention
+    )
+    attn_BTNH = constrain(attn_BTNH, ("batch", "seq", "heads", "head_dim"))
+    x_BTD = x_BTD + constrain(
+        jnp.einsum("btnh,nhd->btd", attn_BTNH, w["wo_LNHD"]), ("batch", "seq", "embed")
+    )
+
+    h_BTD = _norm(c, x_BTD, w["norm2_scale_LD"], w.get("norm2_bias_LD"))
+    up_BTF = jnp.einsum("btd,df->btf", h_BTD, w["w_up_LDF"])
+    if c.style == "llama":
+        gate_BTF = jnp.einsum("btd,df->btf", h_BTD, w["w_gate_LDF"])
+        up_BTF = jax.nn.silu(gate_BTF) * up_BTF
+    else:
+        up_BTF = jax.nn.gelu(up_BTF, approximate=True)
+    up_BTF = constrain(up_BTF, ("batch", "seq", "mlp"))
+    x_BTD = x_BTD + constrain(
+        jnp.einsum("btf,fd->btd", up_BTF, w["w_down_LFD"]), ("batch", "seq", "embed")
+    )
+    return x_BTD
