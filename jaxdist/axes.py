@@ -5,7 +5,8 @@ rule table (see jaxdist.rules) maps each name onto zero or more mesh axes.
 
 Shape-suffix legend used throughout the code (x_BTD, logits_BTV, ...):
   B batch      T seq (sequence position)   D embed      F mlp (hidden width)
-  N heads      G kv_heads                  H head_dim   V vocab      L layers
+  N heads      G kv_heads   Q qkv (query heads of a kv group, then K, then V)
+  H head_dim   V vocab      L layers
 """
 
 LOGICAL_AXES: tuple[str, ...] = (
@@ -15,6 +16,7 @@ LOGICAL_AXES: tuple[str, ...] = (
     "mlp",
     "heads",
     "kv_heads",
+    "qkv",
     "head_dim",
     "vocab",
     "layers",

@@ -79,7 +79,8 @@ def _setup(args: Common):
         args.model,
         compute_dtype=dtype,
         remat=args.remat,
-        attention="cudnn" if platform == "gpu" else "xla",
+        # cuDNN's fused attention takes 16-bit inputs only.
+        attention="cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla",
     )
     if args.mesh == "auto":
         rules = STANDARD_RULES
@@ -135,6 +136,8 @@ def train(args: Train) -> int:
 
 def comm(args: Comm) -> int:
     mesh, rules, model_cfg = _setup(args)
+    import jax.numpy as jnp
+
     from jaxdist import comm as comm_report
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.step import StepConfig, build
@@ -150,7 +153,9 @@ def comm(args: Comm) -> int:
         rules,
         args.batch_size,
         model_cfg.seq_len,
-        model_cfg.activation_reductions(args.batch_size, args.microbatches),
+        model_cfg.partial_sums(args.batch_size, args.microbatches),
+        compute_bytes=jnp.dtype(model_cfg.compute_dtype).itemsize,
+        microbatches=args.microbatches,
     )
     if args.json:
         print(json.dumps(report))

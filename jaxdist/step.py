@@ -67,7 +67,7 @@ def make_train_step(
             loss = loss_sum / M
             grads = jax.tree.map(lambda g: g / M, grad_sum)
 
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)

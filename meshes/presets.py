@@ -10,6 +10,7 @@ from jaxdist.rules import AxisRules
 # Batch splits over every replica axis; FSDP shards weights' `embed` dim (ZeRO-3: gathered per
 # layer, gradients reduce-scattered); tensor parallelism splits heads, MLP width and vocab the
 # Megatron way, so each layer needs one all-reduce forward and one backward per sublayer.
+# `heads` is listed for completeness: attention weights are split by kv group (`kv_heads`).
 STANDARD_RULES = AxisRules(
     rows=(
         ("batch", None, ("data", "fsdp")),
@@ -18,6 +19,7 @@ STANDARD_RULES = AxisRules(
         ("mlp", "tensor", "tensor"),
         ("heads", "tensor", "tensor"),
         ("kv_heads", "tensor", "tensor"),
+        ("qkv", None, None),
         ("head_dim", None, None),
         ("vocab", "tensor", "tensor"),
         ("layers", None, None),

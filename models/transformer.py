@@ -1,7 +1,11 @@
 """A decoder-only transformer family: GPT-2 style and Llama style variants of one code path.
 
 Legend (dims carry logical axes, jaxdist.axes):
-  B batch  T seq  D embed  F mlp  N heads  G kv_heads  H head_dim  V vocab  L layers
+  B batch  T seq  D embed  F mlp  N heads  G kv_heads  Q qkv  H head_dim  V vocab  L layers
+
+Attention weights are fused per kv group, Megatron's GQA layout: wqkv is [D, G, N/G + 2, H]
+(each group's query heads, then its key and its value head), so splitting G over devices keeps
+every group whole, and the input gradient of Q, K and V is one partial sum, not three.
 
 Layers are stored stacked along L and run with `lax.scan`, so compile time does not grow with
 depth and every per-layer weight carries the `layers` logical axis.
@@ -15,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdist.comm import PartialSum
 from jaxdist.rules import constrain
 
 
@@ -63,6 +68,29 @@ class TransformerConfig:
         n = sum(math.prod(s) for k, s in shapes.items() if len(s) >= 3 or k == "head_DV")
         return 6 * n + 12 * self.num_layers * self.d_model * self.seq_len
 
+    def partial_sums(self, batch_size: int, microbatches: int = 1) -> list[PartialSum]:
+        """Where this model's matmuls leave partial sums when their split dims are sharded."""
+        B, T, D, L = batch_size // microbatches, self.seq_len, self.d_model, self.num_layers
+        nbytes = jnp.dtype(self.compute_dtype).itemsize
+        x, btd = ("batch", "seq", "embed"), (B, T, D)
+        fwd = 2 if self.remat == "full" else 1  # full remat replays the forward in backward
+        per_layer = [
+            PartialSum(fwd, x, btd, "heads", nbytes),  # attention output projection
+            PartialSum(fwd, x, btd, "mlp", nbytes),  # MLP down projection
+            PartialSum(1, x, btd, "kv_heads", nbytes),  # backward: input grad of fused QKV
+            PartialSum(1, x, btd, "mlp", nbytes),  # backward: input grad of MLP up
+        ]
+        if self.style == "llama":
+            per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))  # ... and of the gate
+        sums = [dataclasses.replace(p, count=p.count * L) for p in per_layer]
+        sums += [
+            PartialSum(1, x, btd, "vocab", nbytes),  # embedding lookup in a vocab-split table
+            PartialSum(1, x, btd, "vocab", nbytes),  # backward: input grad of the output head
+            # Cross-entropy over split logits: the max, the sum of exponentials, the target.
+            PartialSum(3, ("batch", "seq"), (B, T), "vocab", 4),
+        ]
+        return [dataclasses.replace(p, count=p.count * microbatches) for p in sums]
+
 
 def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
     L, D, F, N, G, H, V = (
@@ -78,9 +106,7 @@ def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
         "tok_embed_VD": (V, D),
         "head_DV": (D, V),
         "norm_f_scale_D": (D,),
-        "wq_LDNH": (L, D, N, H),
-        "wk_LDGH": (L, D, G, H),
-        "wv_LDGH": (L, D, G, H),
+        "wqkv_LDGQH": (L, D, G, N // G + 2, H),
         "wo_LNHD": (L, N, H, D),
         "norm1_scale_LD": (L, D),
         "norm2_scale_LD": (L, D),
@@ -105,9 +131,7 @@ _LOGICAL = {
     "pos_embed_TD": ("seq", "embed"),
     "norm_f_scale_D": ("embed",),
     "norm_f_bias_D": ("embed",),
-    "wq_LDNH": ("layers", "embed", "heads", "head_dim"),
-    "wk_LDGH": ("layers", "embed", "kv_heads", "head_dim"),
-    "wv_LDGH": ("layers", "embed", "kv_heads", "head_dim"),
+    "wqkv_LDGQH": ("layers", "embed", "kv_heads", "qkv", "head_dim"),
     "wo_LNHD": ("layers", "heads", "head_dim", "embed"),
     "norm1_scale_LD": ("layers", "embed"),
     "norm1_bias_LD": ("layers", "embed"),
@@ -138,9 +162,11 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
         c = self.config
         dtype = jnp.dtype(c.compute_dtype)
-        p = {name: getattr(self, name)[...] for name in _param_shapes(c)}
-        # Cast once so FSDP gathers and tensor-parallel reductions move compute-dtype bytes.
-        p = {k: v.astype(dtype) for k, v in p.items()}
+        # Cast before use so FSDP gathers and tensor-parallel reductions move compute-dtype
+        # bytes. Each weight is laid out for compute where it is used (FSDP: gathered over the
+        # batch axes); layer weights inside the scan body, one layer at a time.
+        p = {name: getattr(self, name)[...].astype(dtype) for name in _param_shapes(c)}
+        p = {k: v if "_L" in k else constrain(v, _LOGICAL[k]) for k, v in p.items()}
 
         x_BTD = jnp.take(p["tok_embed_VD"], tokens_BT, axis=0)
         T = tokens_BT.shape[1]
@@ -155,12 +181,7 @@ class Transformer(nnx.Module):
         def block(x_BTD, w):
             return _block(c, x_BTD, w, positions_T), None
 
-        if c.remat == "full":
-            block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
-        elif c.remat == "dots":
-            block = jax.checkpoint(
-                block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-            )
+        block = jax.checkpoint(block, policy=_REMAT_POLICIES[c.remat])
         x_BTD, _ = jax.lax.scan(block, x_BTD, layers)
 
         x_BTD = _norm(c, x_BTD, p["norm_f_scale_D"], p.get("norm_f_bias_D"))
@@ -188,17 +209,34 @@ def _rope(c: TransformerConfig, x_BTNH, positions_T):
     return out.astype(x_BTNH.dtype)
 
 
+# Gathered (FSDP) weights are never saved for the backward pass, whatever the policy: the
+# backward loop gathers each layer again, since keeping all of them would undo FSDP's saving.
+def _save_all_but_gathered(prim, *_, **params) -> bool:
+    # A sharding constraint's output is where a gathered weight first appears, so it is
+    # recomputed (re-gathered) rather than saved; on activations it is a free identity.
+    return prim.name != "sharding_constraint"
+
+
+_REMAT_POLICIES = {
+    "none": _save_all_but_gathered,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 def _block(c: TransformerConfig, x_BTD, w, positions_T):
+    w = {k: constrain(v, _LOGICAL[k][1:]) for k, v in w.items()}
+    B, T, _ = x_BTD.shape
     h_BTD = _norm(c, x_BTD, w["norm1_scale_LD"], w.get("norm1_bias_LD"))
-    q_BTNH = constrain(
-        jnp.einsum("btd,dnh->btnh", h_BTD, w["wq_LDNH"]), ("batch", "seq", "heads", "head_dim")
+    qkv_BTGQH = constrain(
+        jnp.einsum("btd,dgqh->btgqh", h_BTD, w["wqkv_LDGQH"]),
+        ("batch", "seq", "kv_heads", "qkv", "head_dim"),
     )
-    k_BTGH = constrain(
-        jnp.einsum("btd,dgh->btgh", h_BTD, w["wk_LDGH"]), ("batch", "seq", "kv_heads", "head_dim")
-    )
-    v_BTGH = constrain(
-        jnp.einsum("btd,dgh->btgh", h_BTD, w["wv_LDGH"]), ("batch", "seq", "kv_heads", "head_dim")
-    )
+    q_per_group = c.num_heads // c.num_kv_heads
+    # Head n of the query is head n % (N/G) of group n // (N/G), as jax's GQA expects.
+    q_BTNH = qkv_BTGQH[:, :, :, :q_per_group].reshape(B, T, c.num_heads, c.head_dim)
+    k_BTGH = qkv_BTGQH[:, :, :, q_per_group]
+    v_BTGH = qkv_BTGQH[:, :, :, q_per_group + 1]
     if c.style == "llama":
         q_BTNH, k_BTGH = _rope(c, q_BTNH, positions_T), _rope(c, k_BTGH, positions_T)
     attn_BTNH = jax.nn.dot_product_attention(

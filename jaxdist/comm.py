@@ -1,0 +1,155 @@
+"""The communication report: collectives XLA compiled into the step, beside what the layout
+implies, per mesh axis and kind.
+
+Expected bytes come from two sources. Parameters (generic, from the rule table): a weight
+split over a batch axis (FSDP) is gathered where it is used, once per step, or twice for
+weights inside the layer scan (forward, then again in the backward loop, since keeping every
+gathered layer would undo FSDP); every gradient is reduced over the batch axes. Activations
+(declared by the model as `PartialSum`s): a matmul whose contracted or produced dim is split
+leaves a partial sum that is all-reduced over that split (Megatron tensor parallelism).
+
+Bytes follow one convention for every kind: the full buffer a device reduces or gathers
+(all-reduce: its input; all-gather: its output; reduce-scatter: its input).
+"""
+
+import dataclasses
+import math
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+from rich.console import Console
+from rich.table import Table
+
+from jaxdist import hlo
+from jaxdist.rules import AxisRules
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialSum:
+    """`count` times per step an activation [shape] with these logical axes is a partial sum
+    over the split of logical axis `over` and must be all-reduced across it."""
+
+    count: int
+    logical: tuple[str, ...]
+    shape: tuple[int, ...]
+    over: str
+    dtype_bytes: int
+
+
+def _ways(mesh: Mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _label(mesh: Mesh, axes) -> str:
+    return "+".join(a for a in mesh.axis_names if a in axes and mesh.shape[a] > 1)
+
+
+def expected(
+    abstract_params: nnx.State,
+    mesh: Mesh,
+    rules: AxisRules,
+    partial_sums: list[PartialSum],
+    compute_bytes: int,
+    microbatches: int,
+    reduce_scatter: bool,
+) -> dict[tuple[str, str], float]:
+    """Analytic bytes per step, keyed like hlo.summarize: (axis label, kind)."""
+    out: dict[tuple[str, str], float] = {}
+
+    def add(label: str, kind: str, nbytes: float) -> None:
+        if label:
+            out[(label, kind)] = out.get((label, kind), 0.0) + nbytes
+
+    batch_axes = rules.mesh_axes("batch", "activation")
+    for var in jax.tree.leaves(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        logical = tuple(var.get_metadata()["logical_axes"])
+        param_axes = {a for n in logical for a in rules.mesh_axes(n, "param")}
+        act_axes = {a for n in logical for a in rules.mesh_axes(n, "activation")}
+        compute_size = math.prod(var.shape) / _ways(mesh, act_axes) * compute_bytes
+        # Scanned layer weights: gathered in the forward loop and again in the backward loop,
+        # per microbatch. Other weights: gathered once; XLA hoists that out of the microbatch
+        # loop since they do not change within a step.
+        uses = 2 * microbatches if "layers" in logical else 1
+        gather = param_axes - act_axes
+        add(_label(mesh, gather), "all-gather", uses * compute_size)
+        # Gradient: summed over every batch axis; where the weight is split over one of them
+        # the sum lands sharded (reduce-scatter), which XLA's CPU pipeline emits as all-reduce.
+        kind = "reduce-scatter" if reduce_scatter and gather else "all-reduce"
+        add(_label(mesh, batch_axes), kind, microbatches * compute_size)
+    for ps in partial_sums:
+        over = rules.mesh_axes(ps.over, "activation")
+        spec_axes = {a for n in ps.logical for a in rules.mesh_axes(n, "activation")}
+        size = math.prod(ps.shape) / _ways(mesh, spec_axes) * ps.dtype_bytes
+        add(_label(mesh, over), "all-reduce", ps.count * size)
+    # Not modelled: scalar reductions (loss, norms), a few bytes that show as unexpected rows.
+    return out
+
+
+def report(
+    compiled,
+    mesh: Mesh,
+    rules: AxisRules,
+    batch_size: int,
+    seq_len: int,
+    partial_sums: list[PartialSum],
+    compute_bytes: int,
+    microbatches: int = 1,
+) -> dict:
+    """Compiles the step for abstract inputs and puts measured beside expected bytes."""
+    import numpy as np
+
+    batch = jax.ShapeDtypeStruct(
+        (batch_size, seq_len + 1), np.int32, sharding=compiled.batch_sharding
+    )
+    text = compiled.step_fn.lower(compiled.abstract_state, batch).compile().as_text()
+    measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
+    platform = mesh.devices.flat[0].platform
+    exp = expected(
+        compiled.abstract_state.params,
+        mesh,
+        rules,
+        partial_sums,
+        compute_bytes,
+        microbatches,
+        reduce_scatter=platform != "cpu",
+    )
+    rows = []
+    for axis, kind in sorted(set(measured) | set(exp)):
+        m = measured.get((axis, kind), {"count": 0, "bytes": 0})
+        e = exp.get((axis, kind), 0.0)
+        rows.append(
+            {
+                "axis": axis,
+                "kind": kind,
+                "count": m["count"],
+                "bytes": m["bytes"],
+                "expected_bytes": e,
+                "ratio": (m["bytes"] / e) if e else None,
+            }
+        )
+    return {
+        "mesh": dict(mesh.shape),
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "microbatches": microbatches,
+        "rows": rows,
+    }
+
+
+def print_table(report: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"collectives per step on mesh {report['mesh']}")
+    for col in ("axis", "kind", "count", "MB", "expected MB", "ratio"):
+        table.add_column(col, justify="left" if col in ("axis", "kind") else "right")
+    for r in report["rows"]:
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "unexpected"
+        table.add_row(
+            r["axis"],
+            r["kind"],
+            str(r["count"]),
+            f"{r['bytes'] / 1e6:.3f}",
+            f"{r['expected_bytes'] / 1e6:.3f}",
+            ratio,
+        )
+    console.print(table)

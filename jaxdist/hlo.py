@@ -1,0 +1,179 @@
+"""Reads the collectives out of compiled HLO text: kind, bytes, mesh axes, times executed.
+
+XLA prints replica groups three ways (explicit `{{0,1},{2,3}}`, iota `[4,2]<=[2,4]T(1,0)`, and
+`mesh[...] {'fsdp'}`); all three are mapped back to the mesh axes the group spans. Ops inside
+while loops (the layer scan) count once per iteration, from XLA's known_trip_count.
+"""
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
+_COMP_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    bytes: int  # per device, per execution: the full buffer the group reduces or gathers
+    axes: tuple[str, ...]  # mesh axes whose devices exchange data in this op
+    executions: int  # times it runs per step (loop trip counts multiplied in)
+    name: str
+
+
+def shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype in _DTYPE_BYTES:
+            n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+            total += n * _DTYPE_BYTES[dtype]
+    return total
+
+
+def _groups(attrs: str, mesh_shape: dict[str, int]) -> list[list[int]] | tuple[str, ...]:
+    """Device-id groups, or directly the axis names when XLA printed them."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        printed = [
+            (n.strip(" '"), int(v))
+            for n, v in (kv.split("=") for kv in m.group(1).split(",") if kv.strip())
+        ]
+        spanned = [a.strip(" '") for a in m.group(2).split(",") if a.strip(" '")]
+        if all(n in mesh_shape for n, _ in printed):
+            return tuple(spanned)
+        # XLA named the axes itself (axis_0, ...): rebuild the device groups from its mesh.
+        names, sizes = [n for n, _ in printed], [v for _, v in printed]
+        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+        keep = [i for i, n in enumerate(names) if n not in spanned]
+        moved = np.moveaxis(ids, keep, list(range(len(keep))))
+        return moved.reshape(int(np.prod([sizes[i] for i in keep])), -1).tolist()
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if m:
+        out_shape = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(",")])))
+        ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(out_shape[0], -1).tolist()
+    m = re.search(r"(replica_groups|source_target_pairs)=\{(\{[\d,{}\s]*\})\}", attrs)
+    if m:
+        return [
+            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(2))
+        ]
+    n = int(np.prod(list(mesh_shape.values())))
+    return [list(range(n))]  # empty replica_groups: all devices
+
+
+def _axes_of(groups, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    if isinstance(groups, tuple):
+        return groups
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    varying: set[int] = set()
+    for group in groups:
+        coords = np.array([np.unravel_index(i, sizes) for i in group])
+        if len(coords):
+            varying |= {k for k in range(len(names)) if len(set(coords[:, k])) > 1}
+    return tuple(names[k] for k in sorted(varying))
+
+
+def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
+    """Every collective in the module with how often it runs in one execution of ENTRY."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = _COMP_HEADER.match(line)
+        if header and not line.startswith(" "):
+            current = header.group(2)
+            comps[current] = []
+            if header.group(1):
+                entry = current
+        elif current is not None and line.strip() != "}":
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+
+    # Multiplicity of each computation: walk calls from ENTRY, multiplying loop trip counts.
+    mult: dict[str, int] = {entry: 1}
+    order = [entry]
+    while order:
+        comp = order.pop()
+        for line in comps.get(comp, []):
+            trip = 1
+            if " while(" in line:
+                m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+                trip = int(m.group(1)) if m else 1
+            for key, callee in re.findall(
+                r"\b(body|calls|branch_computations)=\{?%([\w.\-]+)", line
+            ):
+                times = mult[comp] * (trip if key == "body" else 1)
+                mult[callee] = mult.get(callee, 0) + times
+                order.append(callee)
+
+    starts: dict[str, tuple[str, str]] = {}
+    found: list[Collective] = []
+    for comp, lines in comps.items():
+        if comp not in mult:
+            continue
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            name, result, op, rest = m.group(2), m.group(3), m.group(4), m.group(5)
+            kind = op.removesuffix("-start").removesuffix("-done")
+            if kind not in KINDS:
+                continue
+            if op.endswith("-start"):
+                starts[name] = (kind, rest)
+                continue
+            if op.endswith("-done"):
+                operand = re.match(r"\s*%([\w.\-]+)", rest)
+                kind, rest = starts.get(operand.group(1) if operand else "", (kind, rest))
+            size = shape_bytes(result)
+            if kind == "reduce-scatter":
+                groups = _groups(rest, mesh_shape)
+                group_size = (
+                    int(np.prod([mesh_shape[a] for a in groups]))
+                    if isinstance(groups, tuple)
+                    else len(groups[0])
+                )
+                size *= group_size
+            axes = _axes_of(_groups(rest, mesh_shape), mesh_shape)
+            found.append(Collective(kind, size, axes, mult[comp], name))
+    return found
+
+
+def summarize(found: list[Collective]) -> dict[tuple[str, str], dict[str, int]]:
+    """(axis label, kind) -> count and bytes per step; `a+b` labels ops spanning two axes."""
+    rows: dict[tuple[str, str], dict[str, int]] = {}
+    for c in found:
+        key = ("+".join(c.axes) or "none", c.kind)
+        row = rows.setdefault(key, {"count": 0, "bytes": 0})
+        row["count"] += c.executions
+        row["bytes"] += c.executions * c.bytes
+    return rows
+
+
+def dump(found: list[Collective]) -> str:
+    return json.dumps([dataclasses.asdict(c) for c in found], indent=1)

@@ -1,0 +1,115 @@
+"""The command line, as a user runs it: outputs on success, one clear line on bad input."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def jaxdist(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "jaxdist.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
+
+
+def test_train_writes_config_metrics_and_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    r = jaxdist(
+        "train",
+        "--model",
+        "tiny",
+        "--mesh",
+        "data=2,fsdp=2,tensor=2",
+        "--devices",
+        "cpu:8",
+        "--steps",
+        "6",
+        "--batch-size",
+        "16",
+        "--seed",
+        "0",
+        "--log-every",
+        "1",
+        "--run-dir",
+        str(run_dir),
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(6))
+    for rec in lines:
+        assert {"step", "loss", "step_time_s", "tokens_per_s", "grad_norm", "mfu"} <= set(rec)
+        assert rec["tokens_per_s"] > 0 and rec["loss"] > 0
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert config["model"]["name"] == "tiny" and config["devices"]["count"] == 8
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["step_time_s"]["n"] == 4
+    assert "loss" in r.stderr and "p50" in r.stderr
+
+
+def test_comm_json():
+    r = jaxdist("comm", "--model", "tiny", "--mesh", "fsdp=8", "--devices", "cpu:8", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert {"axis", "kind", "count", "bytes", "expected_bytes", "ratio"} <= set(rows[0])
+    gathers = [x for x in rows if x["axis"] == "fsdp" and x["kind"] == "all-gather"]
+    assert gathers and abs(gathers[0]["ratio"] - 1) < 0.05
+
+
+def test_compile_only_reports_memory_for_1b_on_8_devices():
+    r = jaxdist(
+        "train",
+        "--model",
+        "1b",
+        "--mesh",
+        "fsdp=8",
+        "--devices",
+        "cpu:8",
+        "--batch-size",
+        "8",
+        "--compile-only",
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["params"] == 1_015_681_024
+    # fp32 params + two Adam moments, split 8 ways: the arguments XLA holds per device.
+    state_bytes = 3 * 4 * report["params"] / 8
+    assert report["per_device_bytes"]["argument"] == pytest.approx(state_bytes, rel=0.01)
+    assert report["per_device_bytes"]["peak_estimate"] > state_bytes
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mesh", "data=4"], "needs 4 devices but 8 are present"),
+        (["--mesh", "dta=8"], "unknown mesh axis 'dta'"),
+        (["--mesh", "cpu9"], "unknown mesh 'cpu9'"),
+        (["--model", "huge"], "unknown model 'huge'"),
+        (["--mesh", "data=8", "--batch-size", "12"], "does not split over the 8 devices"),
+        (["--batch-size", "16", "--microbatches", "3"], "not divisible by 3 microbatches"),
+        (["--mesh", "tensor=8"], "dimension '(kv_)?heads' of size 4 is not divisible"),
+        (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+        (["--devices", "gpu:2"], "--devices 'gpu:2' is not understood"),
+        (["--steps", "0"], "--steps 0 must be at least 1"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, message, tmp_path):
+    defaults = ["--steps", "2", "--run-dir", str(tmp_path / "run")]
+    if "--devices" not in args:
+        defaults += ["--devices", "cpu:8"]
+    r = jaxdist("train", *defaults, *args, timeout=120)
+    assert r.returncode != 0
+    assert not (tmp_path / "run").exists()  # refused before any output was written
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [x for x in r.stderr.splitlines() if x.startswith("jaxdist: error:")]
+    assert len(errors) == 1, r.stderr
+    assert re.search(message, errors[0]), errors[0]

@@ -1,0 +1,97 @@
+"""The collectives XLA compiles match the analytic expectation of each layout."""
+
+import pytest
+
+from jaxdist import comm, hlo
+from tests.helpers import compiled_for
+
+CASES = [
+    ("data=8", "tiny", 1),
+    ("fsdp=8", "tiny", 1),
+    ("data=2,tensor=4", "tiny", 1),
+    ("data=2,fsdp=2,tensor=2", "tiny", 1),
+    ("fsdp=4,tensor=2", "tiny-llama", 2),
+]
+
+
+@pytest.mark.parametrize("layout, model, microbatches", CASES)
+def test_measured_bytes_match_expected(layout, model, microbatches):
+    mc, mesh, compiled = compiled_for(layout, model, batch_size=16, microbatches=microbatches)
+    rep = comm.report(
+        compiled,
+        mesh,
+        compiled_rules(),
+        16,
+        mc.seq_len,
+        mc.partial_sums(16, microbatches),
+        compute_bytes=4,
+        microbatches=microbatches,
+    )
+    rows = rep["rows"]
+    total = sum(r["bytes"] for r in rows)
+    assert total > 0
+    for r in rows:
+        if r["expected_bytes"]:
+            assert r["ratio"] == pytest.approx(1.0, abs=0.05), r
+        else:  # only scalar reductions (loss, norms) are left unmodelled
+            assert r["bytes"] < 1024, r
+    axes = {r["axis"] for r in rows if r["bytes"] >= 1024}
+    want = {a.split("=")[0] for a in layout.split(",")}
+    # Every sharded axis carries traffic; data+fsdp reduce together where both exist.
+    assert want <= {a for label in axes for a in label.split("+")}
+
+
+def compiled_rules():
+    from meshes.presets import STANDARD_RULES
+
+    return STANDARD_RULES
+
+
+MESH = {"data": 2, "fsdp": 2, "tensor": 2}
+SNIPPET = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %x = f32[8] get-tuple-element(%p), index=1
+  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[8]) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[8], y: bf16[4,4]) -> f32[8] {
+  %x = f32[8] parameter(0)
+  %y = bf16[4,4] parameter(1)
+  %ag = bf16[8,4]{1,0} all-gather(%y), channel_id=2, replica_groups={{0,2},{1,3},{4,6},{5,7}}, dimensions={0}
+  %ags = (bf16[4,4], bf16[8,4]) all-gather-start(%y), channel_id=5, replica_groups=[2,4]<=[2,2,2]T(2,1,0), dimensions={0}
+  %agd = bf16[8,4]{1,0} all-gather-done(%ags)
+  %rs = f32[4]{0} reduce-scatter(%x), channel_id=3, replica_groups=mesh['data'=2,'fsdp'=2,'tensor'=2] {'data'}, dimensions={0}, to_apply=%add
+  %cp = f32[8]{0} collective-permute(%x), channel_id=4, source_target_pairs={{0,4},{4,0}}
+  %w = (s32[], f32[8]) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = f32[8] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_hlo_parser_reads_every_group_format_and_loop_counts():
+    found = {c.name: c for c in hlo.collectives(SNIPPET, MESH)}
+    assert found["ar"].axes == ("tensor",) and found["ar"].executions == 3
+    assert found["ar"].bytes == 32
+    assert found["ag"].axes == ("fsdp",) and found["ag"].bytes == 64
+    # iota [2,4]<=[2,2,2]T(2,1,0): ids grouped by the last mesh coordinate -> data+fsdp
+    assert found["agd"].kind == "all-gather" and found["agd"].axes == ("data", "fsdp")
+    assert "ags" not in found  # an async pair counts once, at its done
+    assert found["rs"].axes == ("data",) and found["rs"].bytes == 16 * 2
+    assert found["cp"].axes == ("data",)
+    summary = hlo.summarize(list(found.values()))
+    assert summary[("tensor", "all-reduce")] == {"count": 3, "bytes": 96}
