@@ -4,6 +4,8 @@ import json
 import pathlib
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 
 def throughput(
@@ -36,10 +38,20 @@ def distribution(values: list[float]) -> dict[str, float]:
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step; opened by the process that writes logs."""
+    """Appends one JSON object per logged step; opened by the process that writes logs.
+
+    A run killed mid-write leaves a partial last line; it is cut off before appending, so the
+    file stays one valid object per line. A resumed run appends: where it recomputes steps,
+    the later line for a step is the one that counts.
+    """
 
     def __init__(self, path: pathlib.Path):
         self.path = path
+        if path.exists():
+            data = path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                with path.open("r+b") as f:
+                    f.truncate(data.rfind(b"\n") + 1)
         self._file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
@@ -51,4 +63,44 @@ class MetricsLog:
 
 
 def read_metrics(path: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every complete record; a partial last line (a killed writer) is ignored."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def latest_per_step(records: list[dict]) -> dict[int, dict]:
+    """Step -> its last logged record: after a resume, recomputed steps supersede."""
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+def print_summary(console: Console, s: dict) -> None:
+    table = Table(title=f"{s['model']} on {s['mesh']}", show_header=False)
+    st, ck = s["step_time_s"], s["checkpoint_blocked_s"]
+
+    def ms(d: dict) -> str:
+        if not d:
+            return "n/a (too few)"
+        return f"{d['p50'] * 1e3:.1f} / {d['p90'] * 1e3:.1f} / {d['max'] * 1e3:.1f} ms"
+
+    rows = [
+        ("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}" if s["final_loss"] else "-"),
+        ("step time p50 / p90 / max", ms(st)),
+        ("tokens/s (p50 step)", f"{s['tokens_per_s']:,.0f}"),
+        ("model TFLOP/s", f"{s['model_tflops']:.3f}"),
+        ("MFU", f"{s['mfu']:.1%}" if s["mfu"] is not None else "n/a (unknown peak; --peak-tflops)"),
+        ("checkpoint blocked p50 / p90 / max", ms(ck)),
+        ("checkpoint share of wall", f"{s['checkpoint_fraction_of_wall']:.2%}"),
+        ("skipped (non-finite) steps", str(len(s["skipped_steps"]))),
+        ("wall", f"{s['wall_s']:.1f} s"),
+        ("run dir", s["run_dir"]),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)

@@ -40,18 +40,22 @@ def schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
     )
 
 
-def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(
+    config: OptimConfig, total_steps: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The transformation and its learning-rate schedule (reported per step)."""
     config.validate()
+    lr = schedule(config, total_steps)
     return optax.chain(
         optax.clip_by_global_norm(config.clip_norm),
         optax.adamw(
-            schedule(config, total_steps),
+            lr,
             b1=config.b1,
             b2=config.b2,
             weight_decay=config.weight_decay,
             mask=_decay_mask,
         ),
-    )
+    ), lr
 
 
 def _decay_mask(params):

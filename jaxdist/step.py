@@ -28,6 +28,8 @@ class TrainState(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     microbatches: int = 1  # gradient accumulation: the batch is run in this many slices
+    # Fault injection, for testing recovery: these steps' loss and gradients become NaN.
+    fault_nan_steps: tuple[int, ...] = ()
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -37,18 +39,24 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef, tx: optax.GradientTransformation, config: StepConfig
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    lr_schedule: optax.Schedule,
+    config: StepConfig,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the pure step for one model structure, optimizer and accumulation setting."""
 
-    def loss_fn(params: nnx.State, tokens_BT1: jax.Array) -> jax.Array:
+    def loss_fn(params: nnx.State, tokens_BT1: jax.Array, scale: jax.Array) -> jax.Array:
         model = nnx.merge(graphdef, params)
         logits_BTV = model(tokens_BT1[:, :-1])
-        return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
+        return cross_entropy(logits_BTV, tokens_BT1[:, 1:]) * scale
 
-    grad_fn = jax.value_and_grad(loss_fn)
+    value_and_grad = jax.value_and_grad(loss_fn)
 
     def train_step(state: TrainState, tokens_BT1: jax.Array):
+        faulty = jnp.isin(state.step, jnp.asarray(config.fault_nan_steps or (-1,)))
+        scale = jnp.where(faulty, jnp.nan, 1.0)
+        grad_fn = lambda params, tokens: value_and_grad(params, tokens, scale)  # noqa: E731
         M = config.microbatches
         if M == 1:
             loss, grads = grad_fn(state.params, tokens_BT1)
@@ -70,8 +78,17 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        # A NaN/Inf loss or gradient skips the update: the old state is kept, on every device
+        # alike (the check is on global values), without a host round trip.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params = jax.tree.map(keep, params, state.params)
+        opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+        # state.step counts batches consumed (the data position), skipped or not.
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
-        return new_state, {"loss": loss, "grad_norm": grad_norm}
+        count = optax.tree_utils.tree_get_all_with_path(state.opt_state, "count")[0][1]
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "lr": lr_schedule(count)}
+        return new_state, metrics
 
     return train_step
 
@@ -90,6 +107,7 @@ class Compiled(NamedTuple):
 def build(
     init_model: Callable[[nnx.Rngs], nnx.Module],
     tx: optax.GradientTransformation,
+    lr_schedule: optax.Schedule,
     rules: AxisRules,
     mesh: Mesh,
     config: StepConfig,
@@ -134,7 +152,7 @@ def build(
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
     init_fn = jax.jit(init, out_shardings=state_sharding)
-    step = make_train_step(graphdef, tx, config)
+    step = make_train_step(graphdef, tx, lr_schedule, config)
 
     def traced_step(state, batch):
         with activation_rules(rules, mesh):

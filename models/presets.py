@@ -3,7 +3,8 @@
 import dataclasses
 
 from jaxdist.errors import ConfigError
-from models.transformer import TransformerConfig
+from jaxdist.train import ModelSpec
+from models.transformer import Transformer, TransformerConfig
 
 BYTE_VOCAB = 256  # the embedded default corpus is read as bytes
 GPT_VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 128 for tiling
@@ -25,3 +26,15 @@ def get_model_config(name: str, **overrides) -> TransformerConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def model_spec(config: TransformerConfig) -> ModelSpec:
+    """What the training loop needs of this model."""
+    return ModelSpec(
+        name=config.name,
+        init=lambda rngs: Transformer(config, rngs),
+        seq_len=config.seq_len,
+        vocab_size=config.vocab_size,
+        flops_per_token=config.flops_per_token(),
+        config=config,
+    )

@@ -26,10 +26,11 @@ def compiled_for(
 ):
     mc = get_model_config(model, **model_overrides)
     mesh = mesh_for(layout)
-    tx = make_optimizer(OptimConfig(warmup_steps=2), steps)
+    tx, lr = make_optimizer(OptimConfig(warmup_steps=2), steps)
     compiled = build(
         lambda r: Transformer(mc, r),
         tx,
+        lr,
         STANDARD_RULES,
         mesh,
         StepConfig(microbatches),

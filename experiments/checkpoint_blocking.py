@@ -1,0 +1,130 @@
+"""How long does a checkpoint stop the training loop? Async save vs synchronous, same state.
+
+    python experiments/checkpoint_blocking.py                      # CPU: gpt2-124m, 8 devices
+    python experiments/checkpoint_blocking.py --model 1b --devices auto --mesh fsdp=-1   # GPU
+
+Builds the model's full training state (fp32 parameters and both Adam moments), then saves it
+`--repeats` times synchronously and `--repeats` times through jaxdist's async Checkpointer,
+and prints the loop-blocked time of each, their ratio (target: async blocked <= 2% of the
+synchronous save), and the share of time the Young-Daly interval would lose to saves.
+Reference points: PyTorch DCP publishes ~4%; plain Orbax 0.12 on one H200 blocked 0.28 s for a
+12 GiB state whose synchronous save took 16.0 s (1.75%).
+"""
+
+import argparse
+import json
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gpt2-124m")
+    ap.add_argument("--devices", default="cpu:8")
+    ap.add_argument("--mesh", default="fsdp=-1")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--mtbf-hours-per-device", type=float, default=50_000.0)
+    args = ap.parse_args()
+
+    from jaxdist.mesh import setup_devices
+
+    setup_devices(args.devices)
+    import jax
+    import orbax.checkpoint as ocp
+
+    from jaxdist.checkpoint import Checkpointer
+    from jaxdist.interval import daly_interval_s
+    from jaxdist.mesh import build_mesh, parse_mesh
+    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.step import StepConfig, build
+    from meshes.presets import STANDARD_RULES
+    from models.presets import get_model_config, model_spec
+
+    mc = get_model_config(args.model)
+    spec = model_spec(mc)
+    mesh = build_mesh(parse_mesh(args.mesh))
+    tx, lr = make_optimizer(OptimConfig(), 100)
+    compiled = build(spec.init, tx, lr, STANDARD_RULES, mesh, StepConfig(), 0, mesh.size)
+    state = jax.block_until_ready(compiled.init_fn())
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    root = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="jaxdist-ckpt-"))
+
+    sync_dir = root / "sync"
+    shutil.rmtree(sync_dir, ignore_errors=True)
+    sync = ocp.CheckpointManager(
+        sync_dir.absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=False),
+    )
+    sync_s = []
+    for i in range(args.repeats + 1):  # the first of each kind pays one-off setup; dropped
+        t0 = time.perf_counter()
+        sync.save(i, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+        sync_s.append(time.perf_counter() - t0)
+    sync.close()
+
+    # The same async save without jaxdist's fingerprint, to show what each part costs.
+    plain_dir = root / "plain"
+    plain = ocp.CheckpointManager(
+        plain_dir.absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=True),
+    )
+    plain_s = []
+    for i in range(args.repeats + 1):
+        t0 = time.perf_counter()
+        plain.save(i, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+        plain_s.append(time.perf_counter() - t0)
+        plain.wait_until_finished()
+    plain.close()
+
+    async_dir = root / "async"
+    shutil.rmtree(async_dir, ignore_errors=True)
+    ck = Checkpointer(async_dir, keep=1)
+    blocked, committed = [], []
+    for i in range(args.repeats + 1):
+        t0 = time.perf_counter()
+        blocked.append(ck.save(i, state, {}))
+        ck.wait()  # not part of the loop's cost: measured to show the write goes on behind
+        committed.append(time.perf_counter() - t0)
+    ck.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+    sync_p50 = statistics.median(sync_s[1:])
+    blocked_p50 = statistics.median(blocked[1:])
+    mtbf_s = args.mtbf_hours_per_device * 3600 / mesh.size
+    tau = daly_interval_s(blocked_p50, mtbf_s)
+    result = {
+        "model": args.model,
+        "state_gib": nbytes / 2**30,
+        "devices": mesh.size,
+        "platform": jax.devices()[0].platform,
+        "sync_save_s": sync_s[1:],
+        "async_blocked_s": blocked[1:],
+        "async_until_committed_s": committed[1:],
+        "blocked_over_sync": blocked_p50 / sync_p50,
+        "orbax_alone_blocked_s": plain_s[1:],
+        "orbax_alone_over_sync": statistics.median(plain_s[1:]) / sync_p50,
+        "young_daly_interval_s": tau,
+        "young_daly_time_lost": blocked_p50 / (tau + blocked_p50),
+        "first_save_setup_s": {"sync": sync_s[0], "async": blocked[0]},
+    }
+    print(json.dumps(result))
+    print(
+        f"{args.model}: {nbytes / 2**30:.2f} GiB state on {mesh.size} "
+        f"{result['platform']} devices; sync save p50 {sync_p50:.2f} s, async blocked p50 "
+        f"{blocked_p50:.3f} s = {result['blocked_over_sync']:.1%} of sync (target <= 2%; Orbax "
+        f"alone, without the integrity fingerprint: {result['orbax_alone_over_sync']:.1%}); "
+        f"at the Young-Daly interval ({tau / 3600:.1f} h) saves cost "
+        f"{result['young_daly_time_lost']:.4%} of the time",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Stage 5, checkpoint and recover: Orbax async saves, verified restores onto any mesh.
+
+A checkpoint holds the train state (parameters, optimizer state, and the data position as
+`state.step`, since the batch of step s is a function of (seed, s)) and a JSON record: the
+resolved config, rule table, mesh, parameter shapes and a fingerprint of the state. The
+fingerprint (per-array sums) is checked on restore, so a damaged checkpoint that still reads is
+caught; one that does not read is caught by the read. Either way the run falls back to the
+previous checkpoint, and the damaged one is renamed aside (`<step>.damaged`), never deleted.
+
+Orbax commits atomically (write to a temporary directory, then rename), so a save cut short by
+a crash is never listed as a checkpoint.
+"""
+
+import dataclasses
+import json
+import logging
+import pathlib
+import shutil
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxdist.errors import ConfigError
+
+log = logging.getLogger("jaxdist.checkpoint")
+
+
+@jax.jit
+def _fingerprint(state) -> jax.Array:
+    return jnp.stack([jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(state)])
+
+
+def fingerprint(state) -> np.ndarray:
+    return np.asarray(jax.device_get(_fingerprint(state)), dtype=np.float64)
+
+
+class NonFiniteState(ValueError):
+    """Raised inside a save's commit: a state holding NaN/Inf is never committed."""
+
+
+class _RecordHandler(ocp.JsonCheckpointHandler):
+    """Writes the checkpoint's JSON record inside the async commit.
+
+    The fingerprint arrives as a device array still being computed; it is fetched and checked
+    here, in the background, so the loop does not wait for it. A non-finite state raises, and
+    the checkpoint is never committed.
+    """
+
+    async def _save_fn(self, x, directory):
+        fp = np.asarray(jax.device_get(x["fingerprint"]), dtype=np.float64)
+        if not np.all(np.isfinite(fp)):
+            raise NonFiniteState(f"step {x['step']}: state holds NaN/Inf; not committed")
+        await super()._save_fn({**x, "fingerprint": fp.tolist()}, directory)
+
+
+@ocp.args.register_with_handler(_RecordHandler, for_save=True, for_restore=True)
+@dataclasses.dataclass
+class _RecordSave(ocp.args.CheckpointArgs):
+    item: dict | None = None
+
+
+def param_shapes(params: nnx.State) -> dict[str, list[int]]:
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {jax.tree_util.keystr(path): list(x.shape) for path, x in flat}
+
+
+class Restored(NamedTuple):
+    state: Any
+    step: int  # the checkpoint's step: the state after that step's update
+    meta: dict
+
+
+class Checkpointer:
+    """Async saves into `directory`, keeping the newest `keep`; restores with fallback."""
+
+    def __init__(self, directory: pathlib.Path, keep: int = 3):
+        self.directory = directory.absolute()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot create checkpoint directory {self.directory}: "
+                f"{e.strerror}; pass a writable --run-dir"
+            ) from None
+        self._manager = self._open(keep)
+        self.keep = keep
+
+    def _open(self, keep: int) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=True,
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        return ocp.CheckpointManager(self.directory, options=options)
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state, meta: dict) -> float:
+        """Starts an async save; returns the seconds the caller was blocked.
+
+        Blocks only for the device-to-host copy (and any unfinished previous save); the write,
+        the fingerprint check and the commit run in the background.
+        """
+        t0 = time.perf_counter()
+        record = {**meta, "step": step, "fingerprint": _fingerprint(state), "saved_at": time.time()}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=_RecordSave(record))
+        try:
+            self._manager.save(step, args=args, force=True)
+        except NonFiniteState as e:  # raised by the previous save's commit, not by this one
+            log.warning("%s", e)
+            self._manager.reload()
+            self._manager.save(step, args=args, force=True)
+        return time.perf_counter() - t0
+
+    def wait(self) -> bool:
+        """Waits for the last save to commit; False if it was refused as non-finite."""
+        try:
+            self._manager.wait_until_finished()
+        except NonFiniteState as e:
+            log.warning("%s", e)
+            self._manager.reload()
+            return False
+        return True
+
+    def close(self) -> None:
+        self.wait()
+        self._manager.close()
+
+    def read_meta(self, step: int) -> dict:
+        return json.loads((self.directory / str(step) / "meta" / "metadata").read_text())
+
+    def restore_latest(
+        self, abstract_state, expect_shapes: dict[str, list[int]]
+    ) -> Restored | None:
+        """The newest checkpoint that reads and verifies, laid out as `abstract_state` says."""
+        for step in reversed(self.steps()):
+            try:
+                meta = self.read_meta(step)
+            except (OSError, json.JSONDecodeError) as e:
+                self._set_aside(step, f"its record is unreadable ({e})")
+                continue
+            if meta.get("param_shapes") != expect_shapes:
+                raise ConfigError(
+                    f"checkpoint {self.directory / str(step)} was written for model "
+                    f"{meta.get('config', {}).get('model', {}).get('name', '?')} with other "
+                    "parameter shapes than this run's model; use another --run-dir, or the "
+                    "--model and sizes it was written with"
+                )
+            try:
+                restored = self._manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+                )
+                state = restored.state
+                fp = fingerprint(state)
+            except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
+                self._set_aside(step, f"it does not read ({type(e).__name__}: {str(e)[:200]})")
+                continue
+            want = np.asarray(meta["fingerprint"])
+            if fp.shape != want.shape or not np.allclose(fp, want, rtol=1e-4, atol=1e-3):
+                self._set_aside(step, "its contents do not match the fingerprint saved with it")
+                continue
+            return Restored(state, step, meta)
+        return None
+
+    def _set_aside(self, step: int, why: str) -> None:
+        src = self.directory / str(step)
+        dst = self.directory / f"{step}.damaged"
+        n = 1
+        while dst.exists():
+            dst, n = self.directory / f"{step}.damaged{n}", n + 1
+        log.warning("checkpoint %s is damaged: %s; moved to %s, falling back", src, why, dst.name)
+        if jax.process_index() == 0:
+            shutil.move(src, dst)
+        self._manager.reload()
+
+
+def list_checkpoints(directory: pathlib.Path) -> list[dict]:
+    """Every step directory with its size, mesh and whether it looks complete and readable."""
+    if not directory.is_dir():
+        raise ConfigError(
+            f"{directory} is not a directory; pass a run directory or its checkpoints/ folder"
+        )
+    if (directory / "checkpoints").is_dir():
+        directory = directory / "checkpoints"
+    rows = []
+    for path in sorted(directory.iterdir(), key=lambda p: (len(p.name), p.name)):
+        if not path.is_dir():
+            continue
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        row = {
+            "name": path.name,
+            "step": None,
+            "bytes": size,
+            "mesh": None,
+            "valid": False,
+            "why": "",
+        }
+        head = path.name.split(".")[0]
+        row["step"] = int(head) if head.isdigit() else None
+        if not path.name.isdigit():
+            row["why"] = "set aside as damaged" if ".damaged" in path.name else "incomplete"
+        elif (
+            not (path / "commit_success.txt").exists()
+            and not (path / "_CHECKPOINT_METADATA").exists()
+        ):
+            row["why"] = "not committed"
+        else:
+            try:
+                meta = json.loads((path / "meta" / "metadata").read_text())
+                row["mesh"] = meta.get("mesh")
+                missing = [
+                    p
+                    for p in ("state/_METADATA", "state/manifest.ocdbt")
+                    if not (path / p).exists()
+                ]
+                row["valid"] = not missing
+                row["why"] = f"missing {', '.join(missing)}" if missing else ""
+            except (OSError, json.JSONDecodeError):
+                row["why"] = "record unreadable"
+        rows.append(row)
+    return rows

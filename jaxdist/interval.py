@@ -1,0 +1,88 @@
+"""When to checkpoint: a fixed step interval, or Young-Daly from measured save cost and MTBF.
+
+Young-Daly: the interval that minimises (checkpoint cost + expected lost work) is
+tau = sqrt(2 * C * M) (Daly's higher-order form below), with C the time the loop is blocked per
+save and M the system's mean time between failures. M falls as the fleet grows (M_device / N),
+so the interval shrinks with it; C is measured, save by save, so the interval adapts.
+"""
+
+import dataclasses
+import math
+import statistics
+
+from jaxdist.errors import ConfigError
+
+# Llama 3 (arXiv:2407.21783): 419 unexpected interruptions in 54 days on 16,384 GPUs, i.e. one
+# per ~3.1 h for the job and ~50,700 hours per GPU.
+DEFAULT_MTBF_HOURS_PER_DEVICE = 50_000.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: str = "auto"  # "auto" (Young-Daly) or a step count; the final step is always saved
+    keep: int = 3  # newest checkpoints kept; older ones are deleted once a newer one commits
+    mtbf_hours_per_device: float = DEFAULT_MTBF_HOURS_PER_DEVICE
+
+    def fixed_steps(self) -> int | None:
+        if self.every == "auto":
+            return None
+        try:
+            n = int(self.every)
+        except ValueError:
+            raise ConfigError(
+                f"--checkpoint-every {self.every!r} is neither a step count nor 'auto'"
+            ) from None
+        if n < 1:
+            raise ConfigError(f"--checkpoint-every {n} must be at least 1 (or 'auto')")
+        return n
+
+    def validate(self) -> None:
+        self.fixed_steps()
+        if self.keep < 1:
+            raise ConfigError(f"--checkpoint-keep {self.keep} must be at least 1")
+        if self.mtbf_hours_per_device <= 0:
+            raise ConfigError(f"--mtbf-hours-per-device {self.mtbf_hours_per_device} must be > 0")
+
+
+def daly_interval_s(cost_s: float, mtbf_s: float) -> float:
+    """Daly (2006) higher-order optimum of the compute time between checkpoints."""
+    if cost_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = cost_s / (2 * mtbf_s)
+    return math.sqrt(2 * cost_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - cost_s
+
+
+class Interval:
+    """Decides, step by step, whether to save; refines itself from each measured save."""
+
+    def __init__(self, config: CheckpointConfig, num_devices: int):
+        config.validate()
+        self.fixed = config.fixed_steps()
+        self.mtbf_s = config.mtbf_hours_per_device * 3600 / num_devices
+        self.blocked_s: list[float] = []
+        self.steps = self.fixed
+        self.last_saved: int | None = None
+
+    def due(self, step: int) -> bool:
+        if self.steps is None:  # auto, nothing measured yet: save once to learn the cost
+            return self.last_saved is None
+        return step - (self.last_saved if self.last_saved is not None else -1) >= self.steps
+
+    def observe(self, step: int, blocked_s: float, step_time_s: float | None) -> dict | None:
+        """Records a save; for auto, recomputes the interval and returns its inputs to log."""
+        self.last_saved = step
+        self.blocked_s.append(blocked_s)
+        if self.fixed is not None or not step_time_s:
+            return None
+        # The first save also pays one-off setup (threads, directories): use the later ones.
+        cost = statistics.median(self.blocked_s[1:] or self.blocked_s)
+        tau = daly_interval_s(cost, self.mtbf_s)
+        self.steps = max(1, round(tau / step_time_s))
+        return {
+            "interval_steps": self.steps,
+            "interval_s": tau,
+            "save_blocked_s": cost,
+            "mtbf_system_s": self.mtbf_s,
+            "step_time_s": step_time_s,
+            "expected_overhead": cost / (tau + cost),
+        }
