@@ -5,6 +5,7 @@ The CLI is the one part of jaxdist that imports models/ and meshes/; the core ne
 
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 from typing import Literal
@@ -61,6 +62,15 @@ class Train(Common):
     skip past the batch, or stop"""
     fault_nan_steps: tuple[int, ...] = ()
     """fault injection, for testing recovery: make these steps' gradients NaN"""
+    profile: str | None = None
+    """START:STOP: trace these steps and write the step-time breakdown to the run dir"""
+    watch_comm: float | None = None
+    """warn when exposed communication or sync passes this fraction of a step (profiles a
+    few steps every --watch-every steps)"""
+    watch_every: int = 100
+    hardware: str = "auto"
+    """cost-model preset for profile reports: cpu, h100-nvlink, h200-nvlink, h100-ib,
+    tpu-v5p, tpu-v5e; auto picks from the devices"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +86,11 @@ def _setup(args: Common):
     """Devices, mesh, rules and model config, all checked before anything compiles."""
     from jaxdist.mesh import setup_devices
 
+    if getattr(args, "profile", None) or getattr(args, "watch_comm", None):
+        # Op-level events in traces: XLA:CPU emits them only with this flag; on GPU, command
+        # buffers (CUDA graphs) would hide the ops behind one launch.
+        flags = "--xla_cpu_enable_xprof_traceme=true --xla_gpu_enable_command_buffer="
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     setup_devices(args.devices)
 
     import jax
@@ -114,6 +129,8 @@ def _setup(args: Common):
 
 def train(args: Train) -> int:
     mesh, rules, model_cfg = _setup(args)
+    import jax
+
     from jaxdist import train as loop
     from jaxdist.data import DataConfig
     from jaxdist.interval import CheckpointConfig
@@ -125,6 +142,22 @@ def train(args: Train) -> int:
     optim = OptimConfig(learning_rate=args.lr, warmup_steps=args.warmup_steps)
     data = DataConfig(path=args.data, batch_size=args.batch_size, seed=args.seed)
     step = StepConfig(microbatches=args.microbatches, fault_nan_steps=args.fault_nan_steps)
+    from jaxdist.capture import parse_range
+
+    hardware = args.hardware
+    if hardware == "auto":
+        kind = jax.devices()[0].device_kind
+        hardware = (
+            "h200-nvlink"
+            if "H200" in kind
+            else "h100-nvlink"
+            if "H100" in kind
+            else "tpu-v5p"
+            if "v5p" in kind
+            else "tpu-v5e"
+            if "v5" in kind
+            else "cpu"
+        )
     cfg = loop.LoopConfig(
         steps=args.steps,
         log_every=args.log_every,
@@ -132,6 +165,10 @@ def train(args: Train) -> int:
         peak_tflops=args.peak_tflops,
         seed=args.seed,
         nonfinite=args.nonfinite,
+        profile=parse_range(args.profile) if args.profile else None,
+        watch_comm=args.watch_comm,
+        watch_every=args.watch_every,
+        hardware=hardware,
     )
     ckpt = CheckpointConfig(
         every=args.checkpoint_every,
@@ -215,14 +252,61 @@ def checkpoints(args: Checkpoints) -> int:
     return 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Attribute a JAX trace's step time to compute, communication (exposed and hidden), sync
+    and idle, per step and device."""
+
+    path: tyro.conf.Positional[str]
+    """a trace directory (jax.profiler's log dir, or a run's profile/) or one .xplane.pb"""
+    json: str | None = None
+    """write breakdown.json here"""
+    plot: str | None = None
+    """write the PNG here"""
+    hardware: str = "cpu"
+    """cost-model preset for the model columns and the projection"""
+    hlo: str | None = None
+    """compiled HLO text of the traced program (default: hlo.txt beside the trace)"""
+    mesh: str | None = None
+    """mesh as axis=size list (default: mesh.json beside the trace)"""
+
+
+def profile(args: Profile) -> int:
+    from jaxdist import profile_report
+    from jaxdist.mesh import parse_mesh
+    from jaxdist.profile import find_xplane
+
+    trace = find_xplane(args.path)
+    here = pathlib.Path(args.path) if pathlib.Path(args.path).is_dir() else trace.parent
+    hlo_path = pathlib.Path(args.hlo) if args.hlo else here / "hlo.txt"
+    hlo_text = hlo_path.read_text() if hlo_path.exists() else None
+    if args.mesh:
+        mesh_shape = parse_mesh(args.mesh).sizes()
+    elif (here / "mesh.json").exists():
+        mesh_shape = json.loads((here / "mesh.json").read_text())
+    else:
+        mesh_shape = None
+    report = profile_report.analyze(trace, hlo_text, mesh_shape, args.hardware)
+    profile_report.print_report(report)
+    profile_report.write(
+        report,
+        pathlib.Path(args.json) if args.json else None,
+        pathlib.Path(args.plot) if args.plot else None,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxdist.recovery import TrainingStopped
 
     args = tyro.extras.subcommand_cli_from_dict(
-        {"train": Train, "comm": Comm, "checkpoints": Checkpoints}, args=argv, prog="jaxdist"
+        {"train": Train, "comm": Comm, "checkpoints": Checkpoints, "profile": Profile},
+        args=argv,
+        prog="jaxdist",
     )
     try:
-        return {Train: train, Comm: comm, Checkpoints: checkpoints}[type(args)](args)
+        commands = {Train: train, Comm: comm, Checkpoints: checkpoints, Profile: profile}
+        return commands[type(args)](args)
     except ConfigError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from jaxdist import hardware
+from jaxdist.capture import Capture
 from jaxdist.checkpoint import Checkpointer, param_shapes
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
@@ -52,6 +53,10 @@ class LoopConfig:
     peak_tflops: float | None = None  # per device; None: look it up from the device kind
     seed: int = 0
     nonfinite: NonFinitePolicy = "skip"
+    profile: tuple[int, int] | None = None  # trace steps [a, b) and attribute them
+    watch_comm: float | None = None  # trace a few steps every watch_every; warn over this
+    watch_every: int = 100
+    hardware: str = "cpu"  # cost-model preset for the profile report
 
 
 def _record(obj) -> Any:
@@ -177,7 +182,9 @@ def run(
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         dt, t_prev = now - t_prev, now
-        if s >= start + 2:  # the first step compiles; the second's interval holds warm-up
+        # The first step compiles, the second's interval holds warm-up, traced steps run
+        # synchronously: none of them is a steady-state step time.
+        if s >= start + 2 and not capture.traced(s) and not capture.traced(s - 1):
             step_times.append(dt)
         rec = {
             "step": s,
@@ -227,11 +234,25 @@ def run(
     )
     preempted = None
     pending: tuple[int, dict] | None = None
+    capture = Capture(
+        run_dir,
+        loop.profile,
+        loop.watch_comm,
+        loop.watch_every,
+        compiled,
+        global_shape,
+        mesh,
+        loop.hardware,
+        console,
+        log,
+    )
     with progress, PreemptionSignal() as signal_flag:
         task = progress.add_task("compiling", total=loop.steps, completed=start)
         s = start
         while s < loop.steps:
-            state, metrics = compiled.step_fn(state, place(s))
+            with capture.step(s, state):
+                state, metrics = compiled.step_fn(state, place(s))
+            capture.after(s, metrics)
             if pending is not None:
                 rec = finish(*pending)
                 progress.update(task, completed=s, description=f"loss {rec['loss']:.3f}")
@@ -260,6 +281,7 @@ def run(
                     shapes,
                     console,
                 )
+    capture.close()
     checkpointer.close()  # waits for the last save to commit
     if log:
         log.close()

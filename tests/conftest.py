@@ -3,6 +3,10 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Op-level events in CPU traces (for the profile tests); inert while no trace is running.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true"
+).strip()
 
 import jax  # noqa: E402
 

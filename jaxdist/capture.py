@@ -1,0 +1,140 @@
+"""Profiling during training: trace chosen steps, attribute them, warn early.
+
+`--profile A:B` traces steps A..B-1 once; `--watch-comm F` traces a few steps every
+`--watch-every` steps and warns when exposed communication or sync passes F of the step, or the
+step time p90 drifts above p50. Traced steps run synchronously (each waits for its result), so
+the trace's step windows hold exactly their own device work.
+"""
+
+import contextlib
+import json
+import pathlib
+
+import jax
+import numpy as np
+from rich.console import Console
+
+from jaxdist import profile_report
+from jaxdist.metrics import MetricsLog
+
+WATCH_STEPS = 3
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    from jaxdist.errors import ConfigError
+
+    a, sep, b = text.partition(":")
+    if not sep or not a.isdigit() or not b.isdigit() or int(b) <= int(a):
+        raise ConfigError(f"--profile {text!r} is not START:STOP with STOP > START, e.g. 5:8")
+    return int(a), int(b)
+
+
+class Capture:
+    def __init__(
+        self,
+        run_dir: pathlib.Path,
+        profile: tuple[int, int] | None,
+        watch: float | None,
+        watch_every: int,
+        compiled,
+        global_shape,
+        mesh,
+        hardware: str,
+        console: Console,
+        log: MetricsLog | None,
+    ):
+        self.windows: list[tuple[int, int, str]] = []
+        if profile:
+            self.windows.append((*profile, "profile"))
+        self.watch = watch
+        self.watch_every = watch_every
+        self.compiled, self.global_shape, self.mesh = compiled, global_shape, mesh
+        self.hardware, self.console, self.log = hardware, console, log
+        self.run_dir = run_dir
+        self._active: tuple[int, int, str] | None = None
+        self._hlo: str | None = None
+        self.reports: list[dict] = []
+
+    def _window(self, s: int) -> tuple[int, int, str] | None:
+        for w in self.windows:
+            if w[0] <= s < w[1]:
+                return w
+        if self.watch and s > 0 and s % self.watch_every == 0:
+            w = (s, s + WATCH_STEPS, "watch")
+            self.windows.append(w)
+            return w
+        return None
+
+    def traced(self, s: int) -> bool:
+        return any(w[0] <= s < w[1] for w in self.windows)
+
+    @contextlib.contextmanager
+    def step(self, s: int, state):
+        window = self._active or self._window(s)
+        if window is None or s >= window[1]:
+            yield
+            return
+        if self._active is None:
+            self._active = window
+            jax.block_until_ready(state)  # the previous step must not spill into the trace
+            jax.profiler.start_trace(str(self._dir(window)))
+        with jax.profiler.StepTraceAnnotation("train", step_num=s):
+            yield
+
+    def after(self, s: int, outputs) -> None:
+        if self._active is None:
+            return
+        jax.block_until_ready(outputs)  # the step's device work stays inside its window
+        if s == self._active[1] - 1:
+            window, self._active = self._active, None
+            jax.profiler.stop_trace()
+            self._analyze(window)
+
+    def close(self) -> None:
+        """Ends a trace cut short by the end of the run (or a preemption) and reports it."""
+        if self._active is not None:
+            window, self._active = self._active, None
+            jax.profiler.stop_trace()
+            self._analyze(window)
+
+    def _dir(self, window) -> pathlib.Path:
+        name = "profile" if window[2] == "profile" else f"watch/step_{window[0]}"
+        return self.run_dir / name
+
+    def _analyze(self, window) -> None:
+        out = self._dir(window)
+        if self._hlo is None:
+            batch = jax.ShapeDtypeStruct(
+                self.global_shape, np.int32, sharding=self.compiled.batch_sharding
+            )
+            self._hlo = (
+                self.compiled.step_fn.lower(self.compiled.abstract_state, batch).compile().as_text()
+            )
+        (out / "hlo.txt").write_text(self._hlo)
+        (out / "mesh.json").write_text(json.dumps(dict(self.mesh.shape)))
+        report = profile_report.analyze(out, self._hlo, dict(self.mesh.shape), self.hardware)
+        profile_report.write(
+            report,
+            out / "breakdown.json",
+            out / "breakdown.png" if window[2] == "profile" else None,
+        )
+        self.reports.append(report)
+        f = report["summary"]["fraction_of_step"]
+        if window[2] == "profile":
+            profile_report.print_report(report, self.console)
+            self.console.print(f"profile: {out}/breakdown.json, breakdown.png")
+        warnings = profile_report.warnings(report, self.watch or 0.25)
+        if self.log:
+            self.log.write(
+                {
+                    "event": window[2],
+                    "step": window[0],
+                    "comm_exposed": f["comm_exposed_s"],
+                    "sync": f["sync_s"],
+                    "idle": f["idle_s"],
+                    "warnings": warnings,
+                }
+            )
+        if window[2] == "watch":
+            for w in warnings:
+                self.console.print(f"[yellow]watch (steps {window[0]}..{window[1] - 1}):[/] {w}")

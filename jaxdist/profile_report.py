@@ -1,0 +1,242 @@
+"""`jaxdist profile`: a trace's breakdown beside the cost model, as a table, JSON and a PNG."""
+
+import json
+import pathlib
+
+from rich.console import Console
+from rich.table import Table
+
+from jaxdist import costmodel, hlo
+from jaxdist.breakdown import breakdown
+from jaxdist.profile import load
+
+
+def _key(name: str) -> str:
+    return name.replace("-start", "").replace("-done", "")
+
+
+def analyze(
+    path: str | pathlib.Path,
+    hlo_text: str | None = None,
+    mesh_shape: dict[str, int] | None = None,
+    hardware: str = "cpu",
+) -> dict:
+    """Loads a trace and attributes it; with the compiled HLO and mesh, also per mesh axis."""
+    hw = costmodel.get_hardware(hardware)
+    trace = load(path)
+    axes_of: dict[str, str] = {}
+    bytes_of: dict[str, int] = {}
+    if hlo_text and mesh_shape:
+        for c in hlo.collectives(hlo_text, mesh_shape):
+            axes_of[_key(c.name)] = "+".join(c.axes) or "none"
+            bytes_of[_key(c.name)] = c.bytes
+        for e in list(trace.events):
+            if e.kind == "collective" and _key(e.name) != e.name:
+                axes_of.setdefault(e.name, axes_of.get(_key(e.name), "unknown"))
+                bytes_of.setdefault(e.name, bytes_of.get(_key(e.name), 0))
+    report = breakdown(trace, axes_of, bytes_of)
+    report["hardware"] = hw.name
+    report["mesh"] = mesh_shape
+    report["model"] = _model(report, mesh_shape or {}, hw)
+    return report
+
+
+def _model(report: dict, mesh_shape: dict[str, int], hw: costmodel.Hardware) -> dict:
+    """Alpha-beta predictions beside the measured per-axis times, and the N-device projection."""
+    s = report["summary"]
+    axes_order = list(mesh_shape)
+    per_axis = []
+    grad_bytes = 0.0
+    for key, v in s["per_axis_per_step"].items():
+        axis, kind = key.split("/")
+        p = costmodel.group_size(mesh_shape, axis)
+        if not p or not v["bytes"]:
+            continue
+        inner = [a for a in axes_order[axes_order.index(axis.split("+")[-1]) + 1 :]]
+        stride = 1
+        for a in inner:
+            stride *= mesh_shape[a]
+        link = costmodel.link_for(hw, p, stride)
+        rows = [r for r in report["steps"] if axis in r["by_axis"] and kind in r["by_axis"][axis]]
+        count = sum(r["by_axis"][axis][kind]["count"] for r in rows) / max(len(rows), 1)
+        predicted = costmodel.collective_time(kind, v["bytes"] / max(count, 1), p, link) * count
+        per_axis.append(
+            {
+                "axis": axis,
+                "kind": kind,
+                "group_size": p,
+                "bytes": v["bytes"],
+                "measured_s": v["time_s"],
+                "exposed_s": v["exposed_s"],
+                "predicted_s": predicted,
+                "bus_gbytes_per_s": v["bytes"]
+                * costmodel.ring_bytes_factor(kind, p)
+                / v["time_s"]
+                / 1e9
+                if v["time_s"]
+                else None,
+            }
+        )
+        if kind in ("all-reduce", "reduce-scatter") and any(
+            a in ("data", "fsdp") for a in axis.split("+")
+        ):
+            grad_bytes += v["bytes"]
+    mean = s["mean_per_device"]
+    comm = mean["comm_s"] or 1e-30
+    devices = s["devices"]
+    projection = costmodel.project(
+        mean["compute_s"],
+        grad_bytes,
+        mean["comm_overlapped_s"] / comm,
+        mean["sync_s"] / comm,
+        devices,
+        hw,
+    )
+    return {
+        "per_axis": per_axis,
+        "gradient_bytes_per_step": grad_bytes,
+        "projection": projection,
+        "comm_dominates_at": costmodel.comm_dominates_at(projection),
+    }
+
+
+def warnings(report: dict, threshold: float = 0.25, drift: float = 1.5) -> list[str]:
+    """Early warnings: exposed communication or sync over `threshold` of the step, or a step
+    time p90 more than `drift` times p50 (stragglers, noisy neighbours)."""
+    f = report["summary"]["fraction_of_step"]
+    out = []
+    if f["comm_exposed_s"] > threshold:
+        out.append(
+            f"exposed communication is {f['comm_exposed_s']:.0%} of the step (threshold "
+            f"{threshold:.0%}): the network, not compute, sets the pace"
+        )
+    if f["sync_s"] > threshold:
+        out.append(
+            f"waiting for peers (sync) is {f['sync_s']:.0%} of the step: look at the stragglers"
+        )
+    st = report["summary"]["step_time_s"]
+    if st["p50"] and st["p90"] > drift * st["p50"]:
+        out.append(
+            f"step time p90 {st['p90'] * 1e3:.1f} ms is over {drift}x p50 {st['p50'] * 1e3:.1f} ms"
+        )
+    wall = report["model"].get("comm_dominates_at")
+    if wall:
+        out.append(
+            f"projection: at {wall} devices exposed communication would exceed compute "
+            f"on {report['hardware']}"
+        )
+    return out
+
+
+def print_report(report: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    s = report["summary"]
+    t = Table(title=f"step time per device, mean of {s['steps']} steps ({report['source']})")
+    for c in ("", "ms", "share"):
+        t.add_column(c, justify="right" if c else "left")
+    mean, frac = s["mean_per_device"], s["fraction_of_step"]
+    t.add_row("step", f"{mean['step_s'] * 1e3:.2f}", "100%")
+    for k, label in (
+        ("compute_s", "compute"),
+        ("comm_exposed_s", "communication, exposed"),
+        ("comm_overlapped_s", "communication, hidden"),
+        ("sync_s", "  of which waiting (sync)"),
+        ("memcpy_exposed_s", "memcpy, exposed"),
+        ("idle_s", "idle"),
+    ):
+        t.add_row(label, f"{mean[k] * 1e3:.2f}", f"{frac[k]:.1%}")
+    console.print(t)
+    if report["model"]["per_axis"]:
+        a = Table(
+            title=f"collectives per mesh axis and step, beside the alpha-beta model "
+            f"({report['hardware']})"
+        )
+        for c in (
+            "axis",
+            "kind",
+            "group",
+            "MB",
+            "measured ms",
+            "exposed ms",
+            "model ms",
+            "bus GB/s",
+        ):
+            a.add_column(c)
+        for r in report["model"]["per_axis"]:
+            bw = f"{r['bus_gbytes_per_s']:.2f}" if r["bus_gbytes_per_s"] else "-"
+            a.add_row(
+                r["axis"],
+                r["kind"],
+                str(r["group_size"]),
+                f"{r['bytes'] / 1e6:.3f}",
+                f"{r['measured_s'] * 1e3:.2f}",
+                f"{r['exposed_s'] * 1e3:.2f}",
+                f"{r['predicted_s'] * 1e3:.3f}",
+                bw,
+            )
+        console.print(a)
+    for st in s["stragglers"][:5]:
+        console.print(
+            f"step {st['step']}: device {st['device']} arrived last; the others "
+            f"waited {st['others_waited_s'] * 1e3:.2f} ms for it",
+            highlight=False,
+        )
+    proj = report["model"]["projection"]
+    line = ", ".join(
+        f"N={r['devices']}: {r['efficiency']:.0%}"
+        for r in proj
+        if r["devices"] in (1, 8, 64, 512, 4096)
+    )
+    console.print(f"projected scaling efficiency ({report['hardware']}): {line}")
+    for w in warnings(report):
+        console.print(f"[yellow]warning:[/] {w}")
+
+
+def write(report: dict, json_path: pathlib.Path | None, png_path: pathlib.Path | None) -> None:
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=1))
+    if png_path:
+        plot(report, png_path)
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(report["steps"], key=lambda r: (r["step"], r["device"]))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    labels = [f"{r['step']}/{r['device']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    parts = [("compute_s", "compute", "#4c72b0")]
+    axes = sorted({a for r in rows for a in r["by_axis"]})
+    for axis in axes:
+        parts.append((axis, f"exposed comm: {axis}", None))
+    parts += [("comm_overlapped_s", "hidden comm", "#c7d7ee"), ("idle_s", "idle", "#dddddd")]
+    for key, label, color in parts:
+        if key in axes:
+            vals = [
+                sum(v["exposed_s"] for v in r["by_axis"].get(key, {}).values()) * 1e3 for r in rows
+            ]
+        else:
+            vals = [r[key] * 1e3 for r in rows]
+        ax1.bar(range(len(rows)), vals, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax1.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
+    ax1.set_xlabel("step/device")
+    ax1.set_ylabel("ms")
+    ax1.set_title("where each step went")
+    ax1.legend(fontsize=7)
+    proj = report["model"]["projection"]
+    ns = [r["devices"] for r in proj]
+    ax2.loglog(ns, [r["compute_s"] for r in proj], label="T_compute/N")
+    ax2.loglog(ns, [max(r["comm_s"], 1e-9) for r in proj], label="T_comm(N)")
+    ax2.loglog(ns, [r["step_s"] for r in proj], label="T_step(N)", linewidth=2)
+    ax2.set_xlabel("devices N")
+    ax2.set_ylabel("s")
+    ax2.set_title(f"fleet-law projection ({report['hardware']})")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
