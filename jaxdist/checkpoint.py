@@ -25,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxdist.distributed import local_value
 from jaxdist.errors import ConfigError
 
 log = logging.getLogger("jaxdist.checkpoint")
@@ -36,7 +37,7 @@ def _fingerprint(state) -> jax.Array:
 
 
 def fingerprint(state) -> np.ndarray:
-    return np.asarray(jax.device_get(_fingerprint(state)), dtype=np.float64)
+    return local_value(_fingerprint(state)).astype(np.float64)
 
 
 class NonFiniteState(ValueError):
@@ -52,7 +53,7 @@ class _RecordHandler(ocp.JsonCheckpointHandler):
     """
 
     async def _save_fn(self, x, directory):
-        fp = np.asarray(jax.device_get(x["fingerprint"]), dtype=np.float64)
+        fp = local_value(x["fingerprint"]).astype(np.float64)
         if not np.all(np.isfinite(fp)):
             raise NonFiniteState(f"step {x['step']}: state holds NaN/Inf; not committed")
         await super()._save_fn({**x, "fingerprint": fp.tolist()}, directory)

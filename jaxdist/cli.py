@@ -68,6 +68,12 @@ class Train(Common):
     """warn when exposed communication or sync passes this fraction of a step (profiles a
     few steps every --watch-every steps)"""
     watch_every: int = 100
+    coordinator: str | None = None
+    """HOST:PORT of process 0, for a multi-process run (else Slurm/MPI/K8s are detected)"""
+    num_processes: int | None = None
+    process_id: int | None = None
+    heartbeat_timeout: int = 100
+    """seconds of silence after which a peer process is declared dead"""
     hardware: str = "auto"
     """cost-model preset for profile reports: cpu, h100-nvlink, h200-nvlink, h100-ib,
     tpu-v5p, tpu-v5e; auto picks from the devices"""
@@ -92,6 +98,15 @@ def _setup(args: Common):
         flags = "--xla_cpu_enable_xprof_traceme=true --xla_gpu_enable_command_buffer="
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     setup_devices(args.devices)
+    if isinstance(args, Train):
+        from jaxdist.distributed import DistributedConfig, initialize
+
+        initialize(
+            DistributedConfig(
+                args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout
+            ),
+            cpu=True,
+        )
 
     import jax
 
@@ -296,8 +311,88 @@ def profile(args: Profile) -> int:
     return 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Run `train` as N processes on this host over loopback:
+    jaxdist launch --processes 2 --devices-per-process 4 -- train --model tiny ..."""
+
+    processes: int = 2
+    devices_per_process: int = 4
+    platform: Literal["cpu", "gpu"] = "cpu"
+    """cpu: fake CPU devices per process; gpu: that many local GPUs per process"""
+    port: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Slurm:
+    """Print an sbatch script for a run: jaxdist slurm --nodes 2 --gpus-per-node 8 -- train ..."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    """0: CPU tasks with fake devices (one per node)"""
+    time: str = "24:00:00"
+    job_name: str = "jaxdist"
+
+
+@dataclasses.dataclass(frozen=True)
+class K8s:
+    """Print a Kubernetes JobSet manifest for a run: jaxdist k8s --hosts 4 -- train ..."""
+
+    hosts: int = 2
+    gpus_per_host: int = 8
+    image: str = "jaxdist:latest"
+    name: str = "jaxdist"
+
+
+def _passthrough(argv: list[str]) -> int:
+    """Commands that carry a train command line after `--`."""
+    name, rest = argv[0], argv[1:]
+    if "--" not in rest:
+        print(
+            f"jaxdist: error: {name} needs the train command after --, e.g. "
+            f"jaxdist {name} ... -- train --model tiny",
+            file=sys.stderr,
+        )
+        return 2
+    cut = rest.index("--")
+    own, train_args = rest[:cut], rest[cut + 1 :]
+    kind = {"launch": Launch, "slurm": Slurm, "k8s": K8s}[name]
+    args = tyro.cli(kind, args=own, prog=f"jaxdist {name}")
+    if train_args and train_args[0] != "train":
+        train_args = ["train", *train_args]
+    if isinstance(args, Launch):
+        from jaxdist.launch import launch
+
+        return launch(
+            args.processes, args.devices_per_process, train_args, args.platform, args.port
+        )
+    from jaxdist import cluster_files
+
+    if isinstance(args, Slurm):
+        print(
+            cluster_files.sbatch(
+                args.nodes, args.gpus_per_node, train_args, args.job_name, args.time
+            ),
+            end="",
+        )
+    else:
+        print(
+            cluster_files.jobset(args.hosts, train_args, args.image, args.gpus_per_host, args.name),
+            end="",
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxdist.recovery import TrainingStopped
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("launch", "slurm", "k8s"):
+        try:
+            return _passthrough(argv)
+        except ConfigError as e:
+            print(f"jaxdist: error: {e}", file=sys.stderr)
+            return 2
 
     args = tyro.extras.subcommand_cli_from_dict(
         {"train": Train, "comm": Comm, "checkpoints": Checkpoints, "profile": Profile},

@@ -76,23 +76,20 @@ class _Windows:
 
 
 class TokenBatches:
-    """Batches of shape [rows, seq_len + 1] (int32) for one process."""
+    """Batches of shape [len(rows), seq_len + 1] (int32): the given rows of each global batch.
+
+    A process asks only for the rows its devices hold (jaxdist.distributed.process_rows).
+    """
 
     def __init__(
-        self,
-        config: DataConfig,
-        seq_len: int,
-        vocab_size: int,
-        process_index: int = 0,
-        process_count: int = 1,
+        self, config: DataConfig, seq_len: int, vocab_size: int, rows: range | None = None
     ):
-        if config.batch_size % process_count:
-            raise ConfigError(
-                f"batch size {config.batch_size} is not divisible by {process_count} processes"
-            )
-        corpus = np.frombuffer(load_corpus(config.path), dtype=np.uint8)
+        rows = range(config.batch_size) if rows is None else rows
+        if rows.start < 0 or rows.stop > config.batch_size or not len(rows):
+            raise ConfigError(f"rows {rows} do not lie within a batch of {config.batch_size}")
         if vocab_size < 256:
             raise ConfigError(f"byte-level data needs vocab >= 256, model has {vocab_size}")
+        corpus = np.frombuffer(load_corpus(config.path), dtype=np.uint8)
         windows = _Windows(corpus.astype(np.int32), seq_len + 1)
         if len(windows) < 1:
             raise ConfigError(
@@ -101,10 +98,9 @@ class TokenBatches:
             )
         self.config = config
         self.num_windows = len(windows)
-        self.rows = config.batch_size // process_count
-        self.first_row = process_index * self.rows
+        self.rows = rows
         self._dataset = grain.MapDataset.source(windows).shuffle(seed=config.seed).repeat()
 
     def batch(self, step: int) -> np.ndarray:
-        base = step * self.config.batch_size + self.first_row
-        return np.stack([self._dataset[base + r] for r in range(self.rows)])
+        base = step * self.config.batch_size
+        return np.stack([self._dataset[base + r] for r in self.rows])

@@ -4,6 +4,8 @@ import signal
 import threading
 from typing import Literal
 
+import jax
+
 NonFinitePolicy = Literal["skip", "rollback", "stop"]
 
 
@@ -17,20 +19,35 @@ class TrainingStopped(RuntimeError):
 class PreemptionSignal:
     """SIGTERM or SIGINT asks the loop to save at the next step boundary and exit cleanly.
 
-    A second SIGINT falls through to Python's default (KeyboardInterrupt), for impatient users.
+    With several processes, every one must stop at the same step or the rest hang in the next
+    collective; JAX's preemption service (started by jax.distributed.initialize) spreads a
+    SIGTERM notice to all processes and picks one safe step for all, so there it decides. A
+    second SIGINT falls through to Python's default (KeyboardInterrupt), for impatient users.
     """
 
     def __init__(self):
         self.received: str | None = None
         self._previous: dict[int, object] = {}
+        self._multi = jax.process_count() > 1
 
     def _handle(self, signum, frame):
         if self.received and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
 
+    def stop_at(self, step: int) -> bool:
+        """Whether to save and exit after this step (called by every process, every step)."""
+        if self._multi:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.received = "SIGTERM"
+                return True
+            return False
+        return self.received is not None
+
     def __enter__(self) -> "PreemptionSignal":
-        if threading.current_thread() is threading.main_thread():
+        if not self._multi and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self

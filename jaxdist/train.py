@@ -25,6 +25,7 @@ from jaxdist import hardware
 from jaxdist.capture import Capture
 from jaxdist.checkpoint import Checkpointer, param_shapes
 from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.distributed import local_value, process_rows
 from jaxdist.errors import ConfigError
 from jaxdist.interval import CheckpointConfig, Interval
 from jaxdist.metrics import MetricsLog, distribution, print_summary, read_metrics, throughput
@@ -79,11 +80,10 @@ def prepare(
         raise ConfigError(f"--log-every {loop.log_every} must be at least 1")
     if loop.nonfinite not in ("skip", "rollback", "stop"):
         raise ConfigError(f"--nonfinite {loop.nonfinite!r}: use skip, rollback or stop")
-    batches = TokenBatches(
-        data, model.seq_len, model.vocab_size, jax.process_index(), jax.process_count()
-    )
     tx, lr = make_optimizer(optim, loop.steps)
     compiled = build(model.init, tx, lr, rules, mesh, step, loop.seed, data.batch_size)
+    rows = process_rows(compiled.batch_sharding, (data.batch_size, model.seq_len + 1))
+    batches = TokenBatches(data, model.seq_len, model.vocab_size, rows)
     return compiled, batches
 
 
@@ -101,6 +101,8 @@ def run(
     """Trains to loop.steps, resuming from run_dir if it holds a checkpoint; returns the summary
     (also written to summary.json)."""
     console = console or Console(stderr=True)
+    if jax.process_index() != 0:
+        console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
     ckpt = ckpt or CheckpointConfig()
     ckpt.validate()
     compiled, batches = prepare(model, mesh, rules, optim, data, step, loop)
@@ -179,7 +181,7 @@ def run(
         # Fetching step s's scalars blocks only until step s is done; s+1 is already queued,
         # so the device never idles for logging.
         nonlocal t_prev
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        values = {k: float(local_value(v)) for k, v in metrics.items()}
         now = time.perf_counter()
         dt, t_prev = now - t_prev, now
         # The first step compiles, the second's interval holds warm-up, traced steps run
@@ -264,9 +266,10 @@ def run(
                         state, s, pending = rolled, rec["step"] + 1, None
                         continue
             pending = (s, metrics)
-            if signal_flag.received or interval.due(s) or s == loop.steps - 1:
+            stop = signal_flag.stop_at(s)
+            if stop or interval.due(s) or s == loop.steps - 1:
                 save(s)
-            if signal_flag.received:
+            if stop:
                 preempted = (s, signal_flag.received)
                 break
             s += 1

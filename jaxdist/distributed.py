@@ -1,0 +1,96 @@
+"""Many processes, one program: JAX's distributed runtime, explicit or detected.
+
+Every process runs the same step on its own devices and feeds its own rows of the batch;
+process 0 alone writes logs. If a process dies, JAX's coordination service notices within
+the heartbeat timeout and ends the others (fate sharing), naming the lost task; a relaunch
+resumes from the last checkpoint.
+"""
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+
+from jaxdist.errors import ConfigError
+
+# JAX's own cluster detection reads these (Slurm, Open MPI, Kubernetes).
+_CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    coordinator: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    heartbeat_timeout_s: int = 100  # a silent peer is declared dead after this
+
+    def explicit(self) -> bool:
+        return any(v is not None for v in (self.coordinator, self.num_processes, self.process_id))
+
+    def validate(self) -> None:
+        if self.explicit() and None in (self.coordinator, self.num_processes, self.process_id):
+            raise ConfigError(
+                "--coordinator, --num-processes and --process-id go together; "
+                "give all three (or none, to detect Slurm/MPI/Kubernetes)"
+            )
+        if self.explicit():
+            host, _, port = self.coordinator.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"--coordinator {self.coordinator!r} is not HOST:PORT")
+            if not 0 <= self.process_id < self.num_processes:
+                raise ConfigError(
+                    f"--process-id {self.process_id} must lie in [0, {self.num_processes})"
+                )
+        if self.heartbeat_timeout_s < 1:
+            raise ConfigError("--heartbeat-timeout must be at least 1 second")
+
+
+def cluster_detected() -> bool:
+    return (
+        any(k in os.environ for k in _CLUSTER_ENV)
+        and "SLURM_STEP_NODELIST" in os.environ
+        or "OMPI_MCA_orte_hnp_uri" in os.environ
+    )
+
+
+def initialize(config: DistributedConfig, cpu: bool) -> bool:
+    """Joins the job; must run before anything starts a JAX backend. True if multi-process."""
+    config.validate()
+    if not config.explicit() and not cluster_detected():
+        return False
+    if cpu:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs = {"heartbeat_timeout_seconds": config.heartbeat_timeout_s}
+    if config.explicit():
+        kwargs |= {
+            "coordinator_address": config.coordinator,
+            "num_processes": config.num_processes,
+            "process_id": config.process_id,
+            "cluster_detection_method": "deactivate",
+        }
+    jax.distributed.initialize(**kwargs)
+    return True
+
+
+def local_value(x: jax.Array) -> np.ndarray:
+    """A replicated array's value, read from this process's own copy.
+
+    `jax.device_get` refuses arrays that span other processes' devices.
+    """
+    return np.asarray(x.addressable_shards[0].data)
+
+
+def process_rows(sharding, global_shape: tuple[int, ...]) -> range:
+    """The batch rows this process's devices hold, which it alone must read."""
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        r = index[0]
+        rows.update(range(*r.indices(global_shape[0])))
+    lo, hi = min(rows), max(rows) + 1
+    if len(rows) != hi - lo:
+        raise ConfigError(
+            f"process {jax.process_index()}'s devices hold batch rows that are not contiguous "
+            f"({sorted(rows)[:8]}...); order the mesh so the batch axes are outermost"
+        )
+    return range(lo, hi)

@@ -1,0 +1,120 @@
+"""`jaxdist launch`: N processes of one run on this host, over loopback.
+
+Each process gets its own devices (K fake CPU devices, or its share of the local GPUs), the
+coordinator address, its id; their output is streamed with a `[pN]` prefix. The launcher
+returns the exit code of the first process that failed, naming it; SIGTERM/SIGINT are passed
+on to every process (they save and exit, as a preempted run does).
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from jaxdist.errors import ConfigError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stream(proc: subprocess.Popen, prefix: str) -> None:
+    for line in proc.stdout:
+        sys.stderr.write(f"{prefix}{line}")
+        sys.stderr.flush()
+
+
+def launch(
+    processes: int,
+    devices_per_process: int,
+    train_args: list[str],
+    platform: str = "cpu",
+    port: int | None = None,
+    grace_s: float = 30.0,
+) -> int:
+    if processes < 1 or devices_per_process < 1:
+        raise ConfigError("--processes and --devices-per-process must be at least 1")
+    if not train_args or train_args[0] != "train":
+        raise ConfigError("launch runs `train`: write `jaxdist launch ... -- train --model ...`")
+    for flag in ("--coordinator", "--num-processes", "--process-id"):
+        if flag in train_args:
+            raise ConfigError(f"launch sets {flag} itself; drop it from the train arguments")
+    port = port or free_port()
+    procs: list[subprocess.Popen] = []
+    for i in range(processes):
+        env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}
+        env["PYTHONUNBUFFERED"] = "1"
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxdist.cli",
+            *train_args,
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            str(processes),
+            "--process-id",
+            str(i),
+        ]
+        if platform == "cpu":
+            if "--devices" not in train_args:
+                cmd += ["--devices", f"cpu:{devices_per_process}"]
+        else:
+            first = i * devices_per_process
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                str(d) for d in range(first, first + devices_per_process)
+            )
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )
+        )
+    threads = [
+        threading.Thread(target=_stream, args=(p, f"[p{i}] "), daemon=True)
+        for i, p in enumerate(procs)
+    ]
+    for t in threads:
+        t.start()
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    first_failure: tuple[int, int] | None = None
+    deadline = None
+    try:
+        while any(p.poll() is None for p in procs):
+            for i, p in enumerate(procs):
+                rc = p.poll()
+                if rc not in (None, 0) and first_failure is None:
+                    first_failure = (i, rc)
+                    deadline = time.monotonic() + grace_s
+                    sys.stderr.write(
+                        f"jaxdist launch: process {i} exited with code {rc}; "
+                        f"waiting up to {grace_s:.0f} s for the others\n"
+                    )
+            if deadline and time.monotonic() > deadline:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.1)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        for t in threads:
+            t.join(timeout=5)
+    if first_failure is None:
+        bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
+        first_failure = bad[0] if bad else None
+    if first_failure:
+        i, rc = first_failure
+        sys.stderr.write(f"jaxdist launch: failed; process {i} was first to fail (exit {rc})\n")
+        return rc if rc > 0 else 128 - rc
+    return 0

@@ -1,0 +1,200 @@
+"""Several processes, one run: same losses as one process, checkpoints across process
+counts, a dead process ends the run loudly, and a relaunch resumes."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxdist.metrics import latest_per_step, read_metrics
+
+STEPS = 8
+TRAIN = [
+    "train",
+    "--model",
+    "tiny",
+    "--mesh",
+    "data=2,fsdp=2,tensor=2",
+    "--steps",
+    str(STEPS),
+    "--batch-size",
+    "16",
+    "--log-every",
+    "1",
+    "--checkpoint-every",
+    "4",
+]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def one_process(run_dir, *extra, timeout=300):
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxdist.cli",
+            *TRAIN,
+            "--devices",
+            "cpu:8",
+            "--run-dir",
+            str(run_dir),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def two_processes(run_dir, *extra, timeout=300):
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxdist.cli",
+            "launch",
+            "--processes",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--",
+            *TRAIN,
+            "--run-dir",
+            str(run_dir),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def losses(run_dir):
+    return {
+        s: r["loss"] for s, r in latest_per_step(read_metrics(run_dir / "metrics.jsonl")).items()
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one")
+    one_process(run_dir)
+    return losses(run_dir)
+
+
+def test_two_processes_match_one(tmp_path, reference):
+    r = two_processes(tmp_path)
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(STEPS))
+    np.testing.assert_allclose(
+        [got[s] for s in range(STEPS)], [reference[s] for s in range(STEPS)], rtol=1e-5
+    )
+    assert "[p0] step" in r.stderr and "[p1] step" not in r.stderr  # process 0 alone logs
+
+
+def _cut_after(run_dir, step):
+    """As if the run had died right after checkpointing `step`: later state is gone."""
+    import shutil
+
+    for d in (run_dir / "checkpoints").iterdir():
+        if d.name.isdigit() and int(d.name) > step:
+            shutil.rmtree(d)
+    kept = [
+        line
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line and int(re.search(r'"step": (\d+)', line).group(1)) <= step
+    ]
+    (run_dir / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+
+
+@pytest.mark.parametrize("first, then", [("two", "one"), ("one", "two")])
+def test_checkpoint_restores_across_process_counts(tmp_path, reference, first, then):
+    run = {"one": one_process, "two": two_processes}
+    run[first](tmp_path)
+    _cut_after(tmp_path, 3)
+    r = run[then](tmp_path)
+    assert "resuming from checkpoint step 3" in r.stderr
+    got = losses(tmp_path)
+    np.testing.assert_allclose(
+        [got[s] for s in range(STEPS)], [reference[s] for s in range(STEPS)], rtol=1e-5
+    )
+
+
+def test_dead_process_ends_the_run_naming_it_then_relaunch_resumes(tmp_path):
+    long_run = [*TRAIN, "--steps", "400", "--run-dir", str(tmp_path), "--heartbeat-timeout", "5"]
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxdist.cli",
+            "launch",
+            "--processes",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--",
+            *long_run,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
+    deadline = time.monotonic() + 120
+    while len(read_metrics(tmp_path / "metrics.jsonl")) < 6 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    victim = subprocess.run(
+        ["pgrep", "-f", f"{tmp_path}.*--process-id 1"], capture_output=True, text=True
+    ).stdout.split()
+    assert len(victim) == 1, victim
+    os.kill(int(victim[0]), signal.SIGKILL)
+    t0 = time.monotonic()
+    out, _ = launcher.communicate(timeout=120)
+    waited = time.monotonic() - t0
+    assert launcher.returncode != 0
+    assert waited < 60, f"the survivor took {waited:.0f} s to stop"
+    assert "process 1 was first to fail" in out, out[-3000:]
+    # The survivor's own message, from JAX's coordination service, names the lost task too.
+    assert re.search(r"(?i)\[p0\].*task 1 heartbeat timeout", out), out[-3000:]
+
+    # Relaunch: it resumes; then a SIGTERM to the launcher reaches both processes, which
+    # save and exit 0, as a preempted job does.
+    relaunch = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxdist.cli",
+            "launch",
+            "--processes",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--",
+            *long_run,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
+    seen = []
+    for line in relaunch.stdout:
+        seen.append(line)
+        if "[p0] step" in line:
+            break
+    assert any("resuming from checkpoint step" in x for x in seen), "".join(seen)[-3000:]
+    relaunch.send_signal(signal.SIGTERM)
+    rest, _ = relaunch.communicate(timeout=120)
+    assert relaunch.returncode == 0, rest[-3000:]
+    assert "SIGTERM received: saved step" in rest
