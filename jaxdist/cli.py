@@ -74,6 +74,10 @@ class Train(Common):
     process_id: int | None = None
     heartbeat_timeout: int = 100
     """seconds of silence after which a peer process is declared dead"""
+    slow_step_factor: float = 10.0
+    """report a step slower than this many times the p50 step, naming lagging processes"""
+    fault_stall: str | None = None
+    """fault injection, for testing the watchdog: STEP:PROCESS:SECONDS to stall"""
     hardware: str = "auto"
     """cost-model preset for profile reports: cpu, h100-nvlink, h200-nvlink, h100-ib,
     tpu-v5p, tpu-v5e; auto picks from the devices"""
@@ -142,6 +146,16 @@ def _setup(args: Common):
     return mesh, rules, model_cfg
 
 
+def _stall(text: str | None) -> tuple[int, int, float] | None:
+    if text is None:
+        return None
+    try:
+        step, process, seconds = text.split(":")
+        return int(step), int(process), float(seconds)
+    except ValueError:
+        raise ConfigError(f"--fault-stall {text!r} is not STEP:PROCESS:SECONDS") from None
+
+
 def train(args: Train) -> int:
     mesh, rules, model_cfg = _setup(args)
     import jax
@@ -184,6 +198,8 @@ def train(args: Train) -> int:
         watch_comm=args.watch_comm,
         watch_every=args.watch_every,
         hardware=hardware,
+        slow_step_factor=args.slow_step_factor,
+        fault_stall=_stall(args.fault_stall),
     )
     ckpt = CheckpointConfig(
         every=args.checkpoint_every,

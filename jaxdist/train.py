@@ -33,6 +33,7 @@ from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.recovery import NonFinitePolicy, PreemptionSignal, TrainingStopped
 from jaxdist.rules import AxisRules
 from jaxdist.step import Compiled, StepConfig, build
+from jaxdist.watchdog import Watchdog
 
 
 class ModelSpec(NamedTuple):
@@ -58,6 +59,9 @@ class LoopConfig:
     watch_comm: float | None = None  # trace a few steps every watch_every; warn over this
     watch_every: int = 100
     hardware: str = "cpu"  # cost-model preset for the profile report
+    slow_step_factor: float = 10.0  # report a step slower than this x p50
+    # Fault injection, for testing the watchdog: (step, process, seconds) to stall.
+    fault_stall: tuple[int, int, float] | None = None
 
 
 def _record(obj) -> Any:
@@ -196,6 +200,7 @@ def run(
             **throughput(dt, tokens_per_step, model.flops_per_token, jax.device_count(), peak),
         }
         records.append(rec)
+        watchdog.finished(s, float(np.median(step_times)) if len(step_times) >= 3 else None)
         if log and (s % loop.log_every == 0 or s == loop.steps - 1 or not rec["finite"]):
             log.write(rec)
             mfu = f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
@@ -248,10 +253,13 @@ def run(
         console,
         log,
     )
-    with progress, PreemptionSignal() as signal_flag:
+    watchdog = Watchdog(Console(stderr=True), loop.slow_step_factor)
+    with progress, PreemptionSignal() as signal_flag, watchdog:
         task = progress.add_task("compiling", total=loop.steps, completed=start)
         s = start
         while s < loop.steps:
+            if loop.fault_stall and loop.fault_stall[:2] == (s, jax.process_index()):
+                time.sleep(loop.fault_stall[2])
             with capture.step(s, state):
                 state, metrics = compiled.step_fn(state, place(s))
             capture.after(s, metrics)

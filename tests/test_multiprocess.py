@@ -198,3 +198,11 @@ def test_dead_process_ends_the_run_naming_it_then_relaunch_resumes(tmp_path):
     rest, _ = relaunch.communicate(timeout=120)
     assert relaunch.returncode == 0, rest[-3000:]
     assert "SIGTERM received: saved step" in rest
+
+
+def test_slow_step_is_reported_with_the_process_not_yet_arrived(tmp_path):
+    r = two_processes(tmp_path, "--steps", "12", "--fault-stall", "9:1:12",
+                      "--slow-step-factor", "3")
+    line = [x for x in r.stderr.splitlines() if "slow step" in x and x.startswith("[p0]")]
+    assert line, r.stderr[-3000:]
+    assert "not yet arrived: process 1" in line[0]
