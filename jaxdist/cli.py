@@ -92,6 +92,16 @@ class Comm(Common):
     """print one JSON object instead of a table"""
 
 
+@dataclasses.dataclass(frozen=True)
+class Bench(Common):
+    """Time the real training step of a preset; print one JSON line."""
+
+    steps: int = 30
+    warmup: int = 3
+    peak: float = 989.0
+    """peak TFLOP/s per device for MFU (989: H100/H200 bf16 datasheet)"""
+
+
 def _setup(args: Common):
     """Devices, mesh, rules and model config, all checked before anything compiles."""
     from jaxdist.mesh import setup_devices
@@ -256,6 +266,29 @@ class Checkpoints:
     json: bool = False
 
 
+def bench(args: Bench) -> int:
+    mesh, rules, model_cfg = _setup(args)
+    from jaxdist import train as loop
+    from jaxdist.bench import bench as run_bench
+    from jaxdist.data import DataConfig
+    from jaxdist.optim import OptimConfig
+    from jaxdist.step import StepConfig
+    from models.presets import model_spec
+
+    model = model_spec(model_cfg)
+    data = DataConfig(batch_size=args.batch_size, seed=args.seed)
+    cfg = loop.LoopConfig(steps=args.steps + args.warmup + 1, seed=args.seed)
+    compiled, batches = loop.prepare(
+        model, mesh, rules, OptimConfig(), data, StepConfig(microbatches=args.microbatches), cfg
+    )
+    print(
+        json.dumps(
+            run_bench(compiled, batches, model, args.batch_size, args.steps, args.warmup, args.peak)
+        )
+    )
+    return 0
+
+
 def checkpoints(args: Checkpoints) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -411,12 +444,24 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     args = tyro.extras.subcommand_cli_from_dict(
-        {"train": Train, "comm": Comm, "checkpoints": Checkpoints, "profile": Profile},
+        {
+            "train": Train,
+            "comm": Comm,
+            "bench": Bench,
+            "checkpoints": Checkpoints,
+            "profile": Profile,
+        },
         args=argv,
         prog="jaxdist",
     )
     try:
-        commands = {Train: train, Comm: comm, Checkpoints: checkpoints, Profile: profile}
+        commands = {
+            Train: train,
+            Comm: comm,
+            Bench: bench,
+            Checkpoints: checkpoints,
+            Profile: profile,
+        }
         return commands[type(args)](args)
     except ConfigError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)

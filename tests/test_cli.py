@@ -114,3 +114,20 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
     errors = [x for x in r.stderr.splitlines() if x.startswith("jaxdist: error:")]
     assert len(errors) == 1, r.stderr
     assert re.search(message, errors[0]), errors[0]
+
+
+def test_bench_prints_one_json_line_with_the_figures():
+    r = jaxdist("bench", "--model", "tiny", "--devices", "cpu:8", "--mesh", "fsdp=8",
+                "--steps", "5")
+    assert r.returncode == 0, r.stderr
+    (line,) = [x for x in r.stdout.splitlines() if x.strip()]
+    out = json.loads(line)
+    for key in ("model", "batch_size", "seq_len", "tokens_per_s", "model_tflops", "mfu",
+                "step_ms_p50", "step_ms_p90", "peak_mem_gb", "compile_s", "loop_overhead"):
+        assert key in out, key
+    assert out["tokens_per_s"] > 0 and out["step_ms_p90"] >= out["step_ms_p50"] > 0
+    # MFU follows from the FLOPs formula: tokens/s x 6N+12LdT over 8 devices x 989 TFLOP/s.
+    from models.presets import get_model_config
+
+    flops = get_model_config("tiny").flops_per_token()
+    assert out["mfu"] == pytest.approx(out["tokens_per_s"] * flops / (8 * 989e12), rel=1e-6)

@@ -201,8 +201,9 @@ def test_dead_process_ends_the_run_naming_it_then_relaunch_resumes(tmp_path):
 
 
 def test_slow_step_is_reported_with_the_process_not_yet_arrived(tmp_path):
-    r = two_processes(tmp_path, "--steps", "12", "--fault-stall", "9:1:12",
-                      "--slow-step-factor", "3")
+    r = two_processes(
+        tmp_path, "--steps", "12", "--fault-stall", "9:1:12", "--slow-step-factor", "3"
+    )
     line = [x for x in r.stderr.splitlines() if "slow step" in x and x.startswith("[p0]")]
     assert line, r.stderr[-3000:]
     assert "not yet arrived: process 1" in line[0]

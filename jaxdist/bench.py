@@ -1,0 +1,98 @@
+"""`jaxdist bench`: the real training step of a preset, timed, as one JSON line.
+
+The same code path as `jaxdist train` (data, optimizer, metrics fetched one step late), after
+warm-up, beside the bare compiled step run back to back, so the loop's own cost is visible.
+"""
+
+import time
+
+import jax
+import numpy as np
+
+from jaxdist import hardware
+from jaxdist.distributed import local_value
+from jaxdist.metrics import distribution, throughput
+
+
+def bench(
+    compiled,
+    batches,
+    model,
+    batch_size: int,
+    steps: int,
+    warmup: int = 3,
+    peak_tflops: float | None = 989.0,
+) -> dict:
+    global_shape = (batch_size, model.seq_len + 1)
+
+    def place(s):
+        return jax.make_array_from_process_local_data(
+            compiled.batch_sharding, batches.batch(s), global_shape
+        )
+
+    t0 = time.perf_counter()
+    batch0 = place(0)
+    exe = compiled.step_fn.lower(compiled.abstract_state, batch0).compile()
+    compile_s = time.perf_counter() - t0
+    state = compiled.init_fn()
+    for s in range(warmup):
+        state, m = exe(state, place(s))
+    jax.block_until_ready(m)
+
+    # The loop as `train` runs it: dispatch step s, then read step s-1's metrics.
+    times, pending = [], None
+    t_prev = time.perf_counter()
+    for s in range(warmup, warmup + steps):
+        state, m = exe(state, place(s))
+        if pending is not None:
+            float(local_value(pending["loss"]))
+            now = time.perf_counter()
+            times.append(now - t_prev)
+            t_prev = now
+        pending = m
+    float(local_value(pending["loss"]))
+    times.append(time.perf_counter() - t_prev)
+
+    # The bare step: same executable and batch, nothing else, one wait at the end.
+    batch = place(0)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, m = exe(state, batch)
+    jax.block_until_ready(state)
+    bare = (time.perf_counter() - t0) / steps
+
+    stats = distribution(times)
+    peak = peak_tflops * 1e12 if peak_tflops else hardware.peak_flops(jax.devices()[0])
+    tp = throughput(
+        stats["p50"], batch_size * model.seq_len, model.flops_per_token, jax.device_count(), peak
+    )
+    mem = jax.devices()[0].memory_stats() or {}
+    analysis = exe.memory_analysis()
+    estimate = (
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+        + analysis.temp_size_in_bytes
+    )
+    return {
+        "model": model.name,
+        "batch_size": batch_size,
+        "seq_len": model.seq_len,
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "tokens_per_s": tp["tokens_per_s"],
+        "model_tflops": tp["model_tflops"],
+        "mfu": tp["mfu"],
+        "step_ms_p50": stats["p50"] * 1e3,
+        "step_ms_p90": stats["p90"] * 1e3,
+        "step_ms_bare": bare * 1e3,
+        "loop_overhead": stats["p50"] / bare - 1,
+        "peak_mem_gb": (
+            mem["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in mem else estimate / 1e9
+        ),
+        "peak_mem_source": "allocator" if "peak_bytes_in_use" in mem else "xla_estimate",
+        "compile_s": compile_s,
+        "steps": steps,
+        "final_loss": float(np.asarray(local_value(m["loss"]))),
+    }
