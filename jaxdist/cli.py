@@ -32,6 +32,10 @@ class Common:
     """auto: bfloat16 on GPU/TPU, float32 on CPU; parameters stay float32"""
     remat: Literal["none", "full", "dots"] = "none"
     """rematerialization: none, full (recompute each layer), dots (save matmul outputs)"""
+    capacity_factor: float | None = None
+    """MoE: expert capacity = factor x tokens x top-k / experts (tokens past it are dropped)"""
+    dropless: bool = False
+    """MoE: size expert buffers so that no token is ever dropped"""
     compile_cache: str = str(pathlib.Path.home() / ".cache" / "jaxdist" / "xla")
     """persistent XLA compilation cache directory, or off"""
 
@@ -139,8 +143,19 @@ def _setup(args: Common):
     dtype = args.compute_dtype
     if dtype == "auto":
         dtype = "float32" if platform == "cpu" else "bfloat16"
+    moe = {}
+    if args.capacity_factor is not None or args.dropless:
+        if not get_model_config(args.model).num_experts:
+            raise ConfigError(
+                f"--capacity-factor/--dropless apply to MoE models; {args.model} "
+                "has no experts (try --model tiny-moe)"
+            )
+        moe["dropless"] = args.dropless
+        if args.capacity_factor is not None:
+            moe["capacity_factor"] = args.capacity_factor
     model_cfg = get_model_config(
         args.model,
+        **moe,
         compute_dtype=dtype,
         remat=args.remat,
         # cuDNN's fused attention takes 16-bit inputs only.
@@ -247,7 +262,9 @@ def comm(args: Comm) -> int:
         rules,
         args.batch_size,
         model_cfg.seq_len,
-        model_cfg.partial_sums(args.batch_size, args.microbatches),
+        model_cfg.partial_sums(
+            args.batch_size, args.microbatches, comm_report.batch_ways(compiled, mesh)
+        ),
         compute_bytes=jnp.dtype(model_cfg.compute_dtype).itemsize,
         microbatches=args.microbatches,
     )

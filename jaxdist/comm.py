@@ -35,6 +35,12 @@ class PartialSum:
     shape: tuple[int, ...]
     over: str
     dtype_bytes: int
+    kind: str = "all-reduce"  # or all-to-all: a buffer exchanged across the split of `over`
+
+
+def batch_ways(compiled, mesh: Mesh) -> int:
+    """How many devices share the batch (tokens per device = batch / this x seq)."""
+    return _ways(mesh, compiled.batch_sharding.spec[0] or ())
 
 
 def _ways(mesh: Mesh, axes) -> int:
@@ -64,8 +70,9 @@ def expected(
     batch_axes = rules.mesh_axes("batch", "activation")
     for var in jax.tree.leaves(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         logical = tuple(var.get_metadata()["logical_axes"])
-        param_axes = {a for n in logical for a in rules.mesh_axes(n, "param")}
-        act_axes = {a for n in logical for a in rules.mesh_axes(n, "activation")}
+        named = [n for n in logical if n is not None]
+        param_axes = {a for n in named for a in rules.mesh_axes(n, "param")}
+        act_axes = {a for n in named for a in rules.mesh_axes(n, "activation")}
         compute_size = math.prod(var.shape) / _ways(mesh, act_axes) * compute_bytes
         # Scanned layer weights: gathered in the forward loop and again in the backward loop,
         # per microbatch. Other weights: gathered once; XLA hoists that out of the microbatch
@@ -73,15 +80,29 @@ def expected(
         uses = 2 * microbatches if "layers" in logical else 1
         gather = param_axes - act_axes
         add(_label(mesh, gather), "all-gather", uses * compute_size)
-        # Gradient: summed over every batch axis; where the weight is split over one of them
-        # the sum lands sharded (reduce-scatter), which XLA's CPU pipeline emits as all-reduce.
-        kind = "reduce-scatter" if reduce_scatter and gather else "all-reduce"
-        add(_label(mesh, batch_axes), kind, microbatches * compute_size)
+        # Gradient: summed over the batch axes, except those the weight is also split over
+        # where it is used (experts: each device holds the tokens routed to its experts).
+        # Where the weight is split over one of them the sum lands sharded (reduce-scatter),
+        # which XLA's CPU pipeline emits as all-reduce, combined with the other batch axes.
+        reduce_over = set(batch_axes) - act_axes
+        if "expert" in named and _label(mesh, gather):
+            # Expert weights are gathered by an explicit all_gather inside jaxdist.experts'
+            # shard_map; its transpose is a reduce-scatter on every platform, and the rest
+            # of the batch axes then sum the scattered shard.
+            add(_label(mesh, gather), "reduce-scatter", microbatches * compute_size)
+            add(
+                _label(mesh, reduce_over - gather),
+                "all-reduce",
+                microbatches * compute_size / _ways(mesh, gather),
+            )
+        else:
+            kind = "reduce-scatter" if reduce_scatter and _label(mesh, gather) else "all-reduce"
+            add(_label(mesh, reduce_over), kind, microbatches * compute_size)
     for ps in partial_sums:
         over = rules.mesh_axes(ps.over, "activation")
         spec_axes = {a for n in ps.logical for a in rules.mesh_axes(n, "activation")}
         size = math.prod(ps.shape) / _ways(mesh, spec_axes) * ps.dtype_bytes
-        add(_label(mesh, over), "all-reduce", ps.count * size)
+        add(_label(mesh, over), ps.kind, ps.count * size)
     # Not modelled: scalar reductions (loss, norms), a few bytes that show as unexpected rows.
     return out
 

@@ -62,7 +62,8 @@ def _groups(attrs: str, mesh_shape: dict[str, int]) -> list[list[int]] | tuple[s
         ]
         spanned = [a.strip(" '") for a in m.group(2).split(",") if a.strip(" '")]
         if all(n in mesh_shape for n, _ in printed):
-            return tuple(spanned)
+            # A group along size-1 axes exchanges nothing (XLA keeps such no-ops on CPU).
+            return tuple(a for a in spanned if mesh_shape[a] > 1)
         # XLA named the axes itself (axis_0, ...): rebuild the device groups from its mesh.
         names, sizes = [n for n, _ in printed], [v for _, v in printed]
         ids = np.arange(int(np.prod(sizes))).reshape(sizes)
@@ -160,6 +161,8 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
                 )
                 size *= group_size
             axes = _axes_of(_groups(rest, mesh_shape), mesh_shape)
+            if not axes:
+                continue  # every group is one device: nothing moves
             found.append(Collective(kind, size, axes, mult[comp], name))
     return found
 

@@ -13,8 +13,9 @@ from jax.sharding import AxisType, Mesh
 
 from jaxdist.errors import ConfigError
 
-# Outermost first: slow links (data, across hosts) outside, fast links (tensor) innermost.
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+# Outermost first: slow links (data, across hosts) outside, fast links (tensor) innermost;
+# expert all-to-all traffic sits on fast links too.
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)

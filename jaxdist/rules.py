@@ -160,13 +160,18 @@ def activation_rules(rules: AxisRules, mesh: Mesh) -> Iterator[None]:
         _ACTIVE.value = previous
 
 
-def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
-    active = getattr(_ACTIVE, "value", None)
-    if active is None:
+def active() -> tuple[AxisRules, Mesh]:
+    """The rules and mesh the step is being traced under."""
+    value = getattr(_ACTIVE, "value", None)
+    if value is None:
         raise RuntimeError(
-            "jaxdist.rules.constrain called outside activation_rules(rules, mesh); wrap the "
+            "jaxdist sharding helpers called outside activation_rules(rules, mesh); wrap the "
             "model call (or the jit tracing of the step) in that context"
         )
-    rules, mesh = active
+    return value
+
+
+def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    rules, mesh = active()
     spec = rules.spec(logical, "activation", f"activation {logical}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

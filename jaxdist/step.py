@@ -46,34 +46,40 @@ def make_train_step(
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the pure step for one model structure, optimizer and accumulation setting."""
 
-    def loss_fn(params: nnx.State, tokens_BT1: jax.Array, scale: jax.Array) -> jax.Array:
+    def loss_fn(params: nnx.State, tokens_BT1: jax.Array, scale: jax.Array):
         model = nnx.merge(graphdef, params)
-        logits_BTV = model(tokens_BT1[:, :-1])
-        return cross_entropy(logits_BTV, tokens_BT1[:, 1:]) * scale
+        logits_BTV, aux = model(tokens_BT1[:, :-1])
+        ce = cross_entropy(logits_BTV, tokens_BT1[:, 1:])
+        # The model's auxiliary losses (MoE balance, router z) join the objective; the
+        # reported loss stays the cross-entropy, comparable across models.
+        return (ce + aux["loss"]) * scale, {
+            "loss": ce * scale,
+            "aux_loss": aux["loss"],
+            **aux["metrics"],
+        }
 
-    value_and_grad = jax.value_and_grad(loss_fn)
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
     def train_step(state: TrainState, tokens_BT1: jax.Array):
         faulty = jnp.isin(state.step, jnp.asarray(config.fault_nan_steps or (-1,)))
         scale = jnp.where(faulty, jnp.nan, 1.0)
-        grad_fn = lambda params, tokens: value_and_grad(params, tokens, scale)  # noqa: E731
         M = config.microbatches
         if M == 1:
-            loss, grads = grad_fn(state.params, tokens_BT1)
+            (_, extra), grads = value_and_grad(state.params, tokens_BT1, scale)
         else:
             B = tokens_BT1.shape[0]
             # Microbatch m takes rows m, m+M, ...: each device keeps its own rows, no reshuffle.
             micro_MBT1 = tokens_BT1.reshape(B // M, M, -1).swapaxes(0, 1)
 
-            def accumulate(carry, tokens_bT1):
-                loss_sum, grad_sum = carry
-                loss, grads = grad_fn(state.params, tokens_bT1)
-                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+            def accumulate(grad_sum, tokens_bT1):
+                (_, extra), grads = value_and_grad(state.params, tokens_bT1, scale)
+                return jax.tree.map(jnp.add, grad_sum, grads), extra
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
-            (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (0.0, zeros), micro_MBT1)
-            loss = loss_sum / M
+            grad_sum, extras = jax.lax.scan(accumulate, zeros, micro_MBT1)
+            extra = jax.tree.map(lambda v: jnp.mean(v, axis=0), extras)
             grads = jax.tree.map(lambda g: g / M, grad_sum)
+        loss = extra["loss"]
 
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -87,7 +93,7 @@ def make_train_step(
         # state.step counts batches consumed (the data position), skipped or not.
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
         count = optax.tree_utils.tree_get_all_with_path(state.opt_state, "count")[0][1]
-        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "lr": lr_schedule(count)}
+        metrics = {**extra, "grad_norm": grad_norm, "finite": finite, "lr": lr_schedule(count)}
         return new_state, metrics
 
     return train_step

@@ -11,9 +11,11 @@ from jaxdist.rules import AxisRules
 # layer, gradients reduce-scattered); tensor parallelism splits heads, MLP width and vocab the
 # Megatron way, so each layer needs one all-reduce forward and one backward per sublayer.
 # `heads` is listed for completeness: attention weights are split by kv group (`kv_heads`).
+# Experts split over `expert`, whose devices also share the batch outside the expert layers
+# (expert parallelism inside data parallelism); tokens travel to their experts by all-to-all.
 STANDARD_RULES = AxisRules(
     rows=(
-        ("batch", None, ("data", "fsdp")),
+        ("batch", None, ("data", "fsdp", "expert")),
         ("seq", None, None),
         ("embed", "fsdp", None),
         ("mlp", "tensor", "tensor"),
@@ -23,6 +25,7 @@ STANDARD_RULES = AxisRules(
         ("head_dim", None, None),
         ("vocab", "tensor", "tensor"),
         ("layers", None, None),
+        ("expert", "expert", "expert"),
     )
 )
 

@@ -18,6 +18,13 @@ PRESETS: dict[str, TransformerConfig] = {
         TransformerConfig("llama-124m", "llama", 12, 768, 12, 4, 2048, GPT_VOCAB, 1024),
         TransformerConfig("1b", "gpt2", 16, 2048, 16, 16, 8192, GPT_VOCAB, 2048),
         TransformerConfig("llama-1b", "llama", 16, 2048, 16, 8, 5632, GPT_VOCAB, 2048),
+        # Mixtral-style: 8 SwiGLU experts, top-2, every layer.
+        TransformerConfig(
+            "tiny-moe", "llama", 2, 128, 4, 2, 256, BYTE_VOCAB, 128, num_experts=8, top_k=2
+        ),
+        TransformerConfig(
+            "moe-1b", "llama", 16, 2048, 16, 8, 4096, GPT_VOCAB, 2048, num_experts=8, top_k=2
+        ),
     ]
 }
 
@@ -25,7 +32,10 @@ PRESETS: dict[str, TransformerConfig] = {
 def get_model_config(name: str, **overrides) -> TransformerConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    try:
+        return dataclasses.replace(PRESETS[name], **overrides)
+    except ValueError as e:  # the config's own checks
+        raise ConfigError(str(e)) from None
 
 
 def model_spec(config: TransformerConfig) -> ModelSpec:

@@ -20,7 +20,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.comm import PartialSum
+from jaxdist.errors import ConfigError
+from jaxdist.experts import capacity
 from jaxdist.rules import constrain
+from models import moe
+from models.moe import EXPERT_WEIGHTS, MOE_LOGICAL, moe_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +44,21 @@ class TransformerConfig:
     # none: keep all activations; full: recompute each layer in backward; dots: keep matmuls.
     remat: Literal["none", "full", "dots"] = "none"
     attention: Literal["xla", "cudnn"] = "xla"
+    # Mixture of experts (every layer's MLP) when num_experts > 0; d_mlp is each expert's.
+    num_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    dropless: bool = False
+    moe_impl: Literal["dispatch", "dense"] = "dispatch"
+    balance_coef: float = 0.01
+    z_loss_coef: float = 0.001
 
     def __post_init__(self):
+        if self.num_experts:
+            if not 1 <= self.top_k <= self.num_experts:
+                raise ConfigError(f"top-k {self.top_k} must lie in [1, {self.num_experts} experts]")
+            if self.capacity_factor <= 0:
+                raise ConfigError(f"capacity factor {self.capacity_factor} must be > 0")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model {self.d_model} not divisible by heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
@@ -65,23 +82,47 @@ class TransformerConfig:
         backward, without causal halving (the convention published MFU figures use).
         """
         shapes = _param_shapes(self)
-        n = sum(math.prod(s) for k, s in shapes.items() if len(s) >= 3 or k == "head_DV")
+        # MoE: each token passes through top_k of the experts, so count those (MFU on active
+        # parameters, the convention MoE results are published with).
+        active = self.top_k / self.num_experts if self.num_experts else 1.0
+        n = sum(
+            math.prod(s) * (active if k in EXPERT_WEIGHTS else 1)
+            for k, s in shapes.items()
+            if len(s) >= 3 or k == "head_DV"
+        )
         return 6 * n + 12 * self.num_layers * self.d_model * self.seq_len
 
-    def partial_sums(self, batch_size: int, microbatches: int = 1) -> list[PartialSum]:
-        """Where this model's matmuls leave partial sums when their split dims are sharded."""
+    def partial_sums(
+        self, batch_size: int, microbatches: int = 1, batch_ways: int = 1
+    ) -> list[PartialSum]:
+        """Where this model's matmuls leave partial sums when their split dims are sharded,
+        and (MoE) the buffers its experts exchange. `batch_ways`: devices sharing the batch."""
         B, T, D, L = batch_size // microbatches, self.seq_len, self.d_model, self.num_layers
         nbytes = jnp.dtype(self.compute_dtype).itemsize
         x, btd = ("batch", "seq", "embed"), (B, T, D)
         fwd = 2 if self.remat == "full" else 1  # full remat replays the forward in backward
         per_layer = [
             PartialSum(fwd, x, btd, "heads", nbytes),  # attention output projection
-            PartialSum(fwd, x, btd, "mlp", nbytes),  # MLP down projection
             PartialSum(1, x, btd, "kv_heads", nbytes),  # backward: input grad of fused QKV
-            PartialSum(1, x, btd, "mlp", nbytes),  # backward: input grad of MLP up
         ]
-        if self.style == "llama":
-            per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))  # ... and of the gate
+        if self.num_experts:
+            E = self.num_experts
+            C = capacity(B // batch_ways * T, E, self.top_k, self.capacity_factor, self.dropless)
+            ecd = (E, C, D)  # per device, whole: nothing further splits it
+            per_layer += [
+                # dispatch and combine, forward; their transposes, backward
+                PartialSum(2 * fwd + 2, (), ecd, "expert", nbytes, "all-to-all"),
+                # expert down projection, forward, and its transpose, backward
+                PartialSum(fwd + 1, (), ecd, "mlp", nbytes),
+                PartialSum(1, x, btd, "mlp", nbytes),  # backward: input grad of up and gate
+            ]
+        else:
+            per_layer += [
+                PartialSum(fwd, x, btd, "mlp", nbytes),  # MLP down projection
+                PartialSum(1, x, btd, "mlp", nbytes),  # backward: input grad of MLP up
+            ]
+            if self.style == "llama":
+                per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))  # ... and of the gate
         sums = [dataclasses.replace(p, count=p.count * L) for p in per_layer]
         sums += [
             PartialSum(1, x, btd, "vocab", nbytes),  # embedding lookup in a vocab-split table
@@ -113,6 +154,10 @@ def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
         "w_up_LDF": (L, D, F),
         "w_down_LFD": (L, F, D),
     }
+    if c.num_experts:
+        for k in ("w_up_LDF", "w_down_LFD"):
+            del shapes[k]
+        shapes |= moe_shapes(L, D, F, c.num_experts)
     if c.style == "gpt2":
         shapes |= {
             "pos_embed_TD": (c.seq_len, D),
@@ -120,7 +165,7 @@ def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
             "norm1_bias_LD": (L, D),
             "norm2_bias_LD": (L, D),
         }
-    else:
+    elif not c.num_experts:
         shapes["w_gate_LDF"] = (L, D, F)
     return shapes
 
@@ -140,6 +185,7 @@ _LOGICAL = {
     "w_up_LDF": ("layers", "embed", "mlp"),
     "w_gate_LDF": ("layers", "embed", "mlp"),
     "w_down_LFD": ("layers", "mlp", "embed"),
+    **MOE_LOGICAL,
 }
 
 
@@ -155,11 +201,12 @@ class Transformer(nnx.Module):
             elif "bias" in name:
                 value = jnp.zeros(shape, jnp.float32)
             else:
-                scale = out_std if name in ("wo_LNHD", "w_down_LFD") else std
+                scale = out_std if name in ("wo_LNHD", "w_down_LFD", "w_down_LEFD") else std
                 value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
             setattr(self, name, nnx.Param(value, logical_axes=_LOGICAL[name]))
 
-    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+    def __call__(self, tokens_BT: jax.Array) -> tuple[jax.Array, dict]:
+        """Logits, and {"loss": auxiliary loss to add, "metrics": {...}} (MoE; else zero)."""
         c = self.config
         dtype = jnp.dtype(c.compute_dtype)
         # Cast before use so FSDP gathers and tensor-parallel reductions move compute-dtype
@@ -179,14 +226,15 @@ class Transformer(nnx.Module):
         positions_T = jnp.arange(T)
 
         def block(x_BTD, w):
-            return _block(c, x_BTD, w, positions_T), None
+            return _block(c, x_BTD, w, positions_T)
 
         block = jax.checkpoint(block, policy=_REMAT_POLICIES[c.remat])
-        x_BTD, _ = jax.lax.scan(block, x_BTD, layers)
+        x_BTD, aux = jax.lax.scan(block, x_BTD, layers)
+        aux = moe.summarize(c, aux) if c.num_experts else {"loss": 0.0, "metrics": {}}
 
         x_BTD = _norm(c, x_BTD, p["norm_f_scale_D"], p.get("norm_f_bias_D"))
         logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, p["head_DV"])
-        return constrain(logits_BTV, ("batch", "seq", "vocab"))
+        return constrain(logits_BTV, ("batch", "seq", "vocab")), aux
 
 
 def _norm(c: TransformerConfig, x_BTD, scale_D, bias_D):
@@ -212,9 +260,10 @@ def _rope(c: TransformerConfig, x_BTNH, positions_T):
 # Gathered (FSDP) weights are never saved for the backward pass, whatever the policy: the
 # backward loop gathers each layer again, since keeping all of them would undo FSDP's saving.
 def _save_all_but_gathered(prim, *_, **params) -> bool:
-    # A sharding constraint's output is where a gathered weight first appears, so it is
-    # recomputed (re-gathered) rather than saved; on activations it is a free identity.
-    return prim.name != "sharding_constraint"
+    # A sharding constraint's output (or, inside shard_map, an all_gather's) is where a
+    # gathered weight first appears, so it is recomputed (re-gathered) rather than saved; on
+    # activations a constraint is a free identity.
+    return prim.name not in ("sharding_constraint", "all_gather")
 
 
 _REMAT_POLICIES = {
@@ -225,7 +274,8 @@ _REMAT_POLICIES = {
 
 
 def _block(c: TransformerConfig, x_BTD, w, positions_T):
-    w = {k: constrain(v, _LOGICAL[k][1:]) for k, v in w.items()}
+    # Expert weights stay as stored: jaxdist.experts gathers them inside its shard_map.
+    w = {k: v if k in EXPERT_WEIGHTS else constrain(v, _LOGICAL[k][1:]) for k, v in w.items()}
     B, T, _ = x_BTD.shape
     h_BTD = _norm(c, x_BTD, w["norm1_scale_LD"], w.get("norm1_bias_LD"))
     qkv_BTGQH = constrain(
@@ -248,6 +298,9 @@ def _block(c: TransformerConfig, x_BTD, w, positions_T):
     )
 
     h_BTD = _norm(c, x_BTD, w["norm2_scale_LD"], w.get("norm2_bias_LD"))
+    if c.num_experts:
+        y_BTD, aux = moe.moe_mlp(c, h_BTD, w)
+        return x_BTD + constrain(y_BTD, ("batch", "seq", "embed")), aux
     up_BTF = jnp.einsum("btd,df->btf", h_BTD, w["w_up_LDF"])
     if c.style == "llama":
         gate_BTF = jnp.einsum("btd,df->btf", h_BTD, w["w_gate_LDF"])
@@ -258,4 +311,4 @@ def _block(c: TransformerConfig, x_BTD, w, positions_T):
     x_BTD = x_BTD + constrain(
         jnp.einsum("btf,fd->btd", up_BTF, w["w_down_LFD"]), ("batch", "seq", "embed")
     )
-    return x_BTD
+    return x_BTD, {}

@@ -50,7 +50,7 @@ def test_train_writes_config_metrics_and_summary(tmp_path):
         assert {"step", "loss", "step_time_s", "tokens_per_s", "grad_norm", "mfu"} <= set(rec)
         assert rec["tokens_per_s"] > 0 and rec["loss"] > 0
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert config["mesh"] == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
     assert config["model"]["name"] == "tiny" and config["devices"]["count"] == 8
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["step_time_s"]["n"] == 4
@@ -117,13 +117,25 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
 
 
 def test_bench_prints_one_json_line_with_the_figures():
-    r = jaxdist("bench", "--model", "tiny", "--devices", "cpu:8", "--mesh", "fsdp=8",
-                "--steps", "5")
+    r = jaxdist(
+        "bench", "--model", "tiny", "--devices", "cpu:8", "--mesh", "fsdp=8", "--steps", "5"
+    )
     assert r.returncode == 0, r.stderr
     (line,) = [x for x in r.stdout.splitlines() if x.strip()]
     out = json.loads(line)
-    for key in ("model", "batch_size", "seq_len", "tokens_per_s", "model_tflops", "mfu",
-                "step_ms_p50", "step_ms_p90", "peak_mem_gb", "compile_s", "loop_overhead"):
+    for key in (
+        "model",
+        "batch_size",
+        "seq_len",
+        "tokens_per_s",
+        "model_tflops",
+        "mfu",
+        "step_ms_p50",
+        "step_ms_p90",
+        "peak_mem_gb",
+        "compile_s",
+        "loop_overhead",
+    ):
         assert key in out, key
     assert out["tokens_per_s"] > 0 and out["step_ms_p90"] >= out["step_ms_p50"] > 0
     # MFU follows from the FLOPs formula: tokens/s x 6N+12LdT over 8 devices x 989 TFLOP/s.

@@ -6,6 +6,8 @@ from jaxdist import comm, hlo
 from tests.helpers import compiled_for
 
 CASES = [
+    ("expert=4,data=2", "tiny-moe", 1),
+    ("expert=2,fsdp=2,tensor=2", "tiny-moe", 1),
     ("data=8", "tiny", 1),
     ("fsdp=8", "tiny", 1),
     ("data=2,tensor=4", "tiny", 1),
@@ -23,7 +25,7 @@ def test_measured_bytes_match_expected(layout, model, microbatches):
         compiled_rules(),
         16,
         mc.seq_len,
-        mc.partial_sums(16, microbatches),
+        mc.partial_sums(16, microbatches, comm.batch_ways(compiled, mesh)),
         compute_bytes=4,
         microbatches=microbatches,
     )

@@ -21,7 +21,7 @@ LAYOUTS = ["data=8", "fsdp=8", "data=2,tensor=4", "data=2,fsdp=2,tensor=2"]
 
 def _grads(compiled, mesh, graphdef, state, batch):
     def loss_fn(params, tokens):
-        return cross_entropy(nnx.merge(graphdef, params)(tokens[:, :-1]), tokens[:, 1:])
+        return cross_entropy(nnx.merge(graphdef, params)(tokens[:, :-1])[0], tokens[:, 1:])
 
     @functools.partial(jax.jit, out_shardings=compiled.state_sharding.params)
     def grads(params, tokens):

@@ -4,19 +4,19 @@ import jax
 import pytest
 
 from jaxdist.errors import ConfigError
-from jaxdist.mesh import build_mesh, parse_mesh
+from jaxdist.mesh import MESH_AXES, build_mesh, parse_mesh
 from meshes.presets import PRESETS, get_mesh_preset
 
 
 def test_parse_and_build_inline_layout():
     mesh = build_mesh(parse_mesh("data=2,fsdp=2,tensor=2"))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
 
 
 def test_fill_axis():
     mesh = build_mesh(parse_mesh("data=2,fsdp=-1"))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
 
 
 @pytest.mark.parametrize(
@@ -43,13 +43,18 @@ def test_device_count_mismatch_is_an_error_not_a_subset():
 
 
 def test_presets():
-    assert dict(build_mesh(PRESETS["cpu8"].mesh).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(build_mesh(PRESETS["cpu8"].mesh).shape) == {
+        "data": 2,
+        "fsdp": 2,
+        "expert": 1,
+        "tensor": 2,
+    }
     assert build_mesh(PRESETS["single"].mesh, jax.devices()[:1]).size == 1
     assert PRESETS["gpu2x8"].mesh.num_devices == 16
     assert dict(PRESETS["gpu2x8"].mesh.dcn) == {"data": 2}
     assert PRESETS["tpu-v5p-64"].mesh.num_devices == 64
     for preset in PRESETS.values():
-        preset.rules.validate(("data", "fsdp", "tensor"))
+        preset.rules.validate(MESH_AXES)
     with pytest.raises(ConfigError, match="needs 16 devices"):
         build_mesh(PRESETS["gpu2x8"].mesh)
     with pytest.raises(ConfigError, match="unknown mesh 'cpu9'"):

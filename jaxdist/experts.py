@@ -1,0 +1,109 @@
+"""Expert parallelism: tokens travel to their experts and back by all-to-all.
+
+`moe_ffn` runs per device (`shard_map`): each device packs its own tokens into per-expert
+buffers of `capacity` slots, an all-to-all over the `expert` mesh axis hands every buffer to
+the device that owns the expert, the experts run (SwiGLU; their MLP width split Megatron-style
+over the `mlp` axes, their weights gathered over the FSDP axes), and a second all-to-all brings
+the results home, where they are weighted by the router and summed. A token whose expert is
+full is dropped (its expert output is zero; the residual carries it on). Dropless mode sizes
+the buffers so that no token can be dropped: capacity = tokens per device.
+
+Pays in communication: 2 all-to-alls per MoE layer forward and 2 backward, each of
+E x capacity x D per device; small routing messages are latency-bound.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.rules import active
+
+
+def capacity(
+    tokens_per_device: int, num_experts: int, top_k: int, capacity_factor: float, dropless: bool
+) -> int:
+    """Slots per expert in each device's send buffer."""
+    if dropless:
+        return tokens_per_device  # top-k picks distinct experts: at most one slot per token
+    return max(1, math.ceil(capacity_factor * tokens_per_device * top_k / num_experts))
+
+
+def moe_ffn(
+    x_BTD,
+    expert_BTK,
+    weight_BTK,
+    w_up_EDF,
+    w_gate_EDF,
+    w_down_EFD,
+    capacity_factor: float,
+    dropless: bool,
+):
+    """Returns (y_BTD, stats) with stats = {dropped, assigned, load_E} summed over devices."""
+    rules, mesh = active()
+
+    def used(axes):  # collectives over size-1 axes move nothing; leave them out
+        return tuple(a for a in axes if mesh.shape[a] > 1)
+
+    batch = rules.mesh_axes("batch", "activation")
+    expert = used(rules.mesh_axes("expert", "param"))
+    embed = used(rules.mesh_axes("embed", "param"))  # FSDP: gathered here, where used
+    mlp = used(rules.mesh_axes("mlp", "param"))
+    E = w_up_EDF.shape[0]
+    n_ep = math.prod(mesh.shape[a] for a in expert)
+    B, T, _ = x_BTD.shape
+    tokens = B // math.prod(mesh.shape[a] for a in batch) * T
+    K = expert_BTK.shape[-1]
+    C = capacity(tokens, E, K, capacity_factor, dropless)
+    tok = P(batch or None, None, None)
+    w_in = P(expert or None, embed or None, mlp or None)
+    w_out = P(expert or None, mlp or None, embed or None)
+
+    def local(x_btD, e_btK, g_btK, up_eDF, gate_eDF, down_eFD):
+        b, t, D = x_btD.shape
+        n = b * t
+        if embed:
+            up_eDF = jax.lax.all_gather(up_eDF, embed, axis=1, tiled=True)
+            gate_eDF = jax.lax.all_gather(gate_eDF, embed, axis=1, tiled=True)
+            down_eFD = jax.lax.all_gather(down_eFD, embed, axis=2, tiled=True)
+        x_nD = x_btD.reshape(n, D)
+        # Assignments ordered choice-major: every token's first choice claims a slot before
+        # any second choice does (Switch/GShard priority).
+        e_a = e_btK.reshape(n, K).T.reshape(-1)
+        g_a = g_btK.reshape(n, K).T.reshape(-1)
+        token_a = jnp.tile(jnp.arange(n), K)
+        onehot_aE = jax.nn.one_hot(e_a, E, dtype=jnp.int32)
+        pos_a = jnp.sum((jnp.cumsum(onehot_aE, axis=0) - 1) * onehot_aE, axis=1)
+        keep_a = pos_a < C
+        slot_a = jnp.where(keep_a, e_a * C + pos_a, E * C)  # dropped: a spare slot
+        buf = jnp.zeros((E * C + 1, D), x_nD.dtype).at[slot_a].add(x_nD[token_a])
+        send_sECD = buf[: E * C].reshape(n_ep, E // n_ep, C, D)
+        recv_sECD = jax.lax.all_to_all(send_sECD, expert, 0, 0, tiled=True) if expert else send_sECD
+        h_sECF = jax.nn.silu(jnp.einsum("secd,edf->secf", recv_sECD, gate_eDF)) * jnp.einsum(
+            "secd,edf->secf", recv_sECD, up_eDF
+        )
+        out_sECD = jnp.einsum("secf,efd->secd", h_sECF, down_eFD)
+        if mlp:
+            out_sECD = jax.lax.psum(out_sECD, mlp)
+        back_sECD = jax.lax.all_to_all(out_sECD, expert, 0, 0, tiled=True) if expert else out_sECD
+        back = jnp.concatenate([back_sECD.reshape(E * C, D), jnp.zeros((1, D), x_nD.dtype)])
+        y_aD = back[slot_a] * (g_a * keep_a)[:, None].astype(x_nD.dtype)
+        y_nD = y_aD.reshape(K, n, D).sum(0)
+        stats = {
+            "dropped": jnp.sum(~keep_a).astype(jnp.float32),
+            "assigned": jnp.float32(n * K),
+            "load_E": jnp.sum(onehot_aE, axis=0).astype(jnp.float32),
+        }
+        if used(batch):
+            stats = jax.lax.psum(stats, used(batch))
+        return y_nD.reshape(b, t, D), stats
+
+    stats_spec = {"dropped": P(), "assigned": P(), "load_E": P()}
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(tok, tok, tok, w_in, w_in, w_out),
+        out_specs=(tok, stats_spec),
+        check_vma=False,
+    )(x_BTD, expert_BTK, weight_BTK, w_up_EDF, w_gate_EDF, w_down_EFD)
