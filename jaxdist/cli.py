@@ -27,7 +27,12 @@ class Common:
     batch_size: int = 16
     seed: int = 0
     microbatches: int = 1
-    """gradient accumulation: the batch is run as this many slices per step"""
+    """gradient accumulation: the batch is run as this many slices per step (with a pipeline
+    axis: the microbatches the schedule pipelines)"""
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    """schedule over the pipeline mesh axis"""
+    virtual_stages: int = 1
+    """layer chunks per device for the interleaved schedule"""
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto: bfloat16 on GPU/TPU, float32 on CPU; parameters stay float32"""
     remat: Literal["none", "full", "dots"] = "none"
@@ -171,6 +176,19 @@ def _setup(args: Common):
     return mesh, rules, model_cfg
 
 
+def _step_config(args: Common, **extra):
+    from jaxdist.step import StepConfig
+
+    if args.pipeline_schedule == "interleaved" or args.virtual_stages != 1:
+        raise ConfigError(
+            "the interleaved schedule (virtual stages) is not implemented yet; "
+            "use --pipeline-schedule 1f1b or gpipe"
+        )
+    return StepConfig(
+        microbatches=args.microbatches, pipeline_schedule=args.pipeline_schedule, **extra
+    )
+
+
 def _stall(text: str | None) -> tuple[int, int, float] | None:
     if text is None:
         return None
@@ -189,13 +207,12 @@ def train(args: Train) -> int:
     from jaxdist.data import DataConfig
     from jaxdist.interval import CheckpointConfig
     from jaxdist.optim import OptimConfig
-    from jaxdist.step import StepConfig
     from models.presets import model_spec
 
     model = model_spec(model_cfg)
     optim = OptimConfig(learning_rate=args.lr, warmup_steps=args.warmup_steps)
     data = DataConfig(path=args.data, batch_size=args.batch_size, seed=args.seed)
-    step = StepConfig(microbatches=args.microbatches, fault_nan_steps=args.fault_nan_steps)
+    step = _step_config(args, fault_nan_steps=args.fault_nan_steps)
     from jaxdist.capture import parse_range
 
     hardware = args.hardware
@@ -248,13 +265,13 @@ def comm(args: Comm) -> int:
 
     from jaxdist import comm as comm_report
     from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.step import StepConfig, build
+    from jaxdist.step import build
     from models.presets import model_spec
 
     model = model_spec(model_cfg)
     tx, lr = make_optimizer(OptimConfig(), 100)
     compiled = build(
-        model.init, tx, lr, rules, mesh, StepConfig(args.microbatches), args.seed, args.batch_size
+        model.init, tx, lr, rules, mesh, _step_config(args), args.seed, args.batch_size
     )
     report = comm_report.report(
         compiled,

@@ -13,9 +13,10 @@ from jax.sharding import AxisType, Mesh
 
 from jaxdist.errors import ConfigError
 
-# Outermost first: slow links (data, across hosts) outside, fast links (tensor) innermost;
+# Outermost first: slow links (pipeline stages across racks, data across hosts) outside,
+# fast links (tensor) innermost;
 # expert all-to-all traffic sits on fast links too.
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
+MESH_AXES: tuple[str, ...] = ("pipeline", "data", "fsdp", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist import pipeline
 from jaxdist.errors import ConfigError
 from jaxdist.rules import AxisRules, activation_rules, batch_sharding, state_shardings
 
@@ -27,7 +28,8 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    microbatches: int = 1  # gradient accumulation: the batch is run in this many slices
+    microbatches: int = 1  # gradient accumulation, or the pipeline's microbatches
+    pipeline_schedule: str = "1f1b"  # used when the mesh has a pipeline axis
     # Fault injection, for testing recovery: these steps' loss and gradients become NaN.
     fault_nan_steps: tuple[int, ...] = ()
 
@@ -43,8 +45,10 @@ def make_train_step(
     tx: optax.GradientTransformation,
     lr_schedule: optax.Schedule,
     config: StepConfig,
+    schedule: pipeline.Schedule | None = None,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
-    """Builds the pure step for one model structure, optimizer and accumulation setting."""
+    """Builds the pure step for one model structure, optimizer and accumulation setting;
+    with a pipeline `schedule`, the model's stages run pipelined over the microbatches."""
 
     def loss_fn(params: nnx.State, tokens_BT1: jax.Array, scale: jax.Array):
         model = nnx.merge(graphdef, params)
@@ -64,7 +68,16 @@ def make_train_step(
         faulty = jnp.isin(state.step, jnp.asarray(config.fault_nan_steps or (-1,)))
         scale = jnp.where(faulty, jnp.nan, 1.0)
         M = config.microbatches
-        if M == 1:
+        if schedule is not None:
+            stages = nnx.merge(graphdef, state.params).stages()
+            loss, by_name = pipeline.value_and_grad(
+                stages, tokens_BT1, cross_entropy, scale, schedule, M
+            )
+            grads = jax.tree_util.tree_map_with_path(
+                lambda path, _: by_name[path[0].key], state.params
+            )
+            extra = {"loss": loss, "aux_loss": jnp.float32(0)}
+        elif M == 1:
             (_, extra), grads = value_and_grad(state.params, tokens_BT1, scale)
         else:
             B = tokens_BT1.shape[0]
@@ -158,7 +171,12 @@ def build(
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
     init_fn = jax.jit(init, out_shardings=state_sharding)
-    step = make_train_step(graphdef, tx, lr_schedule, config)
+    schedule = None
+    if "pipeline" in mesh.shape and mesh.shape["pipeline"] > 1:
+        schedule = pipeline.make_schedule(
+            config.pipeline_schedule, mesh.shape["pipeline"], config.microbatches
+        )
+    step = make_train_step(graphdef, tx, lr_schedule, config, schedule)
 
     def traced_step(state, batch):
         with activation_rules(rules, mesh):

@@ -24,7 +24,7 @@ STANDARD_RULES = AxisRules(
         ("qkv", None, None),
         ("head_dim", None, None),
         ("vocab", "tensor", "tensor"),
-        ("layers", None, None),
+        ("layers", "pipeline", None),
         ("expert", "expert", "expert"),
     )
 )

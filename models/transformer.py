@@ -22,6 +22,7 @@ from flax import nnx
 from jaxdist.comm import PartialSum
 from jaxdist.errors import ConfigError
 from jaxdist.experts import capacity
+from jaxdist.pipeline import Stages
 from jaxdist.rules import constrain
 from models import moe
 from models.moe import EXPERT_WEIGHTS, MOE_LOGICAL, moe_shapes
@@ -205,36 +206,71 @@ class Transformer(nnx.Module):
                 value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
             setattr(self, name, nnx.Param(value, logical_axes=_LOGICAL[name]))
 
+    def weights(self) -> dict[str, jax.Array]:
+        """Every parameter by name, as stored (fp32)."""
+        return {name: getattr(self, name)[...] for name in _param_shapes(self.config)}
+
     def __call__(self, tokens_BT: jax.Array) -> tuple[jax.Array, dict]:
         """Logits, and {"loss": auxiliary loss to add, "metrics": {...}} (MoE; else zero)."""
-        c = self.config
-        dtype = jnp.dtype(c.compute_dtype)
-        # Cast before use so FSDP gathers and tensor-parallel reductions move compute-dtype
-        # bytes. Each weight is laid out for compute where it is used (FSDP: gathered over the
-        # batch axes); layer weights inside the scan body, one layer at a time.
-        p = {name: getattr(self, name)[...].astype(dtype) for name in _param_shapes(c)}
-        p = {k: v if "_L" in k else constrain(v, _LOGICAL[k]) for k, v in p.items()}
-
-        x_BTD = jnp.take(p["tok_embed_VD"], tokens_BT, axis=0)
-        T = tokens_BT.shape[1]
-        if c.style == "gpt2":
-            x_BTD = x_BTD + p["pos_embed_TD"][:T]
-        x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
-
-        layer_keys = [k for k in p if "_L" in k]
-        layers = {k: p[k] for k in layer_keys}
-        positions_T = jnp.arange(T)
-
-        def block(x_BTD, w):
-            return _block(c, x_BTD, w, positions_T)
-
-        block = jax.checkpoint(block, policy=_REMAT_POLICIES[c.remat])
-        x_BTD, aux = jax.lax.scan(block, x_BTD, layers)
+        c, p = self.config, self.weights()
+        x_BTD = embed(c, p, tokens_BT)
+        x_BTD, aux = run_layers(c, {k: v for k, v in p.items() if "_L" in k}, x_BTD)
         aux = moe.summarize(c, aux) if c.num_experts else {"loss": 0.0, "metrics": {}}
+        return logits(c, p, x_BTD), aux
 
-        x_BTD = _norm(c, x_BTD, p["norm_f_scale_D"], p.get("norm_f_bias_D"))
-        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, p["head_DV"])
-        return constrain(logits_BTV, ("batch", "seq", "vocab")), aux
+    def stages(self) -> Stages:
+        """The model cut into pipeline pieces: embed, a run of layers, the head."""
+        if self.config.num_experts:
+            raise ConfigError(
+                "pipeline parallelism with MoE layers is not supported yet; "
+                "use the expert axis without pipeline"
+            )
+        c = self.config
+        return Stages(
+            self.weights(),
+            [k for k in _param_shapes(c) if "_L" in k],
+            lambda p, t: embed(c, p, t),
+            lambda w, x: run_layers(c, w, x)[0],
+            lambda p, x: logits(c, p, x),
+        )
+
+
+def _cast(c: TransformerConfig, name: str, v: jax.Array) -> jax.Array:
+    # Cast before use so FSDP gathers and tensor-parallel reductions move compute-dtype bytes;
+    # each weight is laid out for compute where it is used (FSDP: gathered over the batch
+    # axes). Layer weights are laid out inside the scan body, one layer at a time.
+    v = v.astype(jnp.dtype(c.compute_dtype))
+    return v if "_L" in name else constrain(v, _LOGICAL[name])
+
+
+def embed(c: TransformerConfig, p: dict, tokens_BT: jax.Array) -> jax.Array:
+    x_BTD = jnp.take(_cast(c, "tok_embed_VD", p["tok_embed_VD"]), tokens_BT, axis=0)
+    if c.style == "gpt2":
+        x_BTD = x_BTD + _cast(c, "pos_embed_TD", p["pos_embed_TD"])[: tokens_BT.shape[1]]
+    return constrain(x_BTD, ("batch", "seq", "embed"))
+
+
+def run_layers(c: TransformerConfig, layers: dict, x_BTD: jax.Array):
+    """The stacked layers given (all of them, or a pipeline stage's share), in order."""
+    layers = {k: v.astype(jnp.dtype(c.compute_dtype)) for k, v in layers.items()}
+    positions_T = jnp.arange(x_BTD.shape[1])
+
+    def block(x_BTD, w):
+        return _block(c, x_BTD, w, positions_T)
+
+    block = jax.checkpoint(block, policy=_REMAT_POLICIES[c.remat])
+    return jax.lax.scan(block, x_BTD, layers)
+
+
+def logits(c: TransformerConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
+    x_BTD = _norm(
+        c,
+        x_BTD,
+        _cast(c, "norm_f_scale_D", p["norm_f_scale_D"]),
+        _cast(c, "norm_f_bias_D", p["norm_f_bias_D"]) if "norm_f_bias_D" in p else None,
+    )
+    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, _cast(c, "head_DV", p["head_DV"]))
+    return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
 def _norm(c: TransformerConfig, x_BTD, scale_D, bias_D):
