@@ -50,7 +50,7 @@ def test_train_writes_config_metrics_and_summary(tmp_path):
         assert {"step", "loss", "step_time_s", "tokens_per_s", "grad_norm", "mfu"} <= set(rec)
         assert rec["tokens_per_s"] > 0 and rec["loss"] > 0
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["mesh"] == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert config["mesh"] == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
     assert config["model"]["name"] == "tiny" and config["devices"]["count"] == 8
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["step_time_s"]["n"] == 4

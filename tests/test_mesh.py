@@ -10,13 +10,13 @@ from meshes.presets import PRESETS, get_mesh_preset
 
 def test_parse_and_build_inline_layout():
     mesh = build_mesh(parse_mesh("data=2,fsdp=2,tensor=2"))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
 
 
 def test_fill_axis():
     mesh = build_mesh(parse_mesh("data=2,fsdp=-1"))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
 
 
 @pytest.mark.parametrize(
@@ -44,6 +44,7 @@ def test_device_count_mismatch_is_an_error_not_a_subset():
 
 def test_presets():
     assert dict(build_mesh(PRESETS["cpu8"].mesh).shape) == {
+        "pipeline": 1,
         "data": 2,
         "fsdp": 2,
         "expert": 1,

@@ -38,7 +38,7 @@ def test_bad_tables_are_errors(rows, message):
 def test_spec_resolution_and_axis_used_twice():
     assert STANDARD_RULES.spec(("embed", "mlp"), "param") == P("fsdp", "tensor")
     assert STANDARD_RULES.spec(("batch", "seq", "embed"), "activation") == P(
-        ("data", "fsdp"), None, None
+        ("data", "fsdp", "expert"), None, None
     )
     rows = _rows_without("embed") + (("embed", "tensor", None),)
     with pytest.raises(ConfigError, match="would split both 'embed' and 'mlp'"):
