@@ -1,8 +1,14 @@
-"""Shared builders for tests: a model spec and a compiled step for a layout."""
+"""Shared builders for tests: compiled steps for a layout, and the command line."""
+
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 
 from jaxdist.mesh import build_mesh, parse_mesh
+from jaxdist.metrics import latest_per_step, read_metrics
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.step import StepConfig, build
 from meshes.presets import STANDARD_RULES, get_mesh_preset
@@ -38,3 +44,49 @@ def compiled_for(
         batch_size=batch_size,
     )
     return mc, mesh, compiled
+
+
+# --- the command line, as the subprocess tests run it ---
+JAXDIST = [sys.executable, "-m", "jaxdist.cli"]
+CLI_ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def tiny_train(steps: int, checkpoint_every: int) -> list[str]:
+    """`train` for the tiny model on the cpu8 layout, logging every step."""
+    return [
+        "train",
+        "--model",
+        "tiny",
+        "--mesh",
+        "data=2,fsdp=2,tensor=2",
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "16",
+        "--log-every",
+        "1",
+        "--checkpoint-every",
+        str(checkpoint_every),
+    ]
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*JAXDIST, *args], capture_output=True, text=True, timeout=timeout, env=CLI_ENV
+    )
+
+
+def cli_popen(*args: str, merge_output: bool = True) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*JAXDIST, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_output else subprocess.PIPE,
+        text=True,
+        env=CLI_ENV,
+    )
+
+
+def losses(run_dir: pathlib.Path) -> dict[int, float]:
+    """Step -> loss, the last logged line of each step winning (as after a resume)."""
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return {s: r["loss"] for s, r in latest_per_step(records).items()}

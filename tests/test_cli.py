@@ -1,29 +1,16 @@
 """The command line, as a user runs it: outputs on success, one clear line on bad input."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-def jaxdist(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "jaxdist.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=ENV,
-    )
+from tests.helpers import cli
 
 
 def test_train_writes_config_metrics_and_summary(tmp_path):
     run_dir = tmp_path / "run"
-    r = jaxdist(
+    r = cli(
         "train",
         "--model",
         "tiny",
@@ -58,7 +45,7 @@ def test_train_writes_config_metrics_and_summary(tmp_path):
 
 
 def test_comm_json():
-    r = jaxdist("comm", "--model", "tiny", "--mesh", "fsdp=8", "--devices", "cpu:8", "--json")
+    r = cli("comm", "--model", "tiny", "--mesh", "fsdp=8", "--devices", "cpu:8", "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["rows"]
     assert {"axis", "kind", "count", "bytes", "expected_bytes", "ratio"} <= set(rows[0])
@@ -67,7 +54,7 @@ def test_comm_json():
 
 
 def test_compile_only_reports_memory_for_1b_on_8_devices():
-    r = jaxdist(
+    r = cli(
         "train",
         "--model",
         "1b",
@@ -107,7 +94,7 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
     defaults = ["--steps", "2", "--run-dir", str(tmp_path / "run")]
     if "--devices" not in args:
         defaults += ["--devices", "cpu:8"]
-    r = jaxdist("train", *defaults, *args, timeout=120)
+    r = cli("train", *defaults, *args, timeout=120)
     assert r.returncode != 0
     assert not (tmp_path / "run").exists()  # refused before any output was written
     assert "Traceback" not in r.stderr, r.stderr
@@ -117,9 +104,7 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
 
 
 def test_bench_prints_one_json_line_with_the_figures():
-    r = jaxdist(
-        "bench", "--model", "tiny", "--devices", "cpu:8", "--mesh", "fsdp=8", "--steps", "5"
-    )
+    r = cli("bench", "--model", "tiny", "--devices", "cpu:8", "--mesh", "fsdp=8", "--steps", "5")
     assert r.returncode == 0, r.stderr
     (line,) = [x for x in r.stdout.splitlines() if x.strip()]
     out = json.loads(line)

@@ -5,85 +5,29 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from jaxdist.metrics import latest_per_step, read_metrics
+from jaxdist.metrics import read_metrics
+from tests.helpers import cli, cli_popen, losses, tiny_train
 
 STEPS = 8
-TRAIN = [
-    "train",
-    "--model",
-    "tiny",
-    "--mesh",
-    "data=2,fsdp=2,tensor=2",
-    "--steps",
-    str(STEPS),
-    "--batch-size",
-    "16",
-    "--log-every",
-    "1",
-    "--checkpoint-every",
-    "4",
-]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+TRAIN = tiny_train(STEPS, checkpoint_every=4)
+LAUNCH_2X4 = ["launch", "--processes", "2", "--devices-per-process", "4", "--"]
 
 
 def one_process(run_dir, *extra, timeout=300):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxdist.cli",
-            *TRAIN,
-            "--devices",
-            "cpu:8",
-            "--run-dir",
-            str(run_dir),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=ENV,
-    )
+    r = cli(*TRAIN, "--devices", "cpu:8", "--run-dir", str(run_dir), *extra, timeout=timeout)
     assert r.returncode == 0, r.stderr
     return r
 
 
 def two_processes(run_dir, *extra, timeout=300):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxdist.cli",
-            "launch",
-            "--processes",
-            "2",
-            "--devices-per-process",
-            "4",
-            "--",
-            *TRAIN,
-            "--run-dir",
-            str(run_dir),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=ENV,
-    )
+    r = cli(*LAUNCH_2X4, *TRAIN, "--run-dir", str(run_dir), *extra, timeout=timeout)
     assert r.returncode == 0, r.stderr
     return r
-
-
-def losses(run_dir):
-    return {
-        s: r["loss"] for s, r in latest_per_step(read_metrics(run_dir / "metrics.jsonl")).items()
-    }
 
 
 @pytest.fixture(scope="module")
@@ -133,24 +77,7 @@ def test_checkpoint_restores_across_process_counts(tmp_path, reference, first, t
 
 def test_dead_process_ends_the_run_naming_it_then_relaunch_resumes(tmp_path):
     long_run = [*TRAIN, "--steps", "400", "--run-dir", str(tmp_path), "--heartbeat-timeout", "5"]
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jaxdist.cli",
-            "launch",
-            "--processes",
-            "2",
-            "--devices-per-process",
-            "4",
-            "--",
-            *long_run,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=ENV,
-    )
+    launcher = cli_popen(*LAUNCH_2X4, *long_run)
     deadline = time.monotonic() + 120
     while len(read_metrics(tmp_path / "metrics.jsonl")) < 6 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -170,24 +97,7 @@ def test_dead_process_ends_the_run_naming_it_then_relaunch_resumes(tmp_path):
 
     # Relaunch: it resumes; then a SIGTERM to the launcher reaches both processes, which
     # save and exit 0, as a preempted job does.
-    relaunch = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jaxdist.cli",
-            "launch",
-            "--processes",
-            "2",
-            "--devices-per-process",
-            "4",
-            "--",
-            *long_run,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=ENV,
-    )
+    relaunch = cli_popen(*LAUNCH_2X4, *long_run)
     seen = []
     for line in relaunch.stdout:
         seen.append(line)

@@ -1,51 +1,23 @@
 """Crash and preemption, as they happen: real processes, kill -9, SIGTERM, relaunch."""
 
-import os
 import pathlib
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from jaxdist.checkpoint import list_checkpoints
-from jaxdist.metrics import latest_per_step, read_metrics
+from jaxdist.metrics import read_metrics
+from tests.helpers import cli_popen, losses, tiny_train
 
 STEPS = 40
-ARGS = [
-    "train",
-    "--model",
-    "tiny",
-    "--mesh",
-    "data=2,fsdp=2,tensor=2",
-    "--devices",
-    "cpu:8",
-    "--steps",
-    str(STEPS),
-    "--batch-size",
-    "16",
-    "--log-every",
-    "1",
-    "--checkpoint-every",
-    "2",
-]
+ARGS = [*tiny_train(STEPS, checkpoint_every=2), "--devices", "cpu:8"]
 
 
 def launch(run_dir: pathlib.Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "jaxdist.cli", *ARGS, "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-
-
-def losses(run_dir: pathlib.Path) -> dict[int, float]:
-    records = read_metrics(run_dir / "metrics.jsonl")
-    return {s: r["loss"] for s, r in latest_per_step(records).items()}
+    return cli_popen(*ARGS, "--run-dir", str(run_dir), merge_output=False)
 
 
 @pytest.fixture(scope="module")
