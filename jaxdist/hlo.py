@@ -125,9 +125,12 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
             if " while(" in line:
                 m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
                 trip = int(m.group(1)) if m else 1
-            for key, callee in re.findall(
-                r"\b(body|calls|branch_computations)=\{?%([\w.\-]+)", line
-            ):
+            calls = re.findall(r"\b(body|calls)=%([\w.\-]+)", line)
+            # Every branch of a conditional, each counted as if taken every time: an upper
+            # bound, since which branch runs is only known at run time.
+            for branches in re.findall(r"\bbranch_computations=\{([^}]*)\}", line):
+                calls += [("branch", b.strip().lstrip("%")) for b in branches.split(",")]
+            for key, callee in calls:
                 times = mult[comp] * (trip if key == "body" else 1)
                 mult[callee] = mult.get(callee, 0) + times
                 order.append(callee)

@@ -97,3 +97,34 @@ def test_hlo_parser_reads_every_group_format_and_loop_counts():
     assert found["cp"].axes == ("data",)
     summary = hlo.summarize(list(found.values()))
     assert summary[("tensor", "all-reduce")] == {"count": 3, "bytes": 96}
+
+
+COND = """HloModule c
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%left (p: f32[8]) -> f32[8] {
+  %p = f32[8] parameter(0)
+  ROOT %l = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add
+}
+
+%right (q: f32[8]) -> f32[8] {
+  %q = f32[8] parameter(0)
+  ROOT %r = f32[8]{0} all-reduce(%q), channel_id=2, replica_groups=[2,4]<=[8], to_apply=%add
+}
+
+ENTRY %main (i: s32[], x: f32[8]) -> f32[8] {
+  %i = s32[] parameter(0)
+  %x = f32[8] parameter(1)
+  ROOT %c = f32[8] conditional(%i, %x, %x), branch_computations={%left, %right}
+}
+"""
+
+
+def test_hlo_parser_reads_every_branch_of_a_conditional():
+    found = {c.name: c for c in hlo.collectives(COND, MESH)}
+    assert found["l"].axes == ("tensor",) and found["r"].axes == ("data", "fsdp")
