@@ -127,4 +127,4 @@ ENTRY %main (i: s32[], x: f32[8]) -> f32[8] {
 
 def test_hlo_parser_reads_every_branch_of_a_conditional():
     found = {c.name: c for c in hlo.collectives(COND, MESH)}
-    assert found["l"].axes == ("tensor",) and found["r"].axes == ("data", "fsdp")
+    assert found["l"].axes == ("tensor",) and found["r"].axes == ("fsdp", "tensor")
