@@ -16,6 +16,7 @@ from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.experts import capacity, moe_ffn
 from jaxdist.rules import activation_rules
 from meshes.presets import STANDARD_RULES
+from models.presets import get_model_config
 from tests.helpers import compiled_for, mesh_for
 
 STEPS = 3
@@ -120,7 +121,6 @@ def test_checkpoint_moves_across_expert_layouts(tmp_path):
 
 
 def test_moe_active_flops_and_bad_input():
-    from models.presets import get_model_config
 
     c = get_model_config("tiny-moe")
     dense_like = get_model_config("tiny-moe", num_experts=c.top_k, top_k=c.top_k)
@@ -164,3 +164,36 @@ def test_experts_not_divisible_by_the_expert_axis():
         r"expert \(size 4\)",
     ):
         compiled_for("expert=4,data=2", "tiny-moe", num_experts=6)
+
+
+def test_profile_attributes_all_to_all_to_the_expert_axis(tmp_path):
+    import json
+
+    from tests.helpers import cli
+
+    r = cli(
+        "train",
+        "--model",
+        "tiny-moe",
+        "--mesh",
+        "expert=4,data=2",
+        "--devices",
+        "cpu:8",
+        "--steps",
+        "6",
+        "--profile",
+        "3:5",
+        "--run-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "100",
+    )
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((tmp_path / "profile" / "breakdown.json").read_text())
+    mc = get_model_config("tiny-moe")
+    tokens = 16 // 8 * mc.seq_len  # rows per device x sequence
+    C = capacity(tokens, mc.num_experts, mc.top_k, mc.capacity_factor, dropless=False)
+    per_layer = 4 * mc.num_experts * C * mc.d_model * 4  # 2 there and back, fwd and bwd, fp32
+    for row in rep["steps"]:
+        a2a = row["by_axis"]["expert"]["all-to-all"]
+        assert a2a["bytes"] == mc.num_layers * per_layer and a2a["time_s"] > 0
