@@ -259,6 +259,23 @@ def train(args: Train) -> int:
     return 0
 
 
+def _pipeline_expected(args, model_cfg, compiled, mesh) -> dict:
+    """The pipeline's permute bytes, from its schedule and one microbatch's activation."""
+    import jax.numpy as jnp
+
+    from jaxdist import comm as comm_report
+    from jaxdist import pipeline
+
+    if mesh.shape["pipeline"] == 1:
+        return {}
+    schedule = pipeline.make_schedule(
+        args.pipeline_schedule, mesh.shape["pipeline"], args.microbatches
+    )
+    rows = args.batch_size // args.microbatches // comm_report.batch_ways(compiled, mesh)
+    act = rows * model_cfg.seq_len * model_cfg.d_model * jnp.dtype(model_cfg.compute_dtype).itemsize
+    return {("pipeline", "collective-permute"): pipeline.permute_bytes(schedule, act)}
+
+
 def comm(args: Comm) -> int:
     mesh, rules, model_cfg = _setup(args)
     import jax.numpy as jnp
@@ -284,6 +301,7 @@ def comm(args: Comm) -> int:
         ),
         compute_bytes=jnp.dtype(model_cfg.compute_dtype).itemsize,
         microbatches=args.microbatches,
+        extra_expected=_pipeline_expected(args, model_cfg, compiled, mesh),
     )
     if args.json:
         print(json.dumps(report))

@@ -116,8 +116,13 @@ def report(
     partial_sums: list[PartialSum],
     compute_bytes: int,
     microbatches: int = 1,
+    extra_expected: dict[tuple[str, str], float] | None = None,
 ) -> dict:
-    """Compiles the step for abstract inputs and puts measured beside expected bytes."""
+    """Compiles the step for abstract inputs and puts measured beside expected bytes.
+
+    `extra_expected` adds traffic the caller knows of, keyed (axis label, kind): the pipeline's
+    permutes, for one.
+    """
     import numpy as np
 
     batch = jax.ShapeDtypeStruct(
@@ -135,6 +140,8 @@ def report(
         microbatches,
         reduce_scatter=platform != "cpu",
     )
+    for key, nbytes in (extra_expected or {}).items():
+        exp[key] = exp.get(key, 0.0) + nbytes
     rows = []
     for axis, kind in sorted(set(measured) | set(exp)):
         m = measured.get((axis, kind), {"count": 0, "bytes": 0})

@@ -101,6 +101,13 @@ def make_schedule(kind: str, stages: int, microbatches: int) -> Schedule:
     return Schedule(ops_a, mbs_a, capacity)
 
 
+def permute_bytes(schedule: Schedule, activation_bytes: float) -> float:
+    """Bytes each device sends per step: both permutes run every tick (idle stages send
+    zeros), each carrying one microbatch's activation (forward) or its gradient (backward).
+    Sending only on ticks with traffic would save up to half; not done yet."""
+    return 2 * schedule.ticks * activation_bytes
+
+
 def _recv_table(schedule: Schedule, op: int, shift: int) -> np.ndarray:
     """[ticks, stages]: the microbatch arriving at each stage at the start of each tick from
     the neighbour `shift` away (its op one tick earlier), or -1."""

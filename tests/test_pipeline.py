@@ -117,3 +117,32 @@ def test_bad_pipeline_input():
     with pytest.raises(ConfigError, match="does not split over"):
         _compiled("pipeline=2,data=4", microbatches=4, batch=8)
     assert build_mesh(parse_mesh("pipeline=2,data=4")).shape["pipeline"] == 2
+
+
+@pytest.mark.parametrize(
+    "layout, schedule", [("pipeline=2,data=4", "gpipe"), ("pipeline=2,data=2,tensor=2", "1f1b")]
+)
+def test_comm_reports_the_permute_bytes_the_schedule_implies(layout, schedule):
+    import json
+
+    from tests.helpers import cli
+
+    r = cli(
+        "comm",
+        "--model",
+        "tiny",
+        "--mesh",
+        layout,
+        "--devices",
+        "cpu:8",
+        "--microbatches",
+        "4",
+        "--pipeline-schedule",
+        schedule,
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    (row,) = [x for x in json.loads(r.stdout)["rows"] if x["kind"] == "collective-permute"]
+    assert row["axis"] == "pipeline" and row["ratio"] == pytest.approx(1.0, abs=0.05)
+    p = int(layout.split(",")[0].split("=")[1])
+    assert row["count"] == 2 * make_schedule(schedule, p, 4).ticks  # both ways, every tick
