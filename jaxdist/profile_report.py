@@ -211,8 +211,9 @@ def plot(report: dict, path: pathlib.Path) -> None:
     bottom = [0.0] * len(rows)
     parts = [("compute_s", "compute", "#4c72b0")]
     axes = sorted({a for r in rows for a in r["by_axis"]})
-    for axis in axes:
-        parts.append((axis, f"exposed comm: {axis}", None))
+    warm = ("#dd8452", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#ccb974")
+    for i, axis in enumerate(axes):
+        parts.append((axis, f"exposed comm: {axis}", warm[i % len(warm)]))
     parts += [("comm_overlapped_s", "hidden comm", "#c7d7ee"), ("idle_s", "idle", "#dddddd")]
     for key, label, color in parts:
         if key in axes:
@@ -231,7 +232,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     proj = report["model"]["projection"]
     ns = [r["devices"] for r in proj]
     ax2.loglog(ns, [r["compute_s"] for r in proj], label="T_compute/N")
-    ax2.loglog(ns, [max(r["comm_s"], 1e-9) for r in proj], label="T_comm(N)")
+    ax2.loglog(ns[1:], [r["comm_s"] for r in proj[1:]], label="T_comm(N)")  # none at N=1
     ax2.loglog(ns, [r["step_s"] for r in proj], label="T_step(N)", linewidth=2)
     ax2.set_xlabel("devices N")
     ax2.set_ylabel("s")
