@@ -14,6 +14,7 @@ import tyro
 
 from jaxdist.cli_tools import Checkpoints, Profile, checkpoints, passthrough, profile
 from jaxdist.errors import ConfigError
+from jaxdist.rules import batch_ways
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +265,6 @@ def _pipeline_expected(args, model_cfg, compiled, mesh) -> dict:
     """The pipeline's permute bytes, from its schedule and one microbatch's activation."""
     import jax.numpy as jnp
 
-    from jaxdist import comm as comm_report
     from jaxdist import pipeline
 
     if mesh.shape["pipeline"] == 1:
@@ -272,7 +272,7 @@ def _pipeline_expected(args, model_cfg, compiled, mesh) -> dict:
     schedule = pipeline.make_schedule(
         args.pipeline_schedule, mesh.shape["pipeline"], args.microbatches
     )
-    rows = args.batch_size // args.microbatches // comm_report.batch_ways(compiled, mesh)
+    rows = args.batch_size // args.microbatches // batch_ways(compiled.batch_sharding)
     act = rows * model_cfg.seq_len * model_cfg.d_model * jnp.dtype(model_cfg.compute_dtype).itemsize
     return {("pipeline", "collective-permute"): pipeline.permute_bytes(schedule, act)}
 
@@ -298,7 +298,7 @@ def comm(args: Comm) -> int:
         args.batch_size,
         model_cfg.seq_len,
         model_cfg.partial_sums(
-            args.batch_size, args.microbatches, comm_report.batch_ways(compiled, mesh)
+            args.batch_size, args.microbatches, batch_ways(compiled.batch_sharding)
         ),
         compute_bytes=jnp.dtype(model_cfg.compute_dtype).itemsize,
         microbatches=args.microbatches,

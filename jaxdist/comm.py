@@ -38,11 +38,6 @@ class PartialSum:
     kind: str = "all-reduce"  # or all-to-all: a buffer exchanged across the split of `over`
 
 
-def batch_ways(compiled, mesh: Mesh) -> int:
-    """How many devices share the batch (tokens per device = batch / this x seq)."""
-    return _ways(mesh, compiled.batch_sharding.spec[0] or ())
-
-
 def _ways(mesh: Mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 

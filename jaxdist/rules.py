@@ -148,6 +148,11 @@ def batch_sharding(rules: AxisRules, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, rules.spec(("batch", "seq"), "activation", "token batch"))
 
 
+def batch_ways(sharding: NamedSharding) -> int:
+    """How many devices share the batch (rows per device = batch / this)."""
+    return math.prod(sharding.mesh.shape[a] for a in sharding.spec[0] or ())
+
+
 # The activation-constraint door. Models call `constrain` with logical names; the trainer
 # enters `activation_rules` once around tracing. A thread-local is the price of keeping mesh
 # names out of models; `constrain` refuses to run outside it rather than silently not shard.

@@ -17,7 +17,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist import pipeline
 from jaxdist.errors import ConfigError
-from jaxdist.rules import AxisRules, activation_rules, batch_sharding, state_shardings
+from jaxdist.rules import (
+    AxisRules,
+    activation_rules,
+    batch_sharding,
+    batch_ways,
+    state_shardings,
+)
 
 
 class TrainState(NamedTuple):
@@ -141,15 +147,13 @@ def build(
         )
     micro = batch_size // config.microbatches
     tokens_sharding = batch_sharding(rules, mesh)
-    batch_ways = 1
-    for axis in tokens_sharding.spec[0] or ():
-        batch_ways *= mesh.shape[axis]
-    if micro % batch_ways:
+    ways = batch_ways(tokens_sharding)
+    if micro % ways:
         raise ConfigError(
             f"microbatch of {micro} rows (batch {batch_size} / {config.microbatches} "
-            f"microbatches) does not split over the {batch_ways} devices of the batch axes "
+            f"microbatches) does not split over the {ways} devices of the batch axes "
             f"{tokens_sharding.spec[0]}; use a batch size that is a multiple of "
-            f"{batch_ways * config.microbatches}"
+            f"{ways * config.microbatches}"
         )
 
     abstract_model = nnx.eval_shape(lambda: init_model(nnx.Rngs(seed)))

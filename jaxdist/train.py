@@ -200,7 +200,9 @@ def run(
             **throughput(dt, tokens_per_step, model.flops_per_token, jax.device_count(), peak),
         }
         records.append(rec)
-        watchdog.finished(s, float(np.median(step_times)) if len(step_times) >= 3 else None)
+        # The recent median: bounded work per step, and it follows a run whose speed drifts.
+        recent = step_times[-100:]
+        watchdog.finished(s, float(np.median(recent)) if len(recent) >= 3 else None)
         if log and (s % loop.log_every == 0 or s == loop.steps - 1 or not rec["finite"]):
             log.write(rec)
             mfu = f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""

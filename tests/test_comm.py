@@ -3,6 +3,7 @@
 import pytest
 
 from jaxdist import comm, hlo
+from jaxdist.rules import batch_ways
 from tests.helpers import compiled_for
 
 CASES = [
@@ -25,7 +26,7 @@ def test_measured_bytes_match_expected(layout, model, microbatches):
         compiled_rules(),
         16,
         mc.seq_len,
-        mc.partial_sums(16, microbatches, comm.batch_ways(compiled, mesh)),
+        mc.partial_sums(16, microbatches, batch_ways(compiled.batch_sharding)),
         compute_bytes=4,
         microbatches=microbatches,
     )
