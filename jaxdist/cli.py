@@ -5,6 +5,7 @@ The CLI is the one part of jaxdist that imports models/ and meshes/; the core ne
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import sys
@@ -12,6 +13,7 @@ from typing import Literal
 
 import tyro
 
+from jaxdist.cli_plan import Plan, run_plan
 from jaxdist.cli_tools import Checkpoints, Profile, checkpoints, passthrough, profile
 from jaxdist.errors import ConfigError
 from jaxdist.rules import batch_ways
@@ -26,7 +28,8 @@ class Common:
     auto: cpu8 on CPU, fsdp over all devices on an accelerator"""
     devices: str = "auto"
     """cpu:N for N fake CPU devices; auto uses the accelerators present, else cpu:8"""
-    batch_size: int = 16
+    batch_size: int | None = None
+    """global batch in rows; default 16, or one row per device of the batch axes if more"""
     seed: int = 0
     microbatches: int = 1
     """gradient accumulation: the batch is run as this many slices per step (with a pipeline
@@ -63,6 +66,9 @@ class Train(Common):
     """peak TFLOP/s per device for MFU, where the device kind is not known"""
     compile_only: bool = False
     """compile the step for abstract inputs and report per-device memory; no training"""
+    target: str | None = None
+    """with --compile-only: compile for a TPU slice this host does not have, e.g.
+    tpu-v5p:4x4x4 (needs the libtpu package: pip install 'jaxdist[tpu]')"""
     checkpoint_every: str = "auto"
     """steps between checkpoints, or auto: Young-Daly from the measured save cost and MTBF"""
     checkpoint_keep: int = 3
@@ -146,7 +152,13 @@ def _setup(args: Common):
     from meshes.presets import STANDARD_RULES, get_mesh_preset
     from models.presets import get_model_config
 
-    platform = jax.default_backend()
+    platform, target_devices = jax.default_backend(), None
+    if getattr(args, "target", None):
+        if not args.compile_only:
+            raise ConfigError("--target compiles only; add --compile-only")
+        from jaxdist.target import parse_target, tpu_devices
+
+        platform, target_devices = "tpu", tpu_devices(parse_target(args.target))
     dtype = args.compute_dtype
     if dtype == "auto":
         dtype = "float32" if platform == "cpu" else "bfloat16"
@@ -174,8 +186,11 @@ def _setup(args: Common):
     else:
         preset = get_mesh_preset(args.mesh)
         mesh_cfg, rules = preset.mesh, preset.rules
-    mesh = build_mesh(mesh_cfg)
-    return mesh, rules, model_cfg
+    mesh = build_mesh(mesh_cfg, target_devices)
+    if args.batch_size is None:
+        ways = math.prod(mesh.shape[a] for a in rules.mesh_axes("batch", "activation"))
+        args = dataclasses.replace(args, batch_size=max(16, ways * args.microbatches))
+    return mesh, rules, model_cfg, args
 
 
 def _step_config(args: Common, **extra):
@@ -202,7 +217,7 @@ def _stall(text: str | None) -> tuple[int, int, float] | None:
 
 
 def train(args: Train) -> int:
-    mesh, rules, model_cfg = _setup(args)
+    mesh, rules, model_cfg, args = _setup(args)
     import jax
 
     from jaxdist import train as loop
@@ -252,13 +267,34 @@ def train(args: Train) -> int:
     )
     ckpt.validate()
     if args.compile_only:
-        compiled, _ = loop.prepare(model, mesh, rules, optim, data, step, cfg)
+        from jaxdist.optim import make_optimizer
+        from jaxdist.step import build
+
+        # No data: the batch is abstract (and a target's hosts are not this one).
+        tx, lr = make_optimizer(optim, cfg.steps)
+        compiled = build(model.init, tx, lr, rules, mesh, step, cfg.seed, args.batch_size)
         report = loop.compile_only(compiled, args.batch_size, model_cfg.seq_len)
         report |= {"model": model.name, "params": compiled.num_params, "mesh": dict(mesh.shape)}
+        if args.target:
+            report |= _target_fit(args.target, report, model, args.batch_size, mesh.size)
         print(json.dumps(report))
         return 0
     loop.run(model, mesh, rules, optim, data, step, cfg, ckpt)
     return 0
+
+
+def _target_fit(target: str, report: dict, model, batch_size: int, devices: int) -> dict:
+    """Whether the step fits a chip of the target, and XLA's FLOPs beside the model's."""
+    from jaxdist.costmodel import get_hardware
+
+    hw = get_hardware(target.split(":")[0])
+    ours = model.flops_per_token * batch_size * model.seq_len / devices
+    return {
+        "chip_memory_bytes": hw.memory_bytes,
+        "fits": report["per_device_bytes"]["peak_estimate"] <= hw.memory_bytes,
+        "model_flops_per_device": ours,
+        "xla_over_model_flops": report["xla_flops"] / ours if report["xla_flops"] else None,
+    }
 
 
 def _pipeline_expected(args, model_cfg, compiled, mesh) -> dict:
@@ -278,7 +314,7 @@ def _pipeline_expected(args, model_cfg, compiled, mesh) -> dict:
 
 
 def comm(args: Comm) -> int:
-    mesh, rules, model_cfg = _setup(args)
+    mesh, rules, model_cfg, args = _setup(args)
     import jax.numpy as jnp
 
     from jaxdist import comm as comm_report
@@ -312,7 +348,7 @@ def comm(args: Comm) -> int:
 
 
 def bench(args: Bench) -> int:
-    mesh, rules, model_cfg = _setup(args)
+    mesh, rules, model_cfg, args = _setup(args)
     from jaxdist import train as loop
     from jaxdist.bench import bench as run_bench
     from jaxdist.data import DataConfig
@@ -352,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench": Bench,
             "checkpoints": Checkpoints,
             "profile": Profile,
+            "plan": Plan,
         },
         args=argv,
         prog="jaxdist",
@@ -365,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             Bench: bench,
             Checkpoints: checkpoints,
             Profile: profile,
+            Plan: run_plan,
         }
         return commands[type(args)](args)
     except ConfigError as e:

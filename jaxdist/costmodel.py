@@ -30,6 +30,13 @@ class Hardware:
     outer: Link  # across hosts: InfiniBand, DCN
     devices_per_host: int
     about: str
+    # Share of overlappable communication (FSDP gathers, gradient reductions, pipeline sends)
+    # the compiler hides behind compute: XLA:CPU runs collectives in line, GPU and TPU
+    # schedulers run them async beside the matmuls.
+    overlap: float = 0.0
+    # Per-device step-time jitter as a share of compute (kernel timing, clocks, host noise):
+    # the straggler that every synchronous step waits for.
+    jitter: float = 0.02
 
 
 # Sources: NVIDIA datasheets (989 TFLOP/s bf16, NVLink 4 at 450 GB/s per direction, achieved
@@ -48,6 +55,8 @@ PRESETS: dict[str, Hardware] = {
             Link(20e-6, 5e9),
             1 << 30,
             "fake CPU devices on one host (simulated)",
+            overlap=0.0,
+            jitter=0.05,
         ),
         Hardware(
             "h100-nvlink",
@@ -57,6 +66,8 @@ PRESETS: dict[str, Hardware] = {
             Link(30e-6, 50e9),
             8,
             "H100 SXM, NVLink 4 inside 8-GPU hosts, InfiniBand NDR between",
+            overlap=0.7,
+            jitter=0.02,
         ),
         Hardware(
             "h200-nvlink",
@@ -66,6 +77,8 @@ PRESETS: dict[str, Hardware] = {
             Link(30e-6, 50e9),
             8,
             "H200 SXM (H100's NVLink 4, 141 GB HBM3e)",
+            overlap=0.7,
+            jitter=0.02,
         ),
         Hardware(
             "h100-ib",
@@ -75,6 +88,8 @@ PRESETS: dict[str, Hardware] = {
             Link(30e-6, 50e9),
             8,
             "H100 hosts of 8 over InfiniBand NDR 400 Gb/s per GPU",
+            overlap=0.7,
+            jitter=0.02,
         ),
         Hardware(
             "tpu-v5p",
@@ -84,6 +99,8 @@ PRESETS: dict[str, Hardware] = {
             Link(30e-6, 2.5e10 / 4),
             4096,
             "TPU v5p: 3D torus ICI within a slice, DCN between slices",
+            overlap=0.9,
+            jitter=0.01,
         ),
         Hardware(
             "tpu-v5e",
@@ -93,6 +110,8 @@ PRESETS: dict[str, Hardware] = {
             Link(30e-6, 2.5e10 / 4),
             256,
             "TPU v5e: 2D torus ICI",
+            overlap=0.9,
+            jitter=0.01,
         ),
     ]
 }

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from jaxdist import hardware
+from jaxdist import hardware, hlo
 from jaxdist.capture import Capture
 from jaxdist.checkpoint import Checkpointer, param_shapes
 from jaxdist.data import DataConfig, TokenBatches
@@ -389,4 +389,19 @@ def compile_only(compiled: Compiled, batch_size: int, seq_len: int) -> dict:
     per_device["peak_estimate"] = (
         per_device["argument"] + per_device["output"] - per_device["alias"] + per_device["temp"]
     )
-    return {"compile_s": seconds, "per_device_bytes": per_device}
+    mesh = compiled.batch_sharding.mesh
+    collectives = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape)))
+    cost = exe.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {
+        "compile_s": seconds,
+        "platform": mesh.devices.flat[0].platform,
+        "device_kind": mesh.devices.flat[0].device_kind,
+        "per_device_bytes": per_device,
+        "collectives": [
+            {"axis": axis, "kind": kind, **v} for (axis, kind), v in sorted(collectives.items())
+        ],
+        # XLA's own per-device estimate, beside the model's FLOPs for comparison.
+        "xla_flops": cost.get("flops"),
+        "xla_optimal_seconds": cost.get("optimal_seconds"),
+    }

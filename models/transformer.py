@@ -22,6 +22,7 @@ from flax import nnx
 from jaxdist.comm import PartialSum
 from jaxdist.errors import ConfigError
 from jaxdist.experts import capacity
+from jaxdist.memory import Activation, Inventory
 from jaxdist.pipeline import Stages
 from jaxdist.rules import constrain
 from models import moe
@@ -132,6 +133,61 @@ class TransformerConfig:
             PartialSum(3, ("batch", "seq"), (B, T), "vocab", 4),
         ]
         return [dataclasses.replace(p, count=p.count * microbatches) for p in sums]
+
+    def activations(self, batch_size: int) -> Inventory:
+        """What one (micro)batch of `batch_size` rows keeps alive for the backward pass.
+
+        Counted from the residuals JAX saves for this code (jax.ad_checkpoint's saved
+        residuals, per layer, at each remat policy) and checked against XLA's memory analysis
+        by `jaxdist plan --verify`. MoE layers are approximated as a dense MLP of top_k x
+        capacity_factor times the width.
+        """
+        B, T, D, F = batch_size, self.seq_len, self.d_model, self.d_mlp
+        N, G, H, V = self.num_heads, self.num_kv_heads, self.head_dim, self.vocab_size
+        if self.num_experts:
+            F = int(F * self.top_k * self.capacity_factor)
+        nb = jnp.dtype(self.compute_dtype).itemsize
+        btd = Activation(1, ("batch", "seq", "embed"), (B, T, D), nb)
+        stat = Activation(1, ("batch", "seq"), (B, T), 4)  # norm statistics stay fp32
+        btnh = Activation(1, ("batch", "seq", "heads", "head_dim"), (B, T, N, H), nb)
+        btgh = Activation(1, ("batch", "seq", "kv_heads", "head_dim"), (B, T, G, H), nb)
+        scores = Activation(1, ("batch", "heads", "seq", None), (B, N, T, T), nb)
+        score_stat = Activation(1, ("batch", "heads", "seq"), (B, N, T), nb)
+        btf = Activation(1, ("batch", "seq", "mlp"), (B, T, F), nb)
+        qkv = Activation(
+            1, ("batch", "seq", "kv_heads", "qkv", "head_dim"), (B, T, G, N // G + 2, H), nb
+        )
+        n = dataclasses.replace
+        llama = self.style == "llama"
+        # Without remat: residual stream, norms and projections (8 of [B,T,D]), norm statistics,
+        # q/k/v and the attention output, the scores and softmax, and the MLP's hidden layer
+        # with its activation function's intermediates (tanh GELU: 5; SwiGLU: 6).
+        everything = (
+            n(btd, count=8),
+            n(stat, count=4),
+            n(btnh, count=2 if llama else 3),
+            n(btgh, count=2 if llama else 1),
+            # XLA's attention materializes scores and softmax; cuDNN's fused kernel keeps only
+            # the log-sum-exp per row and recomputes the rest in its backward.
+            n(scores, count=0 if self.attention == "cudnn" else 2),
+            n(score_stat, count=1 if self.attention == "cudnn" else 2),
+            n(btf, count=6 if llama else 5),
+        )
+        saved = {
+            "none": everything,
+            # Matmul outputs: fused QKV, the two output projections, the MLP's up (and gate).
+            "dots": (qkv, n(btd, count=2), n(btf, count=2 if llama else 1)),
+            "full": (btd,),  # the layer's input only
+        }[self.remat]
+        # The backward of one layer: with remat it rebuilds what was not saved, and XLA reuses
+        # those buffers for the gradients; without, the gradients need buffers of their own.
+        working = (
+            everything
+            if self.remat == "none"
+            else everything + tuple(n(t, count=-t.count) for t in saved)
+        )
+        once = (n(btd, count=4), Activation(1, ("batch", "seq", "vocab"), (B, T, V), 4))
+        return Inventory(saved, working, once)
 
 
 def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,129 @@
+"""Per-device memory of a training step, predicted from shapes and the rule table alone.
+
+No compile and no devices: the planner prices hundreds of layouts this way, then `--verify`
+puts XLA's memory analysis beside the figure. The model declares its activations in logical
+axes (an `Inventory`); the rules say how each splits over a layout.
+
+Terms, per device:
+- state: parameters, AdamW's two moments (fp32, sharded like the parameters) and the batch;
+- gradients: one fp32 buffer per parameter shard, live from the backward pass to the update;
+- gathered weights: under FSDP, each weight is gathered where it is used, one scanned layer at
+  a time (two in flight, so the next gather can overlap this layer), the others whole;
+- activations: what each layer saves for its backward pass under the remat policy, times the
+  layers (and, pipelined, the microbatches a stage holds), plus one layer's backward working
+  set and what lives outside the layers (embeddings, logits).
+"""
+
+import dataclasses
+import math
+
+import jax
+from flax import nnx
+
+from jaxdist.rules import AxisRules
+
+ADAM_MOMENTS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """`count` tensors of this shape, whose dims carry these logical axes."""
+
+    count: int
+    logical: tuple[str | None, ...]
+    shape: tuple[int, ...]
+    dtype_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Inventory:
+    """What a model keeps alive for its backward pass, for one (micro)batch.
+
+    saved_per_layer: saved by each layer under the model's remat policy;
+    working: the extra a layer's backward needs while it runs (with remat, the part of the
+      layer it rebuilds; without, buffers for the gradients of its activations);
+    once: outside the layers (embedding output, final norm, logits).
+    """
+
+    saved_per_layer: tuple[Activation, ...]
+    working: tuple[Activation, ...]
+    once: tuple[Activation, ...]
+
+
+def _ways(axes, mesh_shape: dict[str, int]) -> int:
+    return math.prod(mesh_shape.get(a, 1) for a in axes)
+
+
+def _local_elements(
+    shape, logical, rules: AxisRules, mesh_shape: dict[str, int], kind: str
+) -> float:
+    axes = {a for n in logical if n is not None for a in rules.mesh_axes(n, kind)}
+    return math.prod(shape) / _ways(axes, mesh_shape)
+
+
+def tensors_bytes(
+    tensors: tuple[Activation, ...], rules: AxisRules, mesh_shape: dict[str, int]
+) -> float:
+    return sum(
+        t.count
+        * t.dtype_bytes
+        * _local_elements(t.shape, t.logical, rules, mesh_shape, "activation")
+        for t in tensors
+    )
+
+
+def _variables(abstract_params: nnx.State) -> list[nnx.Variable]:
+    return jax.tree.leaves(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def predict(
+    abstract_params: nnx.State,
+    rules: AxisRules,
+    mesh_shape: dict[str, int],
+    inventory: Inventory,
+    num_layers: int,
+    batch_size: int,
+    seq_len: int,
+    compute_bytes: int,
+    microbatches_in_flight: int = 1,
+) -> dict[str, float]:
+    """Bytes per device, by term, and their sum as `peak`.
+
+    `inventory` describes one microbatch; `microbatches_in_flight` is how many a pipeline stage
+    holds at once (1F1B: at most the stage count; GPipe: all of them); `num_layers` the layers
+    this device runs.
+    """
+    params = grads = gathered_layer = gathered_other = 0.0
+    for var in _variables(abstract_params):
+        logical = tuple(var.get_metadata()["logical_axes"])
+        local = _local_elements(var.shape, logical, rules, mesh_shape, "param")
+        params += 4 * local
+        grads += 4 * local
+        param_axes = {a for n in logical if n for a in rules.mesh_axes(n, "param")}
+        act_axes = {a for n in logical if n for a in rules.mesh_axes(n, "activation")}
+        if _ways(param_axes - act_axes, mesh_shape) > 1:
+            used = compute_bytes * _local_elements(
+                var.shape, logical, rules, mesh_shape, "activation"
+            )
+            if "layers" in logical:
+                gathered_layer += used / var.shape[logical.index("layers")]
+            else:
+                gathered_other += used
+    batch_ways = _ways(rules.mesh_axes("batch", "activation"), mesh_shape)
+    batch = 4 * batch_size * (seq_len + 1) / batch_ways
+    saved = tensors_bytes(inventory.saved_per_layer, rules, mesh_shape)
+    activations = (
+        num_layers * saved * microbatches_in_flight
+        + tensors_bytes(inventory.working, rules, mesh_shape)
+        + tensors_bytes(inventory.once, rules, mesh_shape) * microbatches_in_flight
+    )
+    out = {
+        "params": params,
+        "optimizer": ADAM_MOMENTS * params,
+        "batch": batch,
+        "gradients": grads,
+        "gathered_weights": 2 * gathered_layer + gathered_other,
+        "activations": activations,
+    }
+    out["peak"] = sum(out.values())
+    return out

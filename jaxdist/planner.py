@@ -1,0 +1,285 @@
+"""The planner: choose a layout before renting the fleet (stage 1 of a step: distribute work).
+
+For N devices it enumerates every way to split them over the mesh axes, keeps the layouts the
+model divides evenly and whose predicted per-device memory fits, predicts each one's step time
+with the fleet law and ranks them:
+
+    T_step = T_compute/N (+ pipeline bubble) + T_comm + T_sync - T_overlap
+
+- T_compute: the model's training FLOPs at `compute_efficiency` of the device's peak;
+- T_comm: the bytes jaxdist.comm expects for the layout (the figure `jaxdist comm` checks
+  against the compiled HLO), priced by the alpha-beta model of jaxdist.costmodel on the link
+  each axis's groups span (inner while a group fits in a host, outer beyond);
+- T_overlap: FSDP gathers, gradient reductions and pipeline sends can run behind compute (the
+  hardware preset's `overlap` share of them, at most T_compute); tensor- and expert-parallel
+  exchanges sit on the critical path and are always exposed;
+- T_sync: stragglers. With per-device step-time jitter sigma, the slowest of N devices is
+  about sigma * sqrt(2 ln N) behind the mean, and every synchronous step waits for it.
+
+Every figure is a prediction; `--verify` compiles the top layouts and sets XLA beside them.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from jaxdist import comm, costmodel, memory
+from jaxdist.errors import ConfigError
+from jaxdist.mesh import MESH_AXES
+from jaxdist.rules import AxisRules, check_divisible
+from jaxdist.pipeline import make_schedule, permute_bytes
+
+MEMORY_HEADROOM = 0.9  # XLA's allocator and the runtime keep some of the device's memory
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanModel:
+    """What the planner needs of a model, declared in logical axes only."""
+
+    name: str
+    abstract_params: nnx.State
+    num_layers: int
+    seq_len: int
+    d_model: int
+    flops_per_token: float
+    compute_bytes: int
+    num_experts: int
+    inventory: Callable[[int], memory.Inventory]  # rows of one microbatch -> activations
+    partial_sums: Callable[[int, int, int], list]  # (batch, microbatches, batch_ways)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    devices: int
+    hardware: str
+    batch_size: int
+    axes: tuple[str, ...] = MESH_AXES
+    microbatches: int = 0  # 0: 1 without a pipeline, 4 per stage with one
+    schedule: str = "1f1b"
+    compute_efficiency: float = 0.5
+    max_layouts: int = 10
+
+
+def _factorizations(n: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
+    if not axes:
+        return [{}] if n == 1 else []
+    out = []
+    for size in range(1, n + 1):
+        if n % size == 0:
+            for rest in _factorizations(n // size, axes[1:]):
+                out.append({axes[0]: size, **rest})
+    return out
+
+
+def _abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
+    return AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES)
+
+
+def describe(sizes: dict[str, int]) -> str:
+    return ",".join(f"{a}={sizes[a]}" for a in MESH_AXES if sizes.get(a, 1) > 1) or "single"
+
+
+def _microbatches(cfg: PlanConfig, stages: int) -> int:
+    if cfg.microbatches:
+        return cfg.microbatches
+    return 1 if stages == 1 else 4 * stages
+
+
+def why_not(
+    sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: PlanConfig, hw
+) -> str | None:
+    """The reason a layout cannot run this model, or None."""
+    mesh = _abstract_mesh(sizes)
+    if sizes.get("tensor", 1) > hw.devices_per_host:
+        return "tensor axis wider than a host"
+    if sizes.get("expert", 1) > 1 and not model.num_experts:
+        return "expert axis on a dense model"
+    stages = sizes.get("pipeline", 1)
+    m = _microbatches(cfg, stages)
+    ways = math.prod(sizes.get(a, 1) for a in rules.mesh_axes("batch", "activation"))
+    if cfg.batch_size % (m * ways):
+        return f"batch {cfg.batch_size} not divisible by {m} microbatches x {ways} batch ways"
+    if stages > 1 and model.num_experts:
+        return "pipeline with experts is not supported"
+    if stages > 1 and m < stages:
+        return f"{m} microbatches fewer than {stages} stages"
+    for path, var in nnx.to_flat_state(model.abstract_params):
+        logical = tuple(var.get_metadata()["logical_axes"])
+        try:
+            check_divisible(
+                "/".join(map(str, path)), var.shape, logical, rules.spec(logical, "param"), mesh
+            )
+            check_divisible(
+                "/".join(map(str, path)),
+                var.shape,
+                logical,
+                rules.spec(logical, "activation"),
+                mesh,
+            )
+        except ConfigError:
+            return "a weight does not split evenly"
+    return None
+
+
+def _axis_link(label: str, sizes: dict[str, int], hw) -> tuple[int, costmodel.Link]:
+    """Group size of an axis label (data+fsdp) and the link its groups use: devices of inner
+    mesh axes sit between a group's members, so the stride is their product."""
+    names = label.split("+")
+    group = math.prod(sizes.get(a, 1) for a in names)
+    innermost = max(MESH_AXES.index(a) for a in names)
+    stride = math.prod(sizes.get(a, 1) for a in MESH_AXES[innermost + 1 :])
+    return group, costmodel.link_for(hw, group, stride)
+
+
+OVERLAPPABLE = {"all-gather", "reduce-scatter", "collective-permute"}
+
+
+def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: PlanConfig) -> dict:
+    """Predicted memory and step time of one layout."""
+    hw = costmodel.get_hardware(cfg.hardware)
+    stages = sizes.get("pipeline", 1)
+    m = _microbatches(cfg, stages)
+    batch_axes = rules.mesh_axes("batch", "activation")
+    ways = math.prod(sizes.get(a, 1) for a in batch_axes)
+    mesh = _abstract_mesh(sizes)
+    micro_rows = cfg.batch_size // m
+    in_flight = 1 if stages == 1 else (m if cfg.schedule == "gpipe" else stages)
+    mem = memory.predict(
+        model.abstract_params,
+        rules,
+        dict(mesh.shape),
+        model.inventory(micro_rows),
+        model.num_layers // stages,
+        cfg.batch_size,
+        model.seq_len,
+        model.compute_bytes,
+        in_flight,
+    )
+    expected = comm.expected(
+        model.abstract_params,
+        mesh,
+        rules,
+        model.partial_sums(cfg.batch_size, m, ways),
+        model.compute_bytes,
+        m,
+        reduce_scatter=cfg.hardware != "cpu",
+    )
+    if stages > 1:
+        act = micro_rows // ways * model.seq_len * model.d_model * model.compute_bytes
+        expected[("pipeline", "collective-permute")] = permute_bytes(
+            make_schedule(cfg.schedule, stages, m), act
+        )
+    tokens = cfg.batch_size * model.seq_len
+    compute = model.flops_per_token * tokens / (cfg.devices * hw.peak_flops)
+    compute /= cfg.compute_efficiency
+    bubble = compute * (stages - 1) / m if stages > 1 else 0.0
+    exposed = hidden_candidates = 0.0
+    by_axis = {}
+    for (label, kind), nbytes in expected.items():
+        group, link = _axis_link(label, sizes, hw)
+        # One collective per layer and microbatch: each pays the latency term.
+        messages = max(1, model.num_layers * m // max(1, stages))
+        t = costmodel.collective_time(kind, nbytes / messages, group, link) * messages
+        by_axis[f"{label} {kind}"] = {"bytes": nbytes, "seconds": t}
+        if kind in OVERLAPPABLE or (kind == "all-reduce" and not _is_activation(label, rules)):
+            hidden_candidates += t
+        else:
+            exposed += t
+    t_comm = exposed + hidden_candidates
+    t_overlap = min(compute, hw.overlap * hidden_candidates)
+    sync = hw.jitter * compute * math.sqrt(2 * math.log(cfg.devices)) if cfg.devices > 1 else 0.0
+    step = compute + bubble + t_comm + sync - t_overlap
+    flops = model.flops_per_token * tokens
+    return {
+        "layout": describe(sizes),
+        "mesh": {a: sizes.get(a, 1) for a in MESH_AXES},
+        "microbatches": m,
+        "memory_bytes": mem,
+        "fits": mem["peak"] <= MEMORY_HEADROOM * hw.memory_bytes,
+        "compute_s": compute,
+        "bubble_s": bubble,
+        "comm_s": t_comm,
+        "comm_exposed_s": exposed,
+        "overlap_s": t_overlap,
+        "sync_s": sync,
+        "step_s": step,
+        "tokens_per_s": tokens / step,
+        "mfu": flops / (step * cfg.devices * hw.peak_flops),
+        "comm_bytes": sum(expected.values()),
+        "by_axis": by_axis,
+        "expected": {f"{label}|{kind}": b for (label, kind), b in expected.items()},
+    }
+
+
+def _is_activation(label: str, rules: AxisRules) -> bool:
+    """An all-reduce over a tensor or expert axis sums activations (on the critical path);
+    over batch axes it sums gradients (can hide behind the backward pass)."""
+    batch = set(rules.mesh_axes("batch", "activation"))
+    return not set(label.split("+")) <= batch
+
+
+def plan(model: PlanModel, rules: AxisRules, cfg: PlanConfig) -> dict:
+    """Every feasible layout, fastest first, or a ConfigError naming the nearest way out."""
+    hw = costmodel.get_hardware(cfg.hardware)
+    unknown = set(cfg.axes) - set(MESH_AXES)
+    if unknown or not cfg.axes:
+        raise ConfigError(f"--axes {','.join(cfg.axes)}: choose from {', '.join(MESH_AXES)}")
+    if cfg.devices < 1 or cfg.batch_size < 1:
+        raise ConfigError("--devices and --batch-size must be positive")
+    candidates, rejected = _candidates(model, rules, cfg, hw)
+    if not candidates:
+        raise ConfigError(_no_layout_message(model, rules, cfg, rejected))
+    rows = [evaluate(s, model, rules, cfg) for s in candidates]
+    fitting = [r for r in rows if r["fits"]]
+    if not fitting:
+        best = min(rows, key=lambda r: r["memory_bytes"]["peak"])
+        need = best["memory_bytes"]["peak"]
+        more = math.ceil(cfg.devices * need / (MEMORY_HEADROOM * hw.memory_bytes))
+        raise ConfigError(
+            f"{model.name} fits no layout of {cfg.devices} {hw.name} devices: the leanest, "
+            f"{best['layout']}, needs {need / 1e9:.1f} GB per device of "
+            f"{MEMORY_HEADROOM * hw.memory_bytes / 1e9:.1f} GB usable; try --remat full, a "
+            f"smaller --batch-size, or about {more} devices"
+        )
+    fitting.sort(key=lambda r: r["step_s"])
+    naive = next((r for r in rows if r["layout"] == f"data={cfg.devices}"), None)
+    return {
+        "model": model.name,
+        "devices": cfg.devices,
+        "hardware": hw.name,
+        "batch_size": cfg.batch_size,
+        "considered": len(candidates) + sum(rejected.values()),
+        "rejected": rejected,
+        "too_big": len(rows) - len(fitting),
+        "naive": naive,
+        "layouts": fitting[: cfg.max_layouts],
+    }
+
+
+def _candidates(model, rules, cfg, hw) -> tuple[list[dict[str, int]], dict[str, int]]:
+    candidates, rejected = [], {}
+    for sizes in _factorizations(cfg.devices, tuple(a for a in MESH_AXES if a in cfg.axes)):
+        reason = why_not(sizes, model, rules, cfg, hw)
+        if reason is None:
+            candidates.append(sizes)
+        else:
+            key = reason.split(" ")[0] if reason.startswith("batch") else reason
+            rejected[key] = rejected.get(key, 0) + 1
+    return candidates, rejected
+
+
+def _no_layout_message(model, rules, cfg, rejected) -> str:
+    hw = costmodel.get_hardware(cfg.hardware)
+    reasons = "; ".join(f"{k} ({n})" for k, n in rejected.items())
+    for delta in range(1, cfg.devices):
+        for n in (cfg.devices - delta, cfg.devices + delta):
+            if n >= 1 and _candidates(model, rules, dataclasses.replace(cfg, devices=n), hw)[0]:
+                return (
+                    f"{cfg.devices} devices cannot be split over --axes {','.join(cfg.axes)} "
+                    f"for {model.name} at batch {cfg.batch_size} ({reasons}); nearest device "
+                    f"count that works: {n}"
+                )
+    return f"no layout of {cfg.devices} devices works for {model.name}: {reasons}"

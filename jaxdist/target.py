@@ -1,0 +1,66 @@
+"""Compile for hardware this host does not have: TPU slices described by their topology.
+
+With the optional libtpu package, JAX builds a TPU topology's devices on a CPU-only host; a
+step lowered for a mesh over them compiles with the TPU compiler, so XLA's TPU memory analysis,
+collectives and cost analysis are read before a slice is rented. Nothing runs on them.
+"""
+
+import math
+import os
+
+from jaxdist.errors import ConfigError
+
+# Chips of a v5p slice form a 3D torus, v5e a 2D one; topology names give the extents.
+_DIMS = {"v5p": 3, "v5e": 2, "v4": 3, "v6e": 2}
+
+
+def topology_name(generation: str, chips: int) -> str:
+    """The most cubic topology of `chips` chips: 64 v5p chips are v5p:4x4x4."""
+    dims = _DIMS.get(generation)
+    if dims is None:
+        raise ConfigError(f"unknown TPU generation {generation!r}; known: {', '.join(_DIMS)}")
+    if chips < 1 or chips & (chips - 1):
+        raise ConfigError(f"{chips} TPU chips: slices come in powers of two; pick one")
+    extents = [1] * dims
+    for i in range(int(math.log2(chips))):
+        extents[(dims - 1 - i) % dims] *= 2
+    return f"{generation}:{'x'.join(map(str, sorted(extents)))}"
+
+
+def parse_target(text: str) -> str:
+    """`tpu-v5p:4x4x4` -> `v5p:4x4x4`; `tpu-v5p-64` -> `v5p:4x4x4`."""
+    body = text.removeprefix("tpu-")
+    if body == text:
+        raise ConfigError(f"--target {text!r}: write tpu-GENERATION:TOPOLOGY, e.g. tpu-v5p:4x4x4")
+    if ":" in body:
+        generation, topology = body.split(":", 1)
+        if generation not in _DIMS or not all(p.isdigit() for p in topology.split("x")):
+            raise ConfigError(f"--target {text!r}: write e.g. tpu-v5p:4x4x4 or tpu-v5e:4x4")
+        return body
+    generation, _, chips = body.rpartition("-")
+    if not chips.isdigit():
+        raise ConfigError(f"--target {text!r}: write e.g. tpu-v5p:4x4x4 or tpu-v5p-64")
+    return topology_name(generation, int(chips))
+
+
+def tpu_devices(topology: str) -> list:
+    """The devices of a TPU topology, for compiling only."""
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "compiling for a TPU target needs the libtpu package: pip install 'jaxdist[tpu]'"
+        ) from None
+    # libtpu looks for a TPU VM's metadata server unless told it is not on one.
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # The lockfile guards a real chip; compiling only, several processes may share libtpu.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.split(":")[0] + "-8")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    from jax.experimental import topologies
+
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    except Exception as e:  # libtpu's errors are plain RuntimeErrors with its own text
+        raise ConfigError(f"TPU topology {topology!r} was refused by libtpu: {e}") from None
+    return list(desc.devices)
