@@ -29,8 +29,8 @@ from jax.sharding import AbstractMesh
 from jaxdist import comm, costmodel, memory
 from jaxdist.errors import ConfigError
 from jaxdist.mesh import MESH_AXES
-from jaxdist.rules import AxisRules, check_divisible
 from jaxdist.pipeline import make_schedule, permute_bytes
+from jaxdist.rules import AxisRules, check_divisible
 
 MEMORY_HEADROOM = 0.9  # XLA's allocator and the runtime keep some of the device's memory
 
