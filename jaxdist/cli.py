@@ -23,6 +23,8 @@ from jaxdist.rules import batch_ways
 class Common:
     model: str = "tiny"
     """model preset: tiny, tiny-llama, gpt2-124m, llama-124m, 1b, llama-1b"""
+    layers: int | None = None
+    """override the preset's layer count (e.g. to give a pipeline more layers to cut)"""
     mesh: str = "auto"
     """mesh preset name (cpu8, single, gpu8, ...) or inline axis=size list (data=2,fsdp=4);
     auto: cpu8 on CPU, fsdp over all devices on an accelerator"""
@@ -177,6 +179,7 @@ def _setup(args: Common):
         **moe,
         compute_dtype=dtype,
         remat=args.remat,
+        **({"num_layers": args.layers} if args.layers else {}),
         # cuDNN's fused attention takes 16-bit inputs only.
         attention="cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla",
     )
@@ -196,13 +199,11 @@ def _setup(args: Common):
 def _step_config(args: Common, **extra):
     from jaxdist.step import StepConfig
 
-    if args.pipeline_schedule == "interleaved" or args.virtual_stages != 1:
-        raise ConfigError(
-            "the interleaved schedule (virtual stages) is not implemented yet; "
-            "use --pipeline-schedule 1f1b or gpipe"
-        )
     return StepConfig(
-        microbatches=args.microbatches, pipeline_schedule=args.pipeline_schedule, **extra
+        microbatches=args.microbatches,
+        pipeline_schedule=args.pipeline_schedule,
+        virtual_stages=args.virtual_stages,
+        **extra,
     )
 
 
@@ -298,7 +299,8 @@ def _target_fit(target: str, report: dict, model, batch_size: int, devices: int)
 
 
 def _pipeline_expected(args, model_cfg, compiled, mesh) -> dict:
-    """The pipeline's permute bytes, from its schedule and one microbatch's activation."""
+    """The pipeline's permute bytes, from its schedule and one microbatch's activation (and,
+    interleaved, the layer chunks moved into place and their gradients back)."""
     import jax.numpy as jnp
 
     from jaxdist import pipeline
@@ -306,11 +308,12 @@ def _pipeline_expected(args, model_cfg, compiled, mesh) -> dict:
     if mesh.shape["pipeline"] == 1:
         return {}
     schedule = pipeline.make_schedule(
-        args.pipeline_schedule, mesh.shape["pipeline"], args.microbatches
+        args.pipeline_schedule, mesh.shape["pipeline"], args.microbatches, args.virtual_stages
     )
     rows = args.batch_size // args.microbatches // batch_ways(compiled.batch_sharding)
     act = rows * model_cfg.seq_len * model_cfg.d_model * jnp.dtype(model_cfg.compute_dtype).itemsize
-    return {("pipeline", "collective-permute"): pipeline.permute_bytes(schedule, act)}
+    layers = pipeline.layer_shard_bytes(compiled.abstract_state.params)
+    return {("pipeline", "collective-permute"): pipeline.permute_bytes(schedule, act, layers)}
 
 
 def comm(args: Comm) -> int:

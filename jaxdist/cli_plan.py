@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import time
+from typing import Literal
 
 from rich.console import Console
 from rich.table import Table
@@ -25,7 +26,8 @@ class Plan:
     """mesh axes the planner may use"""
     microbatches: int = 0
     """0: none without a pipeline, 4 per stage with one"""
-    pipeline_schedule: str = "1f1b"
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """pipeline schedule priced for layouts with a pipeline axis (interleaved: not modelled)"""
     remat: str = "none"
     compute_efficiency: float = 0.5
     """share of peak FLOP/s the matmuls reach (0.4-0.6 on well-tuned GPUs and TPUs)"""

@@ -73,7 +73,8 @@ def expected(
         # per microbatch. Other weights: gathered once; XLA hoists that out of the microbatch
         # loop since they do not change within a step.
         uses = 2 * microbatches if "layers" in logical else 1
-        gather = param_axes - act_axes
+        # A pipeline stage keeps its own layers: their split over `pipeline` is never gathered.
+        gather = param_axes - act_axes - {"pipeline"}
         add(_label(mesh, gather), "all-gather", uses * compute_size)
         # Gradient: summed over the batch axes, except those the weight is also split over
         # where it is used (experts: each device holds the tokens routed to its experts).

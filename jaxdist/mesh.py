@@ -135,4 +135,12 @@ def build_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
             [ici.get(a, 1) for a in MESH_AXES], [dcn.get(a, 1) for a in MESH_AXES], devices
         )
         return Mesh(grid, MESH_AXES, axis_types=axis_types)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+        # A TPU torus whose extents do not factor into the axis sizes (2x32 on 4x4x4): split
+        # physical axes, at the price of some rings that wrap less neatly.
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)

@@ -1,32 +1,43 @@
 """Pipeline parallelism: the layers split into stages along the `pipeline` mesh axis.
 
 Each device runs its stage's share of the layers (`layers` is split over `pipeline`), and a
-static schedule says, tick by tick, which microbatch each stage runs forward (F) or backward
-(B); activations move one stage on and gradients one stage back by collective permutes at the
-end of every tick. A stage keeps only its microbatches' inputs and recomputes its forward in
-the backward pass, so what a schedule bounds is how many inputs wait at once:
+static schedule (jaxdist.schedules: gpipe, 1f1b, interleaved) says, tick by tick, which
+microbatch each stage runs forward (F) or backward (B), and with interleaving on which of its
+virtual stages; activations move one chunk on and gradients one chunk back by collective
+permutes at the end of every tick (around a ring when interleaved: the last stage's chunk k
+feeds the first stage's chunk k+1). A stage keeps only its microbatches' inputs and recomputes
+its forward in the backward pass.
 
-  gpipe  all forwards, then all backwards: m inputs per stage; bubble (p-1)/(m+p-1)
-  1f1b   after p-s warm-up forwards, one backward per forward: at most p inputs per stage,
-         the same bubble
+Stored layout: the stacked layer weights keep the non-pipelined order (layer i at index i, the
+`layers` dim split in p contiguous blocks), so checkpoints move freely between pipelined and
+non-pipelined meshes. Interleaving wants stage d to hold chunks d, d+p, ... instead; the step
+moves the chunks there by ring permutes inside the shard_map, and the gradients back, each step.
+That costs about the stage's layer bytes each way per step (`schedules.permute_bytes`), paid
+for the checkpoint layout staying one and the same.
 
 Pays in: the bubble (idle ticks), the recompute (one extra forward per stage), and the
-point-to-point bytes (one activation forward and one gradient back per microbatch and stage).
+point-to-point bytes (one activation forward and one gradient back per microbatch and chunk).
 """
 
-import dataclasses
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import ConfigError
 from jaxdist.rules import activation_rules, active
-
-SCHEDULES = ("gpipe", "1f1b")
+from jaxdist.schedules import (  # noqa: F401 - re-exported: the pipeline's public surface
+    SCHEDULES,
+    Schedule,
+    make_schedule,
+    permute_bytes,
+    recv_table,
+    shuffle_plan,
+)
 
 
 class Stages(NamedTuple):
@@ -39,86 +50,51 @@ class Stages(NamedTuple):
     head: Callable  # (weights, x_bTD) -> logits_bTV
 
 
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    ops: np.ndarray  # [ticks, stages]: 0 idle, 1 forward, 2 backward
-    mbs: np.ndarray  # [ticks, stages]: the microbatch of that op
-    capacity: int  # inputs a stage holds at most
-
-    @property
-    def ticks(self) -> int:
-        return self.ops.shape[0]
-
-    def bubble(self) -> float:
-        """Share of stage-ticks idle."""
-        return float(np.mean(self.ops == 0))
+def _layer_vars(abstract_params) -> list[nnx.Variable]:
+    return [
+        var
+        for var in jax.tree.leaves(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        if "layers" in (var.get_metadata().get("logical_axes") or ())
+    ]
 
 
-def make_schedule(kind: str, stages: int, microbatches: int) -> Schedule:
-    """Simulates the schedule tick by tick; a forward needs the previous stage's forward of
-    the same microbatch one tick earlier, a backward the next stage's backward."""
-    if kind not in SCHEDULES:
-        raise ConfigError(f"--pipeline-schedule {kind!r}: use one of {', '.join(SCHEDULES)}")
-    p, m = stages, microbatches
-    if kind == "1f1b" and m < p:
-        raise ConfigError(
-            f"1f1b needs at least as many microbatches as stages ({m} < {p}); "
-            f"use --microbatches {p} or more"
-        )
-    f_done = np.full((p, m), -1)
-    b_done = np.full((p, m), -1)
-    next_f, next_b = [0] * p, [0] * p
-    ops, mbs = [], []
-    t = 0
-    while min(next_b) < m:
-        row_op, row_mb = [0] * p, [0] * p
-        for s in range(p):
-            i, j = next_f[s], next_b[s]
-            can_f = i < m and (s == 0 or 0 <= f_done[s - 1, i] < t)
-            can_b = (
-                j < next_f[s]
-                and 0 <= f_done[s, j] < t
-                and (s == p - 1 or 0 <= b_done[s + 1, j] < t)
+def layer_shard_bytes(abstract_params) -> float:
+    """Bytes of the stacked layer weights one device stores (its stage's share), for
+    `permute_bytes` of an interleaved schedule."""
+    return sum(
+        math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+        for a in (var.get_value() for var in _layer_vars(abstract_params))
+    )
+
+
+def check_layers(abstract_params, schedule: Schedule) -> None:
+    """Interleaving cuts the layers into stages x virtual stages equal chunks."""
+    p, v = schedule.stages, schedule.virtual
+    for var in _layer_vars(abstract_params):
+        n = var.get_value().shape[list(var.get_metadata()["logical_axes"]).index("layers")]
+        if n % (p * v):
+            fits = [w for w in range(2, n // p + 1) if n % (p * w) == 0]
+            fix = f"--virtual-stages {' or '.join(map(str, fits))}" if fits else "another schedule"
+            raise ConfigError(
+                f"interleaved with {p} pipeline stages x {v} virtual stages cuts the layers "
+                f"into {p * v} chunks, but {n} layers are not divisible by {p * v}; use {fix} "
+                f"(or a layer count that is a multiple of {p * v})"
             )
-            if kind == "gpipe":
-                do = 1 if can_f else 2 if can_b and i == m else 0
-            else:
-                in_flight = i - j
-                do = 2 if can_b else 1 if can_f and in_flight < p - s else 0
-            if do == 1:
-                f_done[s, i], next_f[s] = t, i + 1
-                row_op[s], row_mb[s] = 1, i
-            elif do == 2:
-                b_done[s, j], next_b[s] = t, j + 1
-                row_op[s], row_mb[s] = 2, j
-        ops.append(row_op)
-        mbs.append(row_mb)
-        t += 1
-        if t > 4 * (m + p) + 8:
-            raise RuntimeError(f"schedule {kind} did not finish for p={p}, m={m}")
-    ops_a, mbs_a = np.array(ops), np.array(mbs)
-    capacity = p if kind == "1f1b" else m
-    return Schedule(ops_a, mbs_a, capacity)
 
 
-def permute_bytes(schedule: Schedule, activation_bytes: float) -> float:
-    """Bytes each device sends per step: both permutes run every tick (idle stages send
-    zeros), each carrying one microbatch's activation (forward) or its gradient (backward).
-    Sending only on ticks with traffic would save up to half; not done yet."""
-    return 2 * schedule.ticks * activation_bytes
+def _shuffle(tree: dict, plan, s, axis: str, p: int, v: int) -> dict:
+    """Moves each stage's [v, ...] layer chunks to the slots `plan` names, by ring permutes."""
 
+    def move(w):
+        out = jnp.zeros((v + 1, *w.shape[1:]), w.dtype)  # slot v: scratch for padding
+        for shift, send_j, recv_k in plan:
+            piece = jnp.take(w, jnp.asarray(send_j)[s], axis=0)
+            if shift:
+                piece = jax.lax.ppermute(piece, axis, [(d, (d + shift) % p) for d in range(p)])
+            out = out.at[jnp.asarray(recv_k)[s]].set(piece)
+        return out[:v]
 
-def _recv_table(schedule: Schedule, op: int, shift: int) -> np.ndarray:
-    """[ticks, stages]: the microbatch arriving at each stage at the start of each tick from
-    the neighbour `shift` away (its op one tick earlier), or -1."""
-    t, p = schedule.ops.shape
-    out = np.full((t, p), -1)
-    for tick in range(1, t):
-        for s in range(p):
-            src = s - shift
-            if 0 <= src < p and schedule.ops[tick - 1, src] == op:
-                out[tick, s] = schedule.mbs[tick - 1, src]
-    return out
+    return jax.tree.map(move, tree)
 
 
 def value_and_grad(
@@ -132,32 +108,40 @@ def value_and_grad(
 ):
     """Mean loss over the microbatches and gradients for every weight, pipelined."""
     rules, mesh = active()
-    p = mesh.shape[axis]
+    p, v = mesh.shape[axis], schedule.virtual
     B = tokens_BT1.shape[0]
     M = microbatches
     micro_MbT1 = tokens_BT1.reshape(B // M, M, -1).swapaxes(0, 1)
     layers = {k: stages.weights[k] for k in stages.layer_keys}
-    shared = {k: v for k, v in stages.weights.items() if k not in layers}
-    cap = schedule.capacity
+    shared = {k: w for k, w in stages.weights.items() if k not in layers}
+    slots = v * schedule.capacity
     tables = tuple(
         jnp.asarray(a, jnp.int32)
         for a in (
             schedule.ops,
             schedule.mbs,
-            _recv_table(schedule, 1, 1),
-            _recv_table(schedule, 2, -1),
+            schedule.chunks,
+            schedule.slots(),
+            recv_table(schedule, 1),
+            recv_table(schedule, 2),
         )
     )
-    fwd_perm = [(s, s + 1) for s in range(p - 1)]
-    bwd_perm = [(s + 1, s) for s in range(p - 1)]
+    # Interleaved chunks wrap around: the last stage feeds the first stage's next chunk.
+    ring = v > 1
+    fwd_perm = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
+    bwd_perm = [((s + 1) % p, s) for s in range(p if ring else p - 1)]
 
-    def per_stage(layers, shared, micro_MbT1, ops, mbs, recv_f, recv_b):
+    def per_stage(layers, shared, micro_MbT1, ops, mbs, chunks, slot_t, recv_f, recv_b):
         s = jax.lax.axis_index(axis)
         last = p - 1
+        # [v, layers per chunk, ...]: this stage's chunks in the order it runs them.
+        layers = jax.tree.map(lambda w: w.reshape(v, -1, *w.shape[1:]), layers)
+        if v > 1:
+            layers = _shuffle(layers, shuffle_plan(p, v), s, axis, p, v)
         x0 = stages.embed(shared, micro_MbT1[0, :, :-1])
         zeros_x = jnp.zeros(x0.shape, x0.dtype)
-        buf = jnp.zeros((cap, *x0.shape), x0.dtype)
-        zero = lambda tree: jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), tree)  # noqa: E731
+        buf = jnp.zeros((slots, *x0.shape), x0.dtype)
+        zero = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
 
         def head_loss(shared, y, i):
             logits = stages.head(shared, y)
@@ -165,12 +149,15 @@ def value_and_grad(
 
         def tick(carry, row):
             inbox_f, inbox_b, stash, g_layers, g_shared, loss, send_f, send_b = carry
-            op, mb, rf, rb = (r[s] for r in row)
+            op, mb, k, slot, rf, rb = (r[s] for r in row)
             # Arrivals from the neighbours' previous tick.
             got_f = jax.lax.ppermute(send_f, axis, fwd_perm)
             got_b = jax.lax.ppermute(send_b, axis, bwd_perm)
-            inbox_f = jnp.where(rf >= 0, inbox_f.at[rf % cap].set(got_f), inbox_f)
-            inbox_b = jnp.where(rb >= 0, inbox_b.at[rb % cap].set(got_b), inbox_b)
+            inbox_f = jnp.where(rf >= 0, inbox_f.at[rf].set(got_f), inbox_f)
+            inbox_b = jnp.where(rb >= 0, inbox_b.at[rb].set(got_b), inbox_b)
+            chunk = jax.tree.map(lambda w: w[k] if v > 1 else w[0], layers)
+            first = (s == 0) & (k == 0)
+            is_last = (s == last) & (k == v - 1)
 
             def idle(state):
                 inbox_b, stash, g_layers, g_shared, loss = state
@@ -178,31 +165,26 @@ def value_and_grad(
 
             def forward(state):
                 inbox_b, stash, g_layers, g_shared, loss = state
-                first = (s == 0).astype(inbox_f.dtype)
+                on = first.astype(inbox_f.dtype)
                 # Embedding and head run on every stage and are masked: a cond on the stage
                 # index inside the partially manual shard_map trips XLA's sharding verifier.
-                x = (
-                    first * stages.embed(shared, micro_MbT1[mb, :, :-1])
-                    + (1 - first) * inbox_f[mb % cap]
-                )
-                stash = stash.at[mb % cap].set(x)
-                y = stages.body(layers, x)
+                x = on * stages.embed(shared, micro_MbT1[mb, :, :-1]) + (1 - on) * inbox_f[slot]
+                stash = stash.at[slot].set(x)
+                y = stages.body(chunk, x)
                 val, (gs, dy) = jax.value_and_grad(head_loss, argnums=(0, 1))(shared, y, mb)
-                is_last = s == last
-                inbox_b = jnp.where(is_last, inbox_b.at[mb % cap].set(dy), inbox_b)
+                inbox_b = jnp.where(is_last, inbox_b.at[slot].set(dy), inbox_b)
                 g_shared = jax.tree.map(lambda g, d: g + d * is_last.astype(d.dtype), g_shared, gs)
                 loss = loss + val * is_last.astype(val.dtype)
                 return inbox_b, stash, g_layers, g_shared, loss, y, zeros_x
 
             def backward(state):
                 inbox_b, stash, g_layers, g_shared, loss = state
-                x = stash[mb % cap]
-                _, vjp = jax.vjp(stages.body, layers, x)  # recompute this stage's forward
-                gl, dx = vjp(inbox_b[mb % cap])
-                g_layers = jax.tree.map(jnp.add, g_layers, gl)
+                _, vjp = jax.vjp(stages.body, chunk, stash[slot])  # recompute the forward
+                gl, dx = vjp(inbox_b[slot])
+                g_layers = jax.tree.map(lambda g, d: g.at[k].add(d), g_layers, gl)
                 _, vjp_e = jax.vjp(lambda w: stages.embed(w, micro_MbT1[mb, :, :-1]), shared)
                 ge = vjp_e(dx)[0]
-                g_shared = jax.tree.map(lambda g, d: g + d * (s == 0).astype(d.dtype), g_shared, ge)
+                g_shared = jax.tree.map(lambda g, d: g + d * first.astype(d.dtype), g_shared, ge)
                 return inbox_b, stash, g_layers, g_shared, loss, zeros_x, dx
 
             state = (inbox_b, stash, g_layers, g_shared, loss)
@@ -212,8 +194,11 @@ def value_and_grad(
             return (inbox_f, inbox_b, stash, g_layers, g_shared, loss, send_f, send_b), None
 
         carry = (buf, buf, buf, zero(layers), zero(shared), jnp.float32(0), zeros_x, zeros_x)
-        carry, _ = jax.lax.scan(tick, carry, (ops, mbs, recv_f, recv_b))
+        carry, _ = jax.lax.scan(tick, carry, (ops, mbs, chunks, slot_t, recv_f, recv_b))
         _, _, _, g_layers, g_shared, loss, _, _ = carry
+        if v > 1:
+            g_layers = _shuffle(g_layers, shuffle_plan(p, v, back=True), s, axis, p, v)
+        g_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), g_layers)
         # Shared weights got contributions on the first and last stage only.
         return jax.lax.psum(loss, axis), g_layers, jax.lax.psum(g_shared, axis)
 
@@ -236,7 +221,7 @@ def value_and_grad(
         per_stage,
         mesh=mesh,
         axis_names={axis},
-        in_specs=(layer_spec, shared_spec, P(), P(), P(), P(), P()),
+        in_specs=(layer_spec, shared_spec, P(), *[P()] * len(tables)),
         out_specs=(P(), layer_spec, shared_spec),
         check_vma=False,
     )(layers, shared, micro_MbT1, *tables)

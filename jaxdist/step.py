@@ -36,6 +36,7 @@ class TrainState(NamedTuple):
 class StepConfig:
     microbatches: int = 1  # gradient accumulation, or the pipeline's microbatches
     pipeline_schedule: str = "1f1b"  # used when the mesh has a pipeline axis
+    virtual_stages: int = 1  # layer chunks per pipeline stage (interleaved schedule)
     # Fault injection, for testing recovery: these steps' loss and gradients become NaN.
     fault_nan_steps: tuple[int, ...] = ()
 
@@ -178,8 +179,12 @@ def build(
     schedule = None
     if "pipeline" in mesh.shape and mesh.shape["pipeline"] > 1:
         schedule = pipeline.make_schedule(
-            config.pipeline_schedule, mesh.shape["pipeline"], config.microbatches
+            config.pipeline_schedule,
+            mesh.shape["pipeline"],
+            config.microbatches,
+            config.virtual_stages,
         )
+        pipeline.check_layers(abstract_params, schedule)
     step = make_train_step(graphdef, tx, lr_schedule, config, schedule)
 
     def traced_step(state, batch):

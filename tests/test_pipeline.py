@@ -1,16 +1,20 @@
 """Pipeline parallelism: every schedule gives the non-pipelined losses and parameters, alone
 and combined with data, FSDP and tensor parallelism; schedules keep their promises."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
 
+from jaxdist import comm, pipeline
 from jaxdist.checkpoint import Checkpointer, param_shapes
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.pipeline import make_schedule
+from jaxdist.pipeline import make_schedule, recv_table
+from jaxdist.rules import batch_ways
 from jaxdist.step import StepConfig, build
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
@@ -20,7 +24,14 @@ from tests.helpers import mesh_for
 STEPS, LAYERS = 3, 8
 
 
-def _compiled(layout, schedule="1f1b", microbatches=4, layers=LAYERS, batch=16):
+def _mesh(layout):
+    # "pipeline=4" alone: on the first 4 of the 8 devices.
+    if layout == "pipeline=4":
+        return build_mesh(parse_mesh(layout), jax.devices()[:4])
+    return mesh_for(layout)
+
+
+def _compiled(layout, schedule="1f1b", microbatches=4, layers=LAYERS, batch=16, virtual=1):
     mc = get_model_config("tiny", num_layers=layers)
     tx, lr = make_optimizer(OptimConfig(warmup_steps=2), STEPS)
     return mc, build(
@@ -28,15 +39,15 @@ def _compiled(layout, schedule="1f1b", microbatches=4, layers=LAYERS, batch=16):
         tx,
         lr,
         STANDARD_RULES,
-        mesh_for(layout),
-        StepConfig(microbatches, pipeline_schedule=schedule),
+        _mesh(layout),
+        StepConfig(microbatches, pipeline_schedule=schedule, virtual_stages=virtual),
         0,
         batch,
     )
 
 
-def _run(layout, schedule="1f1b", microbatches=4):
-    mc, c = _compiled(layout, schedule, microbatches)
+def _run(layout, schedule="1f1b", microbatches=4, virtual=1):
+    mc, c = _compiled(layout, schedule, microbatches, virtual=virtual)
     data = TokenBatches(DataConfig(batch_size=16), mc.seq_len, mc.vocab_size)
     state, losses = c.init_fn(), []
     for s in range(STEPS):
@@ -51,19 +62,22 @@ def reference():
 
 
 @pytest.mark.parametrize(
-    "layout, schedule",
+    "layout, schedule, virtual",
     [
-        ("pipeline=8", "gpipe"),
-        ("pipeline=4,data=2", "1f1b"),
-        ("pipeline=4,data=2", "gpipe"),
-        ("pipeline=2,data=2,tensor=2", "1f1b"),
-        ("pipeline=2,fsdp=4", "1f1b"),
+        ("pipeline=8", "gpipe", 1),
+        ("pipeline=4,data=2", "1f1b", 1),
+        ("pipeline=4,data=2", "gpipe", 1),
+        ("pipeline=2,data=2,tensor=2", "1f1b", 1),
+        ("pipeline=2,fsdp=4", "1f1b", 1),
+        ("pipeline=4", "interleaved", 2),
+        ("pipeline=2,data=2,tensor=2", "interleaved", 2),
+        ("pipeline=2,fsdp=4", "interleaved", 4),
     ],
 )
-def test_pipelined_equals_unpipelined(reference, layout, schedule):
+def test_pipelined_equals_unpipelined(reference, layout, schedule, virtual):
     ref_losses, ref_params = reference
     microbatches = 8 if layout == "pipeline=8" else 4
-    losses, params = _run(layout, schedule, microbatches)
+    losses, params = _run(layout, schedule, microbatches, virtual)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
@@ -88,8 +102,70 @@ def test_schedules_keep_their_promises(p, m):
     assert f.capacity == p and g.capacity == m
 
 
-def test_pipelined_checkpoint_restores_unpipelined(tmp_path):
-    _, a = _compiled("pipeline=4,data=2")
+@pytest.mark.parametrize(
+    "p, v, m", [(2, 2, 2), (2, 4, 6), (4, 2, 4), (4, 2, 8), (4, 3, 16), (8, 2, 16)]
+)
+def test_interleaved_schedule_keeps_its_promises(p, v, m):
+    sched = make_schedule("interleaved", p, m, v)
+    for s in range(p):
+        for k in range(v):
+            for op in (1, 2):
+                mine = (sched.ops[:, s] == op) & (sched.chunks[:, s] == k)
+                assert sorted(sched.mbs[mine, s]) == list(range(m))
+    # v chunks per stage shrink the bubble v-fold: (p-1)/(vm) of the busy time
+    assert sched.ticks == 2 * (v * m + p - 1)
+    assert sched.bubble() == pytest.approx((p - 1) / (v * m + p - 1))
+    idle = np.sum(sched.ops == 0) / p
+    assert idle / (2 * v * m) == pytest.approx((p - 1) / (v * m))
+    # in flight on stage s: at most its warm-up forwards plus one
+    for s in range(p):
+        in_flight = np.cumsum((sched.ops[:, s] == 1).astype(int) - (sched.ops[:, s] == 2))
+        assert in_flight.max() <= (v - 1) * p + p - s
+    # Replays the buffers: every read finds the microbatch and chunk it expects, so the
+    # slots (chunk * capacity + mb % capacity) never overwrite a live entry.
+    C = p * v
+    at = {}  # (buffer, stage, slot) -> (chunk, mb)
+    recv = {1: recv_table(sched, 1), 2: recv_table(sched, 2)}
+    for t in range(sched.ticks):
+        for s in range(p):
+            for op, buf in ((1, "f"), (2, "b")):
+                if t and recv[op][t, s] >= 0:
+                    src = (s - 1) % p if op == 1 else (s + 1) % p
+                    c = sched.chunks[t - 1, src] * p + src + (1 if op == 1 else -1)
+                    at[(buf, s, recv[op][t, s])] = (c, sched.mbs[t - 1, src])
+        for s in range(p):
+            op, i, k = sched.ops[t, s], sched.mbs[t, s], sched.chunks[t, s]
+            c, slot = k * p + s, sched.slots()[t, s]
+            if op == 1:
+                if c:
+                    assert at[("f", s, slot)] == (c, i)
+                at[("x", s, slot)] = (c, i)
+                if c == C - 1:
+                    at[("b", s, slot)] = (c, i)
+            elif op == 2:
+                assert at[("x", s, slot)] == (c, i)
+                assert at[("b", s, slot)] == (c, i)
+
+
+def test_interleaved_shuffle_places_chunks_and_returns_them():
+    for p, v in [(2, 2), (2, 4), (4, 2), (4, 3), (8, 2)]:
+        stored = np.arange(p * v).reshape(p, v)  # stage d holds chunks dv .. dv+v-1
+        placed = np.full((p, v + 1), -1)
+        for shift, send_j, recv_k in pipeline.shuffle_plan(p, v):
+            for d in range(p):
+                placed[(d + shift) % p, recv_k[(d + shift) % p]] = stored[d, send_j[d]]
+        # stage d runs chunks d, d+p, ...
+        np.testing.assert_array_equal(placed[:, :v], np.arange(p * v).reshape(v, p).T)
+        back = np.full((p, v + 1), -1)
+        for shift, send_j, recv_k in pipeline.shuffle_plan(p, v, back=True):
+            for d in range(p):
+                back[(d + shift) % p, recv_k[(d + shift) % p]] = placed[d, send_j[d]]
+        np.testing.assert_array_equal(back[:, :v], stored)
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved", 2)])
+def test_pipelined_checkpoint_restores_unpipelined(tmp_path, schedule, virtual):
+    _, a = _compiled("pipeline=4,data=2", schedule, virtual=virtual)
     state = a.init_fn()
     saved = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
     ck = Checkpointer(tmp_path)
@@ -112,6 +188,20 @@ def test_bad_pipeline_input():
         _compiled("pipeline=4,data=2", layers=2)
     with pytest.raises(ConfigError, match="1f1b needs at least as many microbatches as stages"):
         _compiled("pipeline=4,data=2", microbatches=2)
+    with pytest.raises(
+        ConfigError, match=r"8 layers are not divisible by 12; use --virtual-stages 2"
+    ):
+        _compiled("pipeline=4,data=2", "interleaved", virtual=3)
+    with pytest.raises(
+        ConfigError, match=r"multiple of the 4 pipeline stages \(got 2\); use --microbatches 4"
+    ):
+        _compiled("pipeline=4,data=2", "interleaved", microbatches=2, virtual=2)
+    with pytest.raises(ConfigError, match="interleaved needs --virtual-stages 2 or more"):
+        _compiled("pipeline=4,data=2", "interleaved", virtual=1)
+    with pytest.raises(
+        ConfigError, match="--virtual-stages 2 needs --pipeline-schedule interleaved"
+    ):
+        _compiled("pipeline=4,data=2", "1f1b", virtual=2)
     with pytest.raises(ConfigError, match="not divisible by 3 microbatches"):
         _compiled("pipeline=2,data=4", microbatches=3)
     with pytest.raises(ConfigError, match="does not split over"):
@@ -123,8 +213,6 @@ def test_bad_pipeline_input():
     "layout, schedule", [("pipeline=2,data=4", "gpipe"), ("pipeline=2,data=2,tensor=2", "1f1b")]
 )
 def test_comm_reports_the_permute_bytes_the_schedule_implies(layout, schedule):
-    import json
-
     from tests.helpers import cli
 
     r = cli(
@@ -146,3 +234,33 @@ def test_comm_reports_the_permute_bytes_the_schedule_implies(layout, schedule):
     assert row["axis"] == "pipeline" and row["ratio"] == pytest.approx(1.0, abs=0.05)
     p = int(layout.split(",")[0].split("=")[1])
     assert row["count"] == 2 * make_schedule(schedule, p, 4).ticks  # both ways, every tick
+
+
+@pytest.mark.parametrize("layout, virtual", [("pipeline=4,data=2", 2), ("pipeline=2,fsdp=4", 4)])
+def test_comm_reports_the_interleaved_permute_bytes(layout, virtual):
+    # Through the Python API, as `jaxdist comm` computes it: activations both ways every tick,
+    # plus the layer chunks moved into interleaved placement and their gradients back.
+    mc, c = _compiled(layout, "interleaved", virtual=virtual)
+    mesh, p = _mesh(layout), int(layout.split(",")[0].split("=")[1])
+    sched = make_schedule("interleaved", p, 4, virtual)
+    ways = batch_ways(c.batch_sharding)
+    act = 16 // 4 // ways * mc.seq_len * mc.d_model * 4
+    expected = pipeline.permute_bytes(
+        sched, act, pipeline.layer_shard_bytes(c.abstract_state.params)
+    )
+    report = comm.report(
+        c,
+        mesh,
+        STANDARD_RULES,
+        16,
+        mc.seq_len,
+        mc.partial_sums(16, 4, ways),
+        compute_bytes=4,
+        microbatches=4,
+        extra_expected={("pipeline", "collective-permute"): expected},
+    )
+    (row,) = [x for x in report["rows"] if x["kind"] == "collective-permute"]
+    assert row["axis"] == "pipeline" and row["ratio"] == pytest.approx(1.0, abs=0.05)
+    shifts = sum(1 for shift, _, _ in pipeline.shuffle_plan(p, virtual) if shift)
+    layer_arrays = sum(1 for k in c.abstract_state.params.keys() if "_L" in k)
+    assert row["count"] == 2 * sched.ticks + 2 * shifts * layer_arrays
