@@ -145,7 +145,12 @@ def verify(row: dict, model_cfg, rules, args: Plan, devices) -> dict:
     batch = ShapeDtypeStruct(
         (args.batch_size, model_cfg.seq_len + 1), np.int32, sharding=compiled.batch_sharding
     )
-    exe = compiled.step_fn.lower(compiled.abstract_state, batch).compile()
+    try:
+        exe = compiled.step_fn.lower(compiled.abstract_state, batch).compile()
+    except Exception as e:  # the TPU compiler refuses a step that cannot fit the chip
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return _refused(row, str(e), devices, time.perf_counter() - t0)
     mem = exe.memory_analysis()
     xla_peak = (
         mem.argument_size_in_bytes
@@ -171,6 +176,30 @@ def verify(row: dict, model_cfg, rules, args: Plan, devices) -> dict:
         "bytes_ratio": bytes_ratio,
         "memory_ok": abs(mem_ratio - 1) <= MEMORY_TOLERANCE,
         "bytes_ok": abs(bytes_ratio - 1) <= BYTES_TOLERANCE,
+    }
+
+
+def _refused(row: dict, message: str, devices, seconds: float) -> dict:
+    """XLA would not compile the layout for lack of memory: the planner said it fits."""
+    import re
+
+    need = re.search(r"temporaries \(([\d.]+)G\)", message)
+    xla_temp = float(need.group(1)) * 2**30 if need else math.nan
+    predicted = row["memory_bytes"]
+    xla_peak = xla_temp + predicted["params"] + predicted["optimizer"] + predicted["batch"]
+    return {
+        "platform": devices[0].platform,
+        "compile_s": seconds,
+        "refused": message.splitlines()[0][:300],
+        "xla_peak_bytes": xla_peak,
+        "xla_temp_bytes": xla_temp,
+        "predicted_peak_bytes": predicted["peak"],
+        "memory_ratio": predicted["peak"] / xla_peak,
+        "hlo_collective_bytes": math.nan,
+        "predicted_collective_bytes": row["comm_bytes"],
+        "bytes_ratio": math.nan,
+        "memory_ok": False,
+        "bytes_ok": False,
     }
 
 
@@ -223,7 +252,12 @@ def print_plan(result: dict, console: Console) -> None:
     if result["too_big"]:
         console.print(f"{result['too_big']} layouts priced but too big for device memory")
     best = result["layouts"][0]
-    if naive and naive is not best:
+    if naive and not naive["fits"]:
+        console.print(
+            f"naive data parallel ({naive['layout']}) does not fit: "
+            f"{naive['memory_bytes']['peak'] / 1e9:.1f} GB per device; best: {best['layout']}"
+        )
+    elif naive and naive is not best:
         console.print(
             f"best {best['layout']} vs naive data parallel {naive['layout']}: "
             f"{naive['step_s'] / best['step_s']:.2f}x faster per step (predicted)"
@@ -254,6 +288,9 @@ def print_verify(rows: list[dict], console: Console) -> None:
             f"{v['compile_s']:.1f}",
         )
     console.print(table)
+    for r in rows:
+        if "refused" in r["verify"]:
+            console.print(f"{r['layout']}: XLA refused to compile it: {r['verify']['refused']}")
     flagged = [
         r["layout"] for r in rows if not (r["verify"]["memory_ok"] and r["verify"]["bytes_ok"])
     ]

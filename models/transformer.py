@@ -151,8 +151,9 @@ class TransformerConfig:
         stat = Activation(1, ("batch", "seq"), (B, T), 4)  # norm statistics stay fp32
         btnh = Activation(1, ("batch", "seq", "heads", "head_dim"), (B, T, N, H), nb)
         btgh = Activation(1, ("batch", "seq", "kv_heads", "head_dim"), (B, T, G, H), nb)
-        scores = Activation(1, ("batch", "heads", "seq", None), (B, N, T, T), nb)
-        score_stat = Activation(1, ("batch", "heads", "seq"), (B, N, T), nb)
+        # XLA's attention computes its logits and softmax in fp32 whatever the input dtype.
+        scores = Activation(1, ("batch", "heads", "seq", None), (B, N, T, T), 4)
+        score_stat = Activation(1, ("batch", "heads", "seq"), (B, N, T), 4)
         btf = Activation(1, ("batch", "seq", "mlp"), (B, T, F), nb)
         qkv = Activation(
             1, ("batch", "seq", "kv_heads", "qkv", "head_dim"), (B, T, G, N // G + 2, H), nb
