@@ -220,6 +220,8 @@ def run(
         blocked = checkpointer.save(s, state, ckpt_meta)
         t_prev += blocked  # the device idles while the loop is blocked: reported apart
         saves.append(blocked)
+        if log:  # per save, so a run that is killed still leaves its save costs behind
+            log.write({"event": "save", "step": s, "blocked_s": blocked})
         p50 = float(np.median(step_times)) if step_times else None
         chosen = interval.observe(s, blocked, p50)
         if chosen and log:

@@ -201,6 +201,9 @@ def test_auto_interval_is_logged_with_its_inputs(tmp_path):
         CheckpointConfig(every="auto", mtbf_hours_per_device=0.05),
         console=Console(quiet=True),
     )
-    events = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event")]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    events = [r for r in records if r.get("event") == "checkpoint_interval"]
     assert events and {"interval_steps", "save_blocked_s", "mtbf_system_s"} <= set(events[0])
+    saves = [r for r in records if r.get("event") == "save"]
+    assert saves and all(r["blocked_s"] > 0 for r in saves) and saves[-1]["step"] == 11
     assert pathlib.Path(tmp_path / "checkpoints" / "11").is_dir()  # the final step is saved
