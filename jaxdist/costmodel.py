@@ -49,10 +49,16 @@ PRESETS: dict[str, Hardware] = {
     for h in [
         Hardware(
             "cpu",
-            5e10,
+            # Per fake device: 8 of them share the host's cores. experiments/strategies.py ran
+            # tiny's data=8 step at ~50 GFLOP/s for the whole 2-core host, i.e. 6e9 per device
+            # at the planner's default 50% efficiency.
+            1.2e10,
             24e9,
-            Link(20e-6, 5e9),
-            Link(20e-6, 5e9),
+            # Fitted by experiments/alpha_beta.py on 8 fake devices (2 cores): ~130 us per
+            # collective whatever its kind (one rendezvous of the device threads, which the
+            # ring form spreads over its steps) and 1.2-2 GB/s.
+            Link(15e-6, 1.6e9),
+            Link(15e-6, 1.6e9),
             1 << 30,
             "fake CPU devices on one host (simulated)",
             overlap=0.0,

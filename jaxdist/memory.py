@@ -85,13 +85,13 @@ def predict(
     batch_size: int,
     seq_len: int,
     compute_bytes: int,
-    microbatches_in_flight: int = 1,
+    stash_bytes: float = 0.0,
 ) -> dict[str, float]:
     """Bytes per device, by term, and their sum as `peak`.
 
-    `inventory` describes one microbatch; `microbatches_in_flight` is how many a pipeline stage
-    holds at once (1F1B: at most the stage count; GPipe: all of them); `num_layers` the layers
-    this device runs.
+    `inventory` describes one microbatch; `num_layers` the layers this device runs. A pipeline
+    stage keeps only its microbatches' inputs (`stash_bytes`: its buffers of them) and rebuilds
+    one microbatch's activations at a time in its backward pass.
     """
     params = grads = gathered_layer = gathered_other = 0.0
     for var in _variables(abstract_params):
@@ -101,7 +101,8 @@ def predict(
         grads += 4 * local
         param_axes = {a for n in logical if n for a in rules.mesh_axes(n, "param")}
         act_axes = {a for n in logical if n for a in rules.mesh_axes(n, "activation")}
-        if _ways(param_axes - act_axes, mesh_shape) > 1:
+        # A pipeline stage keeps its own layers: their split over `pipeline` is never gathered.
+        if _ways(param_axes - act_axes - {"pipeline"}, mesh_shape) > 1:
             used = compute_bytes * _local_elements(
                 var.shape, logical, rules, mesh_shape, "activation"
             )
@@ -113,9 +114,10 @@ def predict(
     batch = 4 * batch_size * (seq_len + 1) / batch_ways
     saved = tensors_bytes(inventory.saved_per_layer, rules, mesh_shape)
     activations = (
-        num_layers * saved * microbatches_in_flight
+        num_layers * saved
         + tensors_bytes(inventory.working, rules, mesh_shape)
-        + tensors_bytes(inventory.once, rules, mesh_shape) * microbatches_in_flight
+        + tensors_bytes(inventory.once, rules, mesh_shape)
+        + stash_bytes
     )
     out = {
         "params": params,

@@ -146,7 +146,12 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
     ways = math.prod(sizes.get(a, 1) for a in batch_axes)
     mesh = _abstract_mesh(sizes)
     micro_rows = cfg.batch_size // m
-    in_flight = 1 if stages == 1 else (m if cfg.schedule == "gpipe" else stages)
+    schedule = make_schedule(cfg.schedule, stages, m) if stages > 1 else None
+    # One microbatch's activation on one device: what a pipeline stage stores and sends.
+    micro_act = micro_rows // ways * model.seq_len * model.d_model * model.compute_bytes
+    # Three buffers (forward inbox, backward inbox, stash) of `capacity` microbatch inputs:
+    # all m for GPipe, at most p for 1F1B.
+    stash = 3 * schedule.capacity * micro_act if schedule else 0.0
     mem = memory.predict(
         model.abstract_params,
         rules,
@@ -156,7 +161,7 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
         cfg.batch_size,
         model.seq_len,
         model.compute_bytes,
-        in_flight,
+        stash,
     )
     expected = comm.expected(
         model.abstract_params,
@@ -167,11 +172,8 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
         m,
         reduce_scatter=cfg.hardware != "cpu",
     )
-    if stages > 1:
-        act = micro_rows // ways * model.seq_len * model.d_model * model.compute_bytes
-        expected[("pipeline", "collective-permute")] = permute_bytes(
-            make_schedule(cfg.schedule, stages, m), act
-        )
+    if schedule:
+        expected[("pipeline", "collective-permute")] = permute_bytes(schedule, micro_act)
     tokens = cfg.batch_size * model.seq_len
     compute = model.flops_per_token * tokens / (cfg.devices * hw.peak_flops)
     compute /= cfg.compute_efficiency
