@@ -43,6 +43,7 @@ def measure(layout, model, microbatches, schedule, args) -> dict:
     from jaxdist import hlo
     from jaxdist.cli_plan import plan_model
     from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.memory import xla_peak
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.metrics import distribution
     from jaxdist.optim import OptimConfig, make_optimizer
@@ -69,13 +70,7 @@ def measure(layout, model, microbatches, schedule, args) -> dict:
         (args.batch_size, mc.seq_len + 1), np.int32, sharding=c.batch_sharding
     )
     exe = c.step_fn.lower(c.abstract_state, abstract).compile()
-    mem = exe.memory_analysis()
-    peak = (
-        mem.argument_size_in_bytes
-        + mem.output_size_in_bytes
-        - mem.alias_size_in_bytes
-        + mem.temp_size_in_bytes
-    )
+    peak = xla_peak(exe.memory_analysis())
     moved = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape)))
     data = TokenBatches(DataConfig(batch_size=args.batch_size), mc.seq_len, mc.vocab_size)
     state = c.init_fn()

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxdist import hardware
 from jaxdist.distributed import local_value
+from jaxdist.memory import xla_peak
 from jaxdist.metrics import distribution, throughput
 
 
@@ -68,13 +69,7 @@ def bench(
         stats["p50"], batch_size * model.seq_len, model.flops_per_token, jax.device_count(), peak
     )
     mem = jax.devices()[0].memory_stats() or {}
-    analysis = exe.memory_analysis()
-    estimate = (
-        analysis.argument_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-        + analysis.temp_size_in_bytes
-    )
+    estimate = xla_peak(exe.memory_analysis())
     return {
         "model": model.name,
         "batch_size": batch_size,

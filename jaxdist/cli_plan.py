@@ -127,7 +127,7 @@ def verify(row: dict, model_cfg, rules, args: Plan, devices) -> dict:
     import numpy as np
     from jax import ShapeDtypeStruct
 
-    from jaxdist import hlo
+    from jaxdist import hlo, memory
     from jaxdist.mesh import MeshConfig, build_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.step import StepConfig, build
@@ -152,12 +152,7 @@ def verify(row: dict, model_cfg, rules, args: Plan, devices) -> dict:
             raise
         return _refused(row, str(e), devices, time.perf_counter() - t0)
     mem = exe.memory_analysis()
-    xla_peak = (
-        mem.argument_size_in_bytes
-        + mem.output_size_in_bytes
-        - mem.alias_size_in_bytes
-        + mem.temp_size_in_bytes
-    )
+    xla_peak = memory.xla_peak(mem)
     measured = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape)))
     hlo_bytes = sum(v["bytes"] for v in measured.values())
     predicted_mem = row["memory_bytes"]["peak"]

@@ -129,3 +129,14 @@ def predict(
     }
     out["peak"] = sum(out.values())
     return out
+
+
+def xla_peak(stats) -> int:
+    """XLA's own per-device figure from a compiled step's memory analysis: arguments, outputs
+    and temporaries, with donated state (aliased to its output) counted once."""
+    return (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )

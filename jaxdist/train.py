@@ -28,6 +28,7 @@ from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.distributed import local_value, process_rows
 from jaxdist.errors import ConfigError
 from jaxdist.interval import CheckpointConfig, Interval
+from jaxdist.memory import xla_peak
 from jaxdist.metrics import MetricsLog, distribution, print_summary, read_metrics, throughput
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.recovery import NonFinitePolicy, PreemptionSignal, TrainingStopped
@@ -387,10 +388,7 @@ def compile_only(compiled: Compiled, batch_size: int, seq_len: int) -> dict:
         "generated_code_size_in_bytes",
     )
     per_device = {f.removesuffix("_size_in_bytes"): getattr(mem, f, 0) for f in fields}
-    # Donated state aliases its output, so it is counted once.
-    per_device["peak_estimate"] = (
-        per_device["argument"] + per_device["output"] - per_device["alias"] + per_device["temp"]
-    )
+    per_device["peak_estimate"] = xla_peak(mem)
     mesh = compiled.batch_sharding.mesh
     collectives = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape)))
     cost = exe.cost_analysis() or {}
