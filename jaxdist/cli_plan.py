@@ -26,8 +26,10 @@ class Plan:
     """mesh axes the planner may use"""
     microbatches: int = 0
     """0: none without a pipeline, 4 per stage with one"""
-    pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    """pipeline schedule priced for layouts with a pipeline axis (interleaved: not modelled)"""
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    """pipeline schedule priced for layouts with a pipeline axis"""
+    virtual_stages: int = 2
+    """layer chunks per device, for the interleaved schedule"""
     remat: str = "none"
     compute_efficiency: float = 0.5
     """share of peak FLOP/s the matmuls reach (0.4-0.6 on well-tuned GPUs and TPUs)"""
@@ -99,6 +101,7 @@ def run_plan(args: Plan) -> int:
         axes=tuple(a.strip() for a in args.axes.split(",") if a.strip()),
         microbatches=args.microbatches,
         schedule=args.pipeline_schedule,
+        virtual_stages=args.virtual_stages,
         compute_efficiency=args.compute_efficiency,
         max_layouts=max(args.top, args.verify),
     )
@@ -135,7 +138,8 @@ def verify(row: dict, model_cfg, rules, args: Plan, devices) -> dict:
 
     mesh = build_mesh(MeshConfig(ici=tuple(row["mesh"].items())), devices)
     tx, lr = make_optimizer(OptimConfig(), 100)
-    step = StepConfig(microbatches=row["microbatches"], pipeline_schedule=args.pipeline_schedule)
+    v = args.virtual_stages if args.pipeline_schedule == "interleaved" else 1
+    step = StepConfig(row["microbatches"], args.pipeline_schedule, virtual_stages=v)
 
     def init(rngs):
         return Transformer(model_cfg, rngs)

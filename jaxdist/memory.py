@@ -54,9 +54,10 @@ def _ways(axes, mesh_shape: dict[str, int]) -> int:
     return math.prod(mesh_shape.get(a, 1) for a in axes)
 
 
-def _local_elements(
+def local_elements(
     shape, logical, rules: AxisRules, mesh_shape: dict[str, int], kind: str
 ) -> float:
+    """Elements of one device's share of a tensor, laid out for storage ("param") or use."""
     axes = {a for n in logical if n is not None for a in rules.mesh_axes(n, kind)}
     return math.prod(shape) / _ways(axes, mesh_shape)
 
@@ -67,7 +68,7 @@ def tensors_bytes(
     return sum(
         t.count
         * t.dtype_bytes
-        * _local_elements(t.shape, t.logical, rules, mesh_shape, "activation")
+        * local_elements(t.shape, t.logical, rules, mesh_shape, "activation")
         for t in tensors
     )
 
@@ -96,14 +97,14 @@ def predict(
     params = grads = gathered_layer = gathered_other = 0.0
     for var in _variables(abstract_params):
         logical = tuple(var.get_metadata()["logical_axes"])
-        local = _local_elements(var.shape, logical, rules, mesh_shape, "param")
+        local = local_elements(var.shape, logical, rules, mesh_shape, "param")
         params += 4 * local
         grads += 4 * local
         param_axes = {a for n in logical if n for a in rules.mesh_axes(n, "param")}
         act_axes = {a for n in logical if n for a in rules.mesh_axes(n, "activation")}
         # A pipeline stage keeps its own layers: their split over `pipeline` is never gathered.
         if _ways(param_axes - act_axes - {"pipeline"}, mesh_shape) > 1:
-            used = compute_bytes * _local_elements(
+            used = compute_bytes * local_elements(
                 var.shape, logical, rules, mesh_shape, "activation"
             )
             if "layers" in logical:

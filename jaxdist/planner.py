@@ -59,6 +59,7 @@ class PlanConfig:
     axes: tuple[str, ...] = MESH_AXES
     microbatches: int = 0  # 0: 1 without a pipeline, 4 per stage with one
     schedule: str = "1f1b"
+    virtual_stages: int = 1  # interleaved: layer chunks per device
     compute_efficiency: float = 0.5
     max_layouts: int = 10
 
@@ -106,6 +107,9 @@ def why_not(
         return "pipeline with experts is not supported"
     if stages > 1 and m < stages:
         return f"{m} microbatches fewer than {stages} stages"
+    v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
+    if stages > 1 and (model.num_layers % (stages * v) or (v > 1 and m % stages)):
+        return f"layers or microbatches do not split into {stages} x {v} interleaved chunks"
     for path, var in nnx.to_flat_state(model.abstract_params):
         logical = tuple(var.get_metadata()["logical_axes"])
         try:
@@ -146,12 +150,13 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
     ways = math.prod(sizes.get(a, 1) for a in batch_axes)
     mesh = _abstract_mesh(sizes)
     micro_rows = cfg.batch_size // m
-    schedule = make_schedule(cfg.schedule, stages, m) if stages > 1 else None
+    v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
+    schedule = make_schedule(cfg.schedule, stages, m, v) if stages > 1 else None
     # One microbatch's activation on one device: what a pipeline stage stores and sends.
     micro_act = micro_rows // ways * model.seq_len * model.d_model * model.compute_bytes
-    # Three buffers (forward inbox, backward inbox, stash) of `capacity` microbatch inputs:
-    # all m for GPipe, at most p for 1F1B.
-    stash = 3 * schedule.capacity * micro_act if schedule else 0.0
+    # Three buffers (forward inbox, backward inbox, stash), each of `capacity` microbatch inputs
+    # per virtual stage: all m for GPipe, at most p for 1F1B.
+    stash = 3 * v * schedule.capacity * micro_act if schedule else 0.0
     mem = memory.predict(
         model.abstract_params,
         rules,
@@ -173,11 +178,21 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
         reduce_scatter=cfg.hardware != "cpu",
     )
     if schedule:
-        expected[("pipeline", "collective-permute")] = permute_bytes(schedule, micro_act)
+        # Interleaving also moves the stage's stored layer chunks into place and back.
+        layer_bytes = sum(
+            4 * memory.local_elements(var.shape, logical, rules, dict(mesh.shape), "param")
+            for var, logical in _layer_variables(model)
+        )
+        expected[("pipeline", "collective-permute")] = permute_bytes(
+            schedule, micro_act, layer_bytes if v > 1 else 0.0
+        )
     tokens = cfg.batch_size * model.seq_len
     compute = model.flops_per_token * tokens / (cfg.devices * hw.peak_flops)
     compute /= cfg.compute_efficiency
-    bubble = compute * (stages - 1) / m if stages > 1 else 0.0
+    # The schedule's own idle share b of stage-ticks stretches the step by b / (1 - b):
+    # (p-1)/m for GPipe and 1F1B, (p-1)/(vm) interleaved.
+    idle = schedule.bubble() if schedule else 0.0
+    bubble = compute * idle / (1 - idle)
     exposed = hidden_candidates = 0.0
     by_axis = {}
     for (label, kind), nbytes in expected.items():
@@ -214,6 +229,13 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
         "by_axis": by_axis,
         "expected": {f"{label}|{kind}": b for (label, kind), b in expected.items()},
     }
+
+
+def _layer_variables(model: PlanModel):
+    for _, var in nnx.to_flat_state(model.abstract_params):
+        logical = tuple(var.get_metadata()["logical_axes"])
+        if "layers" in logical:
+            yield var, logical
 
 
 def _is_activation(label: str, rules: AxisRules) -> bool:

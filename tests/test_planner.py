@@ -140,3 +140,50 @@ def test_compile_for_a_tpu_slice_from_a_cpu_host():
 def test_target_without_compile_only_is_refused():
     r = cli("train", "--model", "tiny", "--target", "tpu-v5p:2x2x2", "--steps", "1")
     assert r.returncode == 2 and "--compile-only" in r.stderr
+
+
+def test_interleaving_shrinks_the_priced_bubble_and_its_sends_match_the_hlo():
+    import jax
+    import numpy as np
+
+    from jaxdist import hlo
+    from tests.helpers import mesh_for
+
+    model = _model("tiny", "float32", num_layers=8)
+    sizes = {"pipeline": 4, "data": 2}
+
+    def priced(schedule):
+        cfg = PlanConfig(8, "cpu", 16, microbatches=4, schedule=schedule, virtual_stages=2)
+        return evaluate(sizes, model, STANDARD_RULES, cfg)
+
+    plain, interleaved = priced("1f1b"), priced("interleaved")
+    assert plain["bubble_s"] / plain["compute_s"] == pytest.approx(3 / 4)  # (p-1)/m
+    assert interleaved["bubble_s"] / interleaved["compute_s"] == pytest.approx(3 / 8)  # /(vm)
+
+    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.step import StepConfig, build
+    from models.transformer import Transformer
+
+    mc = get_model_config("tiny", num_layers=8)
+    mesh = mesh_for("pipeline=4,data=2")
+    tx, lr = make_optimizer(OptimConfig(), 10)
+    step = StepConfig(4, "interleaved", virtual_stages=2)
+    c = build(lambda r: Transformer(mc, r), tx, lr, STANDARD_RULES, mesh, step, 0, 16)
+    batch = jax.ShapeDtypeStruct((16, mc.seq_len + 1), np.int32, sharding=c.batch_sharding)
+    text = c.step_fn.lower(c.abstract_state, batch).compile().as_text()
+    measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
+    sent = measured[("pipeline", "collective-permute")]["bytes"]
+    assert interleaved["expected"]["pipeline|collective-permute"] == pytest.approx(sent, rel=0.05)
+
+
+def test_expert_layouts_for_a_moe_model():
+    model, cfg = _model("tiny-moe", "float32"), PlanConfig(8, "cpu", 32)
+    naive = evaluate({"data": 8}, model, STANDARD_RULES, cfg)
+    experts = evaluate({"expert": 8}, model, STANDARD_RULES, cfg)
+    # Experts split 8 ways: their weights and moments no longer sit whole on every device.
+    assert experts["memory_bytes"]["params"] < naive["memory_bytes"]["params"] / 2
+    # The token exchange is an all-to-all over the expert axis, on the critical path.
+    assert experts["by_axis"]["expert all-to-all"]["bytes"] > 0
+    assert experts["comm_exposed_s"] > 0
+    ranked = plan(model, STANDARD_RULES, cfg)["layouts"]
+    assert any(r["mesh"]["expert"] > 1 for r in ranked)
