@@ -187,3 +187,16 @@ def test_expert_layouts_for_a_moe_model():
     assert experts["comm_exposed_s"] > 0
     ranked = plan(model, STANDARD_RULES, cfg)["layouts"]
     assert any(r["mesh"]["expert"] > 1 for r in ranked)
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install 'jaxdist[tpu]')")
+def test_plan_verifies_against_the_tpu_compiler(tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "tiny", "--devices", "8", "--hardware", "tpu-v5p-8"]
+    r = cli(*args, "--batch-size", "64", "--verify", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    v = json.loads(out.read_text())["layouts"][0]["verify"]
+    assert v["platform"] == "tpu" and v["xla_peak_bytes"] > 0
+    # Whatever the agreement, both figures are there and the ratio is reported, not hidden.
+    assert v["memory_ratio"] == pytest.approx(v["predicted_peak_bytes"] / v["xla_peak_bytes"])
+    assert ("FLAG" in r.stdout) == (not (v["memory_ok"] and v["bytes_ok"]))
