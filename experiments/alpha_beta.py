@@ -99,7 +99,7 @@ def main() -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdist.costmodel import collective_time, get_hardware
+    from jaxdist.planning.costmodel import collective_time, get_hardware
 
     devices = jax.devices()
     p = len(devices)
@@ -304,7 +304,7 @@ def plot(rows, fits, bucket, p, platform, preset, link, path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from jaxdist.costmodel import collective_time
+    from jaxdist.planning.costmodel import collective_time
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.6))
     for (kind, f), color in zip(fits.items(), ("C0", "C1", "C2"), strict=False):

@@ -39,8 +39,8 @@ def main() -> None:
     import jax
     import orbax.checkpoint as ocp
 
-    from jaxdist.checkpoint import Checkpointer
-    from jaxdist.interval import daly_interval_s
+    from jaxdist.checkpoint.interval import daly_interval_s
+    from jaxdist.checkpoint.store import Checkpointer
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.step import StepConfig, build

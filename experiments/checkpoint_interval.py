@@ -52,7 +52,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxdist.interval import daly_interval_s  # noqa: E402 - after the path insert
+from jaxdist.checkpoint.interval import daly_interval_s  # noqa: E402 - after the path insert
 
 STEP_LINE = re.compile(r"^step\s+(\d+)\s+loss\s+\S+\s+grad_norm\s+\S+\s+([\d.]+) ms")
 RESUMED = re.compile(r"resuming from checkpoint step (\d+) .*? at step (\d+)")

@@ -30,12 +30,12 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
 
-    from jaxdist.breakdown import breakdown
     from jaxdist.data import DataConfig, TokenBatches
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.pipeline import make_schedule
-    from jaxdist.profile import load
+    from jaxdist.parallel.pipeline import make_schedule
+    from jaxdist.profiling.breakdown import breakdown
+    from jaxdist.profiling.trace import load
     from jaxdist.step import StepConfig, build
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config

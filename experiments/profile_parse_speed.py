@@ -52,8 +52,8 @@ def main() -> None:
         capture_output=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    from jaxdist.breakdown import breakdown
-    from jaxdist.profile import find_xplane, load
+    from jaxdist.profiling.breakdown import breakdown
+    from jaxdist.profiling.trace import find_xplane, load
 
     trace = find_xplane(run_dir / "profile")
     size = trace.stat().st_size

@@ -40,14 +40,14 @@ def measure(layout, model, microbatches, schedule, args) -> dict:
     import jax
     import numpy as np
 
-    from jaxdist import hlo
-    from jaxdist.cli_plan import plan_model
+    from jaxdist.cli.plan import plan_model
     from jaxdist.data import DataConfig, TokenBatches
-    from jaxdist.memory import xla_peak
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.metrics import distribution
     from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.planner import PlanConfig, evaluate
+    from jaxdist.planning import hlo
+    from jaxdist.planning.memory import xla_peak
+    from jaxdist.planning.planner import PlanConfig, evaluate
     from jaxdist.step import StepConfig, build
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config

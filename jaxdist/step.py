@@ -15,8 +15,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist import pipeline
 from jaxdist.errors import ConfigError
+from jaxdist.parallel import pipeline
 from jaxdist.rules import (
     AxisRules,
     activation_rules,

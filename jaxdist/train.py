@@ -21,20 +21,21 @@ from jax.sharding import Mesh
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from jaxdist import hardware, hlo
-from jaxdist.capture import Capture
-from jaxdist.checkpoint import Checkpointer, param_shapes
+from jaxdist import hardware
+from jaxdist.checkpoint.interval import CheckpointConfig, Interval
+from jaxdist.checkpoint.recovery import NonFinitePolicy, PreemptionSignal, TrainingStopped
+from jaxdist.checkpoint.store import Checkpointer, param_shapes
+from jaxdist.cluster.join import local_value, process_rows
+from jaxdist.cluster.watchdog import Watchdog
 from jaxdist.data import DataConfig, TokenBatches
-from jaxdist.distributed import local_value, process_rows
 from jaxdist.errors import ConfigError
-from jaxdist.interval import CheckpointConfig, Interval
-from jaxdist.memory import xla_peak
 from jaxdist.metrics import MetricsLog, distribution, print_summary, read_metrics, throughput
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.recovery import NonFinitePolicy, PreemptionSignal, TrainingStopped
+from jaxdist.planning import hlo
+from jaxdist.planning.memory import xla_peak
+from jaxdist.profiling.capture import Capture
 from jaxdist.rules import AxisRules
 from jaxdist.step import Compiled, StepConfig, build
-from jaxdist.watchdog import Watchdog
 
 
 class ModelSpec(NamedTuple):

@@ -10,7 +10,7 @@ every expert on every token and masks by the router: the reference a test compar
 import jax
 import jax.numpy as jnp
 
-from jaxdist.experts import moe_ffn
+from jaxdist.parallel.experts import moe_ffn
 
 EXPERT_WEIGHTS = ("w_up_LEDF", "w_gate_LEDF", "w_down_LEFD")
 MOE_LOGICAL = {

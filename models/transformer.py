@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.comm import PartialSum
 from jaxdist.errors import ConfigError
-from jaxdist.experts import capacity
-from jaxdist.memory import Activation, Inventory
-from jaxdist.pipeline import Stages
+from jaxdist.parallel.experts import capacity
+from jaxdist.parallel.pipeline import Stages
+from jaxdist.planning.memory import Activation, Inventory
+from jaxdist.planning.traffic import PartialSum
 from jaxdist.rules import constrain
 from models import moe
 from models.moe import EXPERT_WEIGHTS, MOE_LOGICAL, moe_shapes

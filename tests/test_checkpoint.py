@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from jaxdist.checkpoint import Checkpointer, list_checkpoints, param_shapes
+from jaxdist.checkpoint.interval import CheckpointConfig, Interval, daly_interval_s
+from jaxdist.checkpoint.recovery import TrainingStopped
+from jaxdist.checkpoint.store import Checkpointer, list_checkpoints, param_shapes
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
-from jaxdist.interval import CheckpointConfig, Interval, daly_interval_s
 from jaxdist.metrics import latest_per_step, read_metrics
 from jaxdist.optim import OptimConfig
-from jaxdist.recovery import TrainingStopped
 from jaxdist.step import StepConfig
 from jaxdist.train import LoopConfig, run
 from meshes.presets import STANDARD_RULES

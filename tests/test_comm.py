@@ -2,7 +2,8 @@
 
 import pytest
 
-from jaxdist import comm, hlo
+from jaxdist.planning import hlo
+from jaxdist.planning import traffic as comm
 from jaxdist.rules import batch_ways
 from tests.helpers import compiled_for
 

@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.checkpoint import Checkpointer, param_shapes
+from jaxdist.checkpoint.store import Checkpointer, param_shapes
 from jaxdist.data import DataConfig, TokenBatches
-from jaxdist.experts import capacity, moe_ffn
+from jaxdist.parallel.experts import capacity, moe_ffn
 from jaxdist.rules import activation_rules
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config

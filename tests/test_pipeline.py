@@ -7,13 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdist import comm, pipeline
-from jaxdist.checkpoint import Checkpointer, param_shapes
+from jaxdist.checkpoint.store import Checkpointer, param_shapes
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.pipeline import make_schedule, recv_table
+from jaxdist.parallel import pipeline
+from jaxdist.parallel.pipeline import make_schedule, recv_table
+from jaxdist.planning import traffic as comm
 from jaxdist.rules import batch_ways
 from jaxdist.step import StepConfig, build
 from meshes.presets import STANDARD_RULES

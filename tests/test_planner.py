@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from jaxdist.cli_plan import plan_model
+from jaxdist.cli.plan import plan_model
 from jaxdist.errors import ConfigError
-from jaxdist.planner import PlanConfig, evaluate, plan
-from jaxdist.target import parse_target, topology_name
+from jaxdist.planning.planner import PlanConfig, evaluate, plan
+from jaxdist.planning.tpu import parse_target, topology_name
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
 from tests.helpers import cli
@@ -146,7 +146,7 @@ def test_interleaving_shrinks_the_priced_bubble_and_its_sends_match_the_hlo():
     import jax
     import numpy as np
 
-    from jaxdist import hlo
+    from jaxdist.planning import hlo
     from tests.helpers import mesh_for
 
     model = _model("tiny", "float32", num_layers=8)

@@ -14,11 +14,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import intervals as iv
-from jaxdist.breakdown import breakdown
 from jaxdist.errors import ConfigError
-from jaxdist.profile import load
-from jaxdist.profile_report import analyze
+from jaxdist.profiling import spans as iv
+from jaxdist.profiling.breakdown import breakdown
+from jaxdist.profiling.report import analyze
+from jaxdist.profiling.trace import load
 from tests.helpers import mesh_for
 
 MS = 1_000_000  # ns
@@ -310,8 +310,8 @@ def test_train_profile_attributes_dp_and_fsdp_steps(tmp_path, mesh, axis, kind):
 def test_watch_comm_warns_during_training(tmp_path):
     from rich.console import Console
 
+    from jaxdist.checkpoint.interval import CheckpointConfig
     from jaxdist.data import DataConfig
-    from jaxdist.interval import CheckpointConfig
     from jaxdist.metrics import read_metrics
     from jaxdist.optim import OptimConfig
     from jaxdist.step import StepConfig

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jaxdist.checkpoint import list_checkpoints
+from jaxdist.checkpoint.store import list_checkpoints
 from jaxdist.metrics import read_metrics
 from tests.helpers import cli_popen, losses, tiny_train
 

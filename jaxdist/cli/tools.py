@@ -23,7 +23,7 @@ def checkpoints(args: Checkpoints) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from jaxdist.checkpoint import list_checkpoints
+    from jaxdist.checkpoint.store import list_checkpoints
 
     rows = list_checkpoints(pathlib.Path(args.run_dir))
     if args.json:
@@ -66,9 +66,9 @@ class Profile:
 
 
 def profile(args: Profile) -> int:
-    from jaxdist import profile_report
     from jaxdist.mesh import parse_mesh
-    from jaxdist.profile import find_xplane
+    from jaxdist.profiling import report as profile_report
+    from jaxdist.profiling.trace import find_xplane
 
     trace = find_xplane(args.path)
     here = pathlib.Path(args.path) if pathlib.Path(args.path).is_dir() else trace.parent
@@ -140,12 +140,12 @@ def passthrough(argv: list[str]) -> int:
     if train_args and train_args[0] != "train":
         train_args = ["train", *train_args]
     if isinstance(args, Launch):
-        from jaxdist.launch import launch
+        from jaxdist.cluster.launch import launch
 
         return launch(
             args.processes, args.devices_per_process, train_args, args.platform, args.port
         )
-    from jaxdist import cluster_files
+    from jaxdist.cluster import manifests as cluster_files
 
     if isinstance(args, Slurm):
         print(

@@ -6,9 +6,9 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
-from jaxdist import costmodel, hlo
-from jaxdist.breakdown import breakdown
-from jaxdist.profile import load
+from jaxdist.planning import costmodel, hlo
+from jaxdist.profiling.breakdown import breakdown
+from jaxdist.profiling.trace import load
 
 
 def _key(name: str) -> str:

@@ -13,8 +13,8 @@ from typing import Literal
 
 import tyro
 
-from jaxdist.cli_plan import Plan, run_plan
-from jaxdist.cli_tools import Checkpoints, Profile, checkpoints, passthrough, profile
+from jaxdist.cli.plan import Plan, run_plan
+from jaxdist.cli.tools import Checkpoints, Profile, checkpoints, passthrough, profile
 from jaxdist.errors import ConfigError
 from jaxdist.rules import batch_ways
 
@@ -132,7 +132,7 @@ def _setup(args: Common):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     setup_devices(args.devices)
     if isinstance(args, Train):
-        from jaxdist.distributed import DistributedConfig, initialize
+        from jaxdist.cluster.join import DistributedConfig, initialize
 
         initialize(
             DistributedConfig(
@@ -158,7 +158,7 @@ def _setup(args: Common):
     if getattr(args, "target", None):
         if not args.compile_only:
             raise ConfigError("--target compiles only; add --compile-only")
-        from jaxdist.target import parse_target, tpu_devices
+        from jaxdist.planning.tpu import parse_target, tpu_devices
 
         platform, target_devices = "tpu", tpu_devices(parse_target(args.target))
     dtype = args.compute_dtype
@@ -222,8 +222,8 @@ def train(args: Train) -> int:
     import jax
 
     from jaxdist import train as loop
+    from jaxdist.checkpoint.interval import CheckpointConfig
     from jaxdist.data import DataConfig
-    from jaxdist.interval import CheckpointConfig
     from jaxdist.optim import OptimConfig
     from models.presets import model_spec
 
@@ -231,7 +231,7 @@ def train(args: Train) -> int:
     optim = OptimConfig(learning_rate=args.lr, warmup_steps=args.warmup_steps)
     data = DataConfig(path=args.data, batch_size=args.batch_size, seed=args.seed)
     step = _step_config(args, fault_nan_steps=args.fault_nan_steps)
-    from jaxdist.capture import parse_range
+    from jaxdist.profiling.capture import parse_range
 
     hardware = args.hardware
     if hardware == "auto":
@@ -286,7 +286,7 @@ def train(args: Train) -> int:
 
 def _target_fit(target: str, report: dict, model, batch_size: int, devices: int) -> dict:
     """Whether the step fits a chip of the target, and XLA's FLOPs beside the model's."""
-    from jaxdist.costmodel import get_hardware
+    from jaxdist.planning.costmodel import get_hardware
 
     hw = get_hardware(target.split(":")[0])
     ours = model.flops_per_token * batch_size * model.seq_len / devices
@@ -303,7 +303,7 @@ def _pipeline_expected(args, model_cfg, compiled, mesh) -> dict:
     interleaved, the layer chunks moved into place and their gradients back)."""
     import jax.numpy as jnp
 
-    from jaxdist import pipeline
+    from jaxdist.parallel import pipeline
 
     if mesh.shape["pipeline"] == 1:
         return {}
@@ -320,8 +320,8 @@ def comm(args: Comm) -> int:
     mesh, rules, model_cfg, args = _setup(args)
     import jax.numpy as jnp
 
-    from jaxdist import comm as comm_report
     from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.planning import traffic as comm_report
     from jaxdist.step import build
     from models.presets import model_spec
 
@@ -353,9 +353,9 @@ def comm(args: Comm) -> int:
 def bench(args: Bench) -> int:
     mesh, rules, model_cfg, args = _setup(args)
     from jaxdist import train as loop
-    from jaxdist.bench import bench as run_bench
     from jaxdist.data import DataConfig
     from jaxdist.optim import OptimConfig
+    from jaxdist.profiling.bench import bench as run_bench
     from jaxdist.step import StepConfig
     from models.presets import model_spec
 
@@ -374,7 +374,7 @@ def bench(args: Bench) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxdist.recovery import TrainingStopped
+    from jaxdist.checkpoint.recovery import TrainingStopped
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("launch", "slurm", "k8s"):

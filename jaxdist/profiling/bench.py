@@ -10,9 +10,9 @@ import jax
 import numpy as np
 
 from jaxdist import hardware
-from jaxdist.distributed import local_value
-from jaxdist.memory import xla_peak
+from jaxdist.cluster.join import local_value
 from jaxdist.metrics import distribution, throughput
+from jaxdist.planning.memory import xla_peak
 
 
 def bench(

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from rich.console import Console
 from rich.table import Table
 
-from jaxdist import hlo
+from jaxdist.planning import hlo
 from jaxdist.rules import AxisRules
 
 

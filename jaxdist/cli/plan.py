@@ -46,7 +46,7 @@ def plan_model(model_cfg, init=None):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxdist.planner import PlanModel
+    from jaxdist.planning.planner import PlanModel
     from models.transformer import Transformer
 
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
@@ -69,13 +69,13 @@ def _tpu_generation(hardware: str) -> str | None:
 
 
 def run_plan(args: Plan) -> int:
-    from jaxdist import costmodel
-    from jaxdist.planner import PlanConfig, plan
+    from jaxdist.planning import costmodel
+    from jaxdist.planning.planner import PlanConfig, plan
 
     hw = costmodel.get_hardware(args.hardware)
     generation = _tpu_generation(args.hardware)
     if generation and args.verify:
-        from jaxdist.target import topology_name
+        from jaxdist.planning.tpu import topology_name
 
         topology_name(generation, args.devices)  # a bad slice size fails before any work
     import jax
@@ -111,7 +111,7 @@ def run_plan(args: Plan) -> int:
     if args.verify:
         devices = None
         if generation:
-            from jaxdist.target import topology_name, tpu_devices
+            from jaxdist.planning.tpu import topology_name, tpu_devices
 
             devices = tpu_devices(topology_name(generation, args.devices))
         else:
@@ -130,9 +130,9 @@ def verify(row: dict, model_cfg, rules, args: Plan, devices) -> dict:
     import numpy as np
     from jax import ShapeDtypeStruct
 
-    from jaxdist import hlo, memory
     from jaxdist.mesh import MeshConfig, build_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.planning import hlo, memory
     from jaxdist.step import StepConfig, build
     from models.transformer import Transformer
 

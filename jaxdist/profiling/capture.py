@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from rich.console import Console
 
-from jaxdist import profile_report
 from jaxdist.metrics import MetricsLog
+from jaxdist.profiling import report as profile_report
 
 WATCH_STEPS = 3
 

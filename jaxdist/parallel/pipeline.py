@@ -29,8 +29,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import ConfigError
-from jaxdist.rules import activation_rules, active
-from jaxdist.schedules import (  # noqa: F401 - re-exported: the pipeline's public surface
+from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeline's public surface
     SCHEDULES,
     Schedule,
     make_schedule,
@@ -38,6 +37,7 @@ from jaxdist.schedules import (  # noqa: F401 - re-exported: the pipeline's publ
     recv_table,
     shuffle_plan,
 )
+from jaxdist.rules import activation_rules, active
 
 
 class Stages(NamedTuple):

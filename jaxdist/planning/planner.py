@@ -26,10 +26,11 @@ from collections.abc import Callable
 from flax import nnx
 from jax.sharding import AbstractMesh
 
-from jaxdist import comm, costmodel, memory
 from jaxdist.errors import ConfigError
 from jaxdist.mesh import MESH_AXES
-from jaxdist.pipeline import make_schedule, permute_bytes
+from jaxdist.parallel.pipeline import make_schedule, permute_bytes
+from jaxdist.planning import costmodel, memory
+from jaxdist.planning import traffic as comm
 from jaxdist.rules import AxisRules, check_divisible
 
 MEMORY_HEADROOM = 0.9  # XLA's allocator and the runtime keep some of the device's memory

@@ -5,8 +5,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from jaxdist import intervals as iv
-from jaxdist.profile import Event, Trace, step_windows
+from jaxdist.profiling import spans as iv
+from jaxdist.profiling.trace import Event, Trace, step_windows
 
 NS = 1e-9
 

@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxdist.distributed import local_value
+from jaxdist.cluster.join import local_value
 from jaxdist.errors import ConfigError
 
 log = logging.getLogger("jaxdist.checkpoint")
