@@ -99,14 +99,15 @@ def main() -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdist.planning.costmodel import collective_time, get_hardware
+    from jaxdist.hardware import get_hardware
+    from jaxdist.planning.costmodel import collective_time
 
     devices = jax.devices()
     p = len(devices)
     if p < 2:
         sys.exit(f"only {p} {devices[0].platform} device: no collective to time")
     platform = devices[0].platform
-    hw = get_hardware(args.preset or ("cpu" if platform == "cpu" else "h100-nvlink"))
+    hw = get_hardware(args.preset or ("cpu" if platform == "cpu" else "h100"))
     link = hw.inner
     mesh = jax.make_mesh((p,), ("x",), devices=devices)
     sharding = NamedSharding(mesh, P("x"))

@@ -40,7 +40,6 @@ def measure(layout, model, microbatches, schedule, args) -> dict:
     import jax
     import numpy as np
 
-    from jaxdist.cli.plan import plan_model
     from jaxdist.data import DataConfig, TokenBatches
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.metrics import distribution
@@ -50,6 +49,7 @@ def measure(layout, model, microbatches, schedule, args) -> dict:
     from jaxdist.planning.planner import PlanConfig, evaluate
     from jaxdist.step import StepConfig, build
     from meshes.presets import STANDARD_RULES
+    from models.inventory import plan_model
     from models.presets import get_model_config
     from models.transformer import Transformer
 

@@ -1,11 +1,66 @@
 """jaxdist: a distributed trainer for JAX.
 
 The five stages of a step, and where each lives:
-  1. distribute work   -> jaxdist.mesh, jaxdist.rules, jaxdist.data (batch placement)
-  2. compute fwd/bwd   -> jaxdist.step (loss and gradients of a model that speaks logical axes)
-  3. move tensors      -> the collectives XLA inserts from the shardings; read back by jaxdist.comm
-  4. sync the update   -> jaxdist.step (optimizer update on sharded state) and jaxdist.optim
-  5. checkpoint        -> jaxdist.checkpoint (later issue)
+  1. distribute work   -> mesh (layouts), rules (logical axes onto mesh axes), data (batches);
+                          planning/ chooses a layout before the fleet is rented
+  2. compute fwd/bwd   -> step (loss and gradients of a model that speaks logical axes);
+                          parallel/ where per-device control is the point (pipeline, experts)
+  3. move tensors      -> the collectives XLA inserts from the shardings; planning/traffic and
+                          profiling/ read them back out of the program and the trace
+  4. sync the update   -> step (the optimizer update on sharded state), optim
+  5. checkpoint        -> checkpoint/ (Orbax store, Young-Daly interval, recovery)
+
+The loop that runs them is train.run (jaxdist.fit). From a script (see experiments/own_model.py):
+
+    import jaxdist
+    mesh = jaxdist.make_mesh("data=2,fsdp=2,tensor=2")
+    summary = jaxdist.fit(model_spec, mesh, rules, jaxdist.OptimConfig(), ...)
+
+The names below load on first use, so `import jaxdist` stays cheap.
 """
 
+import importlib
+
 __version__ = "0.1.0"
+
+_API = {
+    # devices and layouts
+    "setup_devices": "jaxdist.mesh",
+    "make_mesh": "jaxdist.mesh",
+    "parse_mesh": "jaxdist.mesh",
+    "AxisRules": "jaxdist.rules",
+    "LOGICAL_AXES": "jaxdist.axes",
+    # configs, one per component
+    "ModelSpec": "jaxdist.model",
+    "OptimConfig": "jaxdist.optim",
+    "DataConfig": "jaxdist.data",
+    "StepConfig": "jaxdist.step",
+    "LoopConfig": "jaxdist.train",
+    "RunConfig": "jaxdist.train",
+    "CheckpointConfig": "jaxdist.checkpoint.interval",
+    # training and its pieces
+    "fit": ("jaxdist.train", "run"),  # the loop; jaxdist.train is its module
+    "prepare": "jaxdist.train",
+    "evaluate": "jaxdist.train",
+    "build": "jaxdist.step",
+    "make_optimizer": "jaxdist.optim",
+    "TokenBatches": "jaxdist.data",
+    "restore": "jaxdist.checkpoint.store",
+    # looking at a step
+    "profile": ("jaxdist.profiling.report", "analyze"),
+    "compile_only": "jaxdist.planning.aot",
+    "plan": "jaxdist.planning.planner",
+    "PlanConfig": "jaxdist.planning.planner",
+    "PlanModel": "jaxdist.planning.planner",
+    "ConfigError": "jaxdist.errors",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
+    module, attr = _API[name] if isinstance(_API[name], tuple) else (_API[name], name)
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

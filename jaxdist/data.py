@@ -97,6 +97,7 @@ class TokenBatches:
                 "pass more text or a model with a shorter sequence"
             )
         self.config = config
+        self.global_shape = (config.batch_size, seq_len + 1)
         self.num_windows = len(windows)
         self.rows = rows
         self._dataset = grain.MapDataset.source(windows).shuffle(seed=config.seed).repeat()

@@ -1,26 +1,103 @@
-"""Peak dense FLOP/s per device, for MFU. Figures are the vendors' datasheet bf16 peaks."""
+"""The hardware table: one preset per device type, with everything jaxdist needs to know of it.
+
+Peak FLOP/s (for MFU and the planner's compute time), memory per device, and the alpha-beta
+costs of its links (for the cost model), plus the device-kind strings JAX reports for it, so a
+running job finds its own preset. The figures, with their sources, are data: hardware.toml.
+"""
+
+import dataclasses
+import pathlib
+import tomllib
 
 import jax
 
-# (substring of jax's device_kind, peak bf16 FLOP/s per device)
-PEAK_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("TPU v6", 918e12),
-    ("TPU v5p", 459e12),
-    ("TPU v5 lite", 197e12),
-    ("TPU v5e", 197e12),
-    ("TPU v4", 275e12),
-)
+from jaxdist.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    alpha_s: float  # per message step
+    bandwidth: float  # bytes/s per device per direction, as achieved by a good ring
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # per device, bf16 dense
+    memory_bytes: float  # per device
+    inner: Link  # inside a host or slice: NVLink, ICI
+    outer: Link  # across hosts: InfiniBand, DCN
+    devices_per_host: int
+    about: str
+    # Substrings of jax's device_kind that name this hardware; none for simulated devices.
+    kinds: tuple[str, ...] = ()
+    # Share of overlappable communication (FSDP gathers, gradient reductions, pipeline sends)
+    # the compiler hides behind compute: XLA:CPU runs collectives in line, GPU and TPU
+    # schedulers run them async beside the matmuls.
+    overlap: float = 0.0
+    # Per-device step-time jitter as a share of compute (kernel timing, clocks, host noise):
+    # the straggler that every synchronous step waits for.
+    jitter: float = 0.02
+
+    @property
+    def platform(self) -> str:
+        return "cpu" if self.name == "cpu" else "tpu" if self.name.startswith("tpu") else "gpu"
+
+
+def _load() -> dict[str, Hardware]:
+    with (pathlib.Path(__file__).with_name("hardware.toml")).open("rb") as f:
+        table = tomllib.load(f)
+    return {
+        name: Hardware(
+            name=name,
+            peak_flops=row["peak_flops"],
+            memory_bytes=row["memory_bytes"],
+            inner=Link(*row["inner"]),
+            outer=Link(*row["outer"]),
+            devices_per_host=row["devices_per_host"],
+            about=row["about"],
+            kinds=tuple(row["kinds"]),
+            overlap=row["overlap"],
+            jitter=row["jitter"],
+        )
+        for name, row in table.items()
+    }
+
+
+PRESETS: dict[str, Hardware] = _load()
+# Names earlier releases used for the same hardware.
+_ALIASES = {"h100-nvlink": "h100", "h100-ib": "h100", "h200-nvlink": "h200"}
+
+
+def get_hardware(name: str) -> Hardware:
+    """A preset by name; a TPU slice size may follow (tpu-v5p-64 is tpu-v5p)."""
+    name = _ALIASES.get(name, name)
+    if name in PRESETS:
+        return PRESETS[name]
+    base, _, size = name.rpartition("-")
+    if base in PRESETS and size.isdigit():
+        return PRESETS[base]
+    raise ConfigError(f"unknown hardware {name!r}; choose one of: {', '.join(PRESETS)}")
+
+
+def lookup(device: jax.Device) -> Hardware | None:
+    """The preset of a real device, from the kind JAX reports; None where none matches."""
+    kind = device.device_kind
+    for hw in PRESETS.values():
+        if any(k in kind for k in hw.kinds):
+            return hw
+    return None
+
+
+def preset_name(device: jax.Device) -> str:
+    """The cost-model preset for a device: its own, or the simulated `cpu` one."""
+    hw = lookup(device)
+    return hw.name if hw else "cpu"
 
 
 def peak_flops(device: jax.Device, override_tflops: float | None = None) -> float | None:
-    """Peak FLOP/s of one device; None where unknown (CPUs), so MFU is not invented."""
+    """Peak FLOP/s of one device for MFU; None where unknown (CPUs), so MFU is not invented."""
     if override_tflops is not None:
         return override_tflops * 1e12
-    kind = device.device_kind
-    for key, flops in PEAK_FLOPS:
-        if key in kind:
-            return flops
-    return None
+    hw = lookup(device)
+    return hw.peak_flops if hw else None

@@ -114,6 +114,14 @@ def setup_devices(spec: str) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
+def make_mesh(layout: str, devices: list | None = None) -> Mesh:
+    """A mesh from a layout string such as `data=2,fsdp=2,tensor=2` over `devices` (all by
+    default); `single` is one device."""
+    if layout == "single":
+        return build_mesh(MeshConfig(ici=()), list(devices or jax.devices())[:1])
+    return build_mesh(parse_mesh(layout), devices)
+
+
 def build_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
     """A mesh over exactly `devices` (all of them by default), or a ConfigError saying why not."""
     devices = list(jax.devices() if devices is None else devices)

@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import time
 
 import numpy as np
 from rich.console import Console
@@ -55,7 +56,8 @@ class MetricsLog:
         self._file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        """One record, stamped with the wall-clock time it was written (Unix seconds)."""
+        self._file.write(json.dumps({**record, "time": time.time()}) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -1,24 +1,32 @@
 """The optimizer: AdamW with linear warmup, cosine decay and global-norm gradient clipping."""
 
 import dataclasses
+from typing import Annotated
 
 import jax
 import optax
-from flax import nnx
+import tyro
 
 from jaxdist.errors import ConfigError
+from jaxdist.rules import is_variable, logical_axes
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    learning_rate: float = 3e-3
+    # The aliases are the command line's short names (jaxdist.cli reads these dataclasses).
+    learning_rate: Annotated[float, tyro.conf.arg(aliases=("--lr",))] = 3e-3
+    """peak learning rate, reached after the warmup"""
     warmup_steps: int = 20
-    decay_steps: int = 0  # 0: decay over the whole run (set from --steps)
+    decay_steps: int = 0
+    """cosine decay length; 0: the whole run"""
     min_lr_ratio: float = 0.1
+    """the learning rate decays to this share of its peak"""
     b1: float = 0.9
     b2: float = 0.95
     weight_decay: float = 0.1
+    """decoupled weight decay, on weight matrices only"""
     clip_norm: float = 1.0
+    """global gradient norm clipped to this"""
 
     def validate(self) -> None:
         if self.learning_rate <= 0:
@@ -62,7 +70,6 @@ def _decay_mask(params):
     """Decay weight matrices only: norms, biases and other vectors stay undecayed."""
 
     def one(var):
-        logical = var.get_metadata().get("logical_axes", ())
-        return var.replace(sum(1 for a in logical if a != "layers") >= 2)
+        return var.replace(sum(1 for a in logical_axes(var) if a != "layers") >= 2)
 
-    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(one, params, is_leaf=is_variable)

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import jax
 from flax import nnx
@@ -111,17 +111,31 @@ def check_divisible(
         raise ConfigError(f"{what}: shape {shape} has {len(shape)} dims but logical axes {logical}")
     for dim, name, axes in zip(shape, logical, spec, strict=True):
         axes_t = _as_tuple(axes)
-        ways = math.prod(mesh.shape[a] for a in axes_t)
-        if dim % ways:
+        n = ways(mesh.shape, axes_t)
+        if dim % n:
             raise ConfigError(
                 f"{what}: dimension {name!r} of size {dim} is not divisible by mesh axes "
-                f"{'x'.join(axes_t)} (size {ways}); pick a mesh whose {'x'.join(axes_t)} size "
+                f"{'x'.join(axes_t)} (size {n}); pick a mesh whose {'x'.join(axes_t)} size "
                 f"divides {dim}, or change the model size"
             )
 
 
-def _is_variable(x) -> bool:
+def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
+
+
+def variables(state: nnx.State) -> list[nnx.Variable]:
+    """The parameters of a model state as Variables, each carrying its `logical_axes`."""
+    return jax.tree.leaves(state, is_leaf=is_variable)
+
+
+def logical_axes(var: nnx.Variable) -> tuple[str | None, ...]:
+    return tuple(var.get_metadata().get("logical_axes") or ())
+
+
+def ways(mesh_shape: Mapping[str, int], axes: Iterable[str]) -> int:
+    """How many devices a split over these mesh axes spreads a dimension across."""
+    return math.prod(mesh_shape.get(a, 1) for a in axes)
 
 
 def state_shardings(state: nnx.State, rules: AxisRules, mesh: Mesh) -> nnx.State:
@@ -140,7 +154,7 @@ def state_shardings(state: nnx.State, rules: AxisRules, mesh: Mesh) -> nnx.State
         check_divisible(what, tuple(var.shape), tuple(logical), spec, mesh)
         return var.replace(NamedSharding(mesh, spec))
 
-    return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=is_variable)
 
 
 def batch_sharding(rules: AxisRules, mesh: Mesh) -> NamedSharding:
@@ -150,7 +164,7 @@ def batch_sharding(rules: AxisRules, mesh: Mesh) -> NamedSharding:
 
 def batch_ways(sharding: NamedSharding) -> int:
     """How many devices share the batch (rows per device = batch / this)."""
-    return math.prod(sharding.mesh.shape[a] for a in sharding.spec[0] or ())
+    return ways(sharding.mesh.shape, _as_tuple(sharding.spec[0]))
 
 
 # The activation-constraint door. Models call `constrain` with logical names; the trainer

@@ -7,7 +7,7 @@ and batch shardings imply; jaxdist.comm reads them back out of the compiled prog
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +34,15 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    microbatches: int = 1  # gradient accumulation, or the pipeline's microbatches
-    pipeline_schedule: str = "1f1b"  # used when the mesh has a pipeline axis
-    virtual_stages: int = 1  # layer chunks per pipeline stage (interleaved schedule)
-    # Fault injection, for testing recovery: these steps' loss and gradients become NaN.
+    microbatches: int = 1
+    """gradient accumulation: the batch is run as this many slices per step (with a pipeline
+    axis: the microbatches the schedule pipelines)"""
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    """schedule over the pipeline mesh axis"""
+    virtual_stages: int = 1
+    """layer chunks per device for the interleaved schedule"""
     fault_nan_steps: tuple[int, ...] = ()
+    """fault injection, for testing recovery: make these steps' loss and gradients NaN"""
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -120,7 +124,8 @@ def make_train_step(
 
 
 class Compiled(NamedTuple):
-    """Everything the loop needs: the jitted step, its shardings, and the initial state maker."""
+    """Everything the loop needs: the jitted step, its shardings, the initial state maker, and
+    the held-out loss (`eval_fn(params, tokens_BT1) -> mean loss`, compiled on first use)."""
 
     step_fn: Callable
     init_fn: Callable[[], TrainState]
@@ -128,6 +133,13 @@ class Compiled(NamedTuple):
     batch_sharding: NamedSharding
     abstract_state: TrainState
     num_params: int
+    eval_fn: Callable[[nnx.State, jax.Array], jax.Array]
+
+    def compile_abstract(self, batch_shape: tuple[int, int]) -> jax.stages.Compiled:
+        """The step compiled ahead of time for abstract state and batch ([B, T+1] tokens):
+        XLA's program text, memory and cost analyses, with nothing allocated or run."""
+        batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
+        return self.step_fn.lower(self.abstract_state, batch).compile()
 
 
 def build(
@@ -191,6 +203,14 @@ def build(
         with activation_rules(rules, mesh):
             return step(state, batch)
 
+    def eval_loss(params: nnx.State, tokens_BT1: jax.Array) -> jax.Array:
+        with activation_rules(rules, mesh):
+            logits_BTV, _ = nnx.merge(graphdef, params)(tokens_BT1[:, :-1])
+            return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
+
+    eval_fn = jax.jit(
+        eval_loss, in_shardings=(param_sharding, tokens_sharding), out_shardings=replicated
+    )
     step_fn = jax.jit(
         traced_step,
         in_shardings=(state_sharding, tokens_sharding),
@@ -211,4 +231,6 @@ def build(
         ),
     )
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
-    return Compiled(step_fn, init_fn, state_sharding, tokens_sharding, abstract_state, num_params)
+    return Compiled(
+        step_fn, init_fn, state_sharding, tokens_sharding, abstract_state, num_params, eval_fn
+    )

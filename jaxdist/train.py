@@ -1,6 +1,6 @@
 """The training loop: plain code, top to bottom, one jitted step.
 
-Stages of a step as they appear below: (1) distribute work: the mesh layout, and each batch
+Stages of a step as they appear in `run`: (1) distribute work: the mesh layout, and each batch
 placed by the rules (`place`); (2) compute and (4) synchronize: the jitted `train_step`;
 (3) move tensors: the collectives XLA compiled into it; (5) checkpoint and recover: async
 saves on an interval, resume from the newest good checkpoint, preemption and non-finite steps.
@@ -10,13 +10,11 @@ import dataclasses
 import json
 import pathlib
 import time
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -30,23 +28,11 @@ from jaxdist.cluster.watchdog import Watchdog
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.metrics import MetricsLog, distribution, print_summary, read_metrics, throughput
+from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.planning import hlo
-from jaxdist.planning.memory import xla_peak
-from jaxdist.profiling.capture import Capture
+from jaxdist.profiling.capture import Capture, parse_range
 from jaxdist.rules import AxisRules
 from jaxdist.step import Compiled, StepConfig, build
-
-
-class ModelSpec(NamedTuple):
-    """What the loop needs to know of a model, supplied by the caller (CLI or experiment)."""
-
-    name: str
-    init: Callable[[nnx.Rngs], nnx.Module]
-    seq_len: int
-    vocab_size: int
-    flops_per_token: float
-    config: Any  # a dataclass, recorded in the run directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,40 +40,76 @@ class LoopConfig:
     steps: int = 300
     log_every: int = 10
     run_dir: str | None = None
-    peak_tflops: float | None = None  # per device; None: look it up from the device kind
+    """directory for config.json, metrics.jsonl, summary.json, checkpoints (default
+    runs/<time>)"""
+    peak_tflops: float | None = None
+    """peak TFLOP/s per device for MFU, where the device kind is not known"""
     seed: int = 0
     nonfinite: NonFinitePolicy = "skip"
-    profile: tuple[int, int] | None = None  # trace steps [a, b) and attribute them
-    watch_comm: float | None = None  # trace a few steps every watch_every; warn over this
+    """on a NaN/Inf loss or gradient: skip the update, roll back to the last checkpoint and
+    skip past the batch, or stop"""
+    profile: str | None = None
+    """START:STOP: trace these steps and write the step-time breakdown to the run dir"""
+    watch_comm: float | None = None
+    """warn when exposed communication or sync passes this fraction of a step (profiles a
+    few steps every --watch-every steps)"""
     watch_every: int = 100
-    hardware: str = "cpu"  # cost-model preset for the profile report
-    slow_step_factor: float = 10.0  # report a step slower than this x p50
-    # Fault injection, for testing the watchdog: (step, process, seconds) to stall.
-    fault_stall: tuple[int, int, float] | None = None
+    hardware: str = "auto"
+    """cost-model preset for profile reports (jaxdist.hardware); auto: the devices' own"""
+    slow_step_factor: float = 10.0
+    """report a step slower than this many times the p50 step, naming lagging processes"""
+    fault_stall: str | None = None
+    """fault injection, for testing the watchdog: STEP:PROCESS:SECONDS to stall"""
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"--steps {self.steps} must be at least 1")
+        if self.log_every < 1:
+            raise ConfigError(f"--log-every {self.log_every} must be at least 1")
+        if self.nonfinite not in ("skip", "rollback", "stop"):
+            raise ConfigError(f"--nonfinite {self.nonfinite!r}: use skip, rollback or stop")
+        if self.profile:
+            parse_range(self.profile)
+        self.stall()
+        if self.hardware != "auto":
+            hardware.get_hardware(self.hardware)
+
+    def stall(self) -> tuple[int, int, float] | None:
+        if self.fault_stall is None:
+            return None
+        try:
+            step, process, seconds = self.fault_stall.split(":")
+            return int(step), int(process), float(seconds)
+        except ValueError:
+            raise ConfigError(
+                f"--fault-stall {self.fault_stall!r} is not STEP:PROCESS:SECONDS"
+            ) from None
 
 
-def _record(obj) -> Any:
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A run's configuration: one config per component, recorded as the run's config.json."""
+
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
+    step: StepConfig = StepConfig()
+    loop: LoopConfig = LoopConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    def validate(self) -> None:
+        self.optim.validate()
+        self.loop.validate()
+        self.checkpoint.validate()
 
 
 def prepare(
-    model: ModelSpec,
-    mesh: Mesh,
-    rules: AxisRules,
-    optim: OptimConfig,
-    data: DataConfig,
-    step: StepConfig,
-    loop: LoopConfig,
+    model: ModelSpec, mesh: Mesh, rules: AxisRules, config: RunConfig
 ) -> tuple[Compiled, TokenBatches]:
     """Everything that can fail on bad input, done before anything is compiled."""
-    if loop.steps < 1:
-        raise ConfigError(f"--steps {loop.steps} must be at least 1")
-    if loop.log_every < 1:
-        raise ConfigError(f"--log-every {loop.log_every} must be at least 1")
-    if loop.nonfinite not in ("skip", "rollback", "stop"):
-        raise ConfigError(f"--nonfinite {loop.nonfinite!r}: use skip, rollback or stop")
-    tx, lr = make_optimizer(optim, loop.steps)
-    compiled = build(model.init, tx, lr, rules, mesh, step, loop.seed, data.batch_size)
+    config.validate()
+    data, seed = config.data, config.loop.seed
+    tx, lr = make_optimizer(config.optim, config.loop.steps)
+    compiled = build(model.init, tx, lr, rules, mesh, config.step, seed, data.batch_size)
     rows = process_rows(compiled.batch_sharding, (data.batch_size, model.seq_len + 1))
     batches = TokenBatches(data, model.seq_len, model.vocab_size, rows)
     return compiled, batches
@@ -97,75 +119,33 @@ def run(
     model: ModelSpec,
     mesh: Mesh,
     rules: AxisRules,
-    optim: OptimConfig,
-    data: DataConfig,
-    step: StepConfig,
-    loop: LoopConfig,
-    ckpt: CheckpointConfig | None = None,
+    config: RunConfig,
     console: Console | None = None,
 ) -> dict:
-    """Trains to loop.steps, resuming from run_dir if it holds a checkpoint; returns the summary
-    (also written to summary.json)."""
+    """Trains to config.loop.steps, resuming from the run directory if it holds a checkpoint;
+    returns the summary (also written to summary.json)."""
     console = console or Console(stderr=True)
     if jax.process_index() != 0:
         console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
-    ckpt = ckpt or CheckpointConfig()
-    ckpt.validate()
-    compiled, batches = prepare(model, mesh, rules, optim, data, step, loop)
+    compiled, batches = prepare(model, mesh, rules, config)
+    loop, data, ckpt = config.loop, config.data, config.checkpoint
     run_dir = pathlib.Path(loop.run_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
-    config_record = {
-        "model": {"name": model.name, **_record(model.config)},
-        "mesh": dict(mesh.shape),
-        "rules": [list(r) for r in rules.rows],
-        "optim": _record(optim),
-        "data": _record(data),
-        "step": _record(step),
-        "loop": _record(loop),
-        "checkpoint": _record(ckpt),
-        "devices": {
-            "count": jax.device_count(),
-            "kind": jax.devices()[0].device_kind,
-            "processes": jax.process_count(),
-        },
-        "versions": {"jax": jax.__version__},
-    }
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if jax.process_index() == 0:
-            (run_dir / "config.json").write_text(json.dumps(config_record, indent=2))
-    except OSError as e:
-        raise ConfigError(
-            f"cannot write run directory {run_dir}: {e.strerror}; pass a writable --run-dir"
-        ) from None
+    record = write_record(run_dir, model, mesh, rules, config)
     checkpointer = Checkpointer(run_dir / "checkpoints", ckpt.keep)
     shapes = param_shapes(compiled.abstract_state.params)
-    ckpt_meta = {"config": config_record, "param_shapes": shapes, "mesh": dict(mesh.shape)}
-
-    # Stage 5, recover: the newest checkpoint that reads and verifies, resharded onto this mesh.
+    ckpt_meta = {"config": record, "param_shapes": shapes, "mesh": dict(mesh.shape)}
     t_start = time.perf_counter()
-    restored = checkpointer.restore_latest(compiled.abstract_state, shapes)
-    if restored is not None:
-        state, start = restored.state, int(restored.state.step)
-        logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
-        redo = (
-            f"; steps {start}..{max(logged)} are recomputed"
-            if logged and max(logged) >= start
-            else ""
-        )
-        console.print(
-            f"resuming from checkpoint step {restored.step} (written on mesh "
-            f"{restored.meta.get('mesh')}) at step {start}{redo}"
-        )
-    else:
-        state, start = compiled.init_fn(), 0
+    state, start, restored = restore_or_init(checkpointer, compiled, shapes, run_dir, console)
     log = MetricsLog(run_dir / "metrics.jsonl") if jax.process_index() == 0 else None
-
-    peak = hardware.peak_flops(jax.devices()[0], loop.peak_tflops)
-    tokens_per_step = data.batch_size * model.seq_len
-    global_shape = (data.batch_size, model.seq_len + 1)
     interval = Interval(ckpt, jax.device_count())
     if restored is not None:
         interval.last_saved = restored.step
+    global_shape = (data.batch_size, model.seq_len + 1)
+    hw = loop.hardware if loop.hardware != "auto" else hardware.preset_name(jax.devices()[0])
+    capture = Capture(run_dir, loop, compiled, global_shape, mesh, hw, console, log)
+    watchdog = Watchdog(Console(stderr=True), loop.slow_step_factor)
+    timer = StepTimer(model, data, loop, start, capture, watchdog, log, console)
+    saves: list[float] = []
 
     def place(s: int) -> jax.Array:
         # Stage 1: each process hands over only its own rows; JAX assembles the global batch.
@@ -173,59 +153,15 @@ def run(
             compiled.batch_sharding, batches.batch(s), global_shape
         )
 
-    console.print(
-        f"[bold]jaxdist[/] {model.name} ({compiled.num_params / 1e6:.2f}M params) on mesh "
-        f"{dict(mesh.shape)} x {jax.devices()[0].platform}, steps {start}..{loop.steps - 1}, "
-        f"batch {data.batch_size} x {model.seq_len}; run dir {run_dir}"
-    )
-    step_times: list[float] = []
-    saves: list[float] = []
-    records: list[dict] = []
-    t_prev = time.perf_counter()
-
-    def finish(s: int, metrics: dict) -> dict:
-        # Fetching step s's scalars blocks only until step s is done; s+1 is already queued,
-        # so the device never idles for logging.
-        nonlocal t_prev
-        values = {k: float(local_value(v)) for k, v in metrics.items()}
-        now = time.perf_counter()
-        dt, t_prev = now - t_prev, now
-        # The first step compiles, the second's interval holds warm-up, traced steps run
-        # synchronously: none of them is a steady-state step time.
-        if s >= start + 2 and not capture.traced(s) and not capture.traced(s - 1):
-            step_times.append(dt)
-        rec = {
-            "step": s,
-            **values,
-            "finite": bool(values["finite"]),
-            "step_time_s": dt,
-            **throughput(dt, tokens_per_step, model.flops_per_token, jax.device_count(), peak),
-        }
-        records.append(rec)
-        # The recent median: bounded work per step, and it follows a run whose speed drifts.
-        recent = step_times[-100:]
-        watchdog.finished(s, float(np.median(recent)) if len(recent) >= 3 else None)
-        if log and (s % loop.log_every == 0 or s == loop.steps - 1 or not rec["finite"]):
-            log.write(rec)
-            mfu = f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
-            console.print(
-                f"step {s:5d}  loss {rec['loss']:.4f}  grad_norm {rec['grad_norm']:.3f}  "
-                f"{dt * 1e3:7.1f} ms  {rec['tokens_per_s']:,.0f} tok/s{mfu}",
-                highlight=False,
-            )
-        return rec
-
     def save(s: int) -> None:
-        # Wait for step s itself first: that wait is step time; what follows is the save's.
-        nonlocal t_prev
+        # Stage 5. Wait for step s itself first: that wait is step time; the rest is the save's.
         jax.block_until_ready(state)
         blocked = checkpointer.save(s, state, ckpt_meta)
-        t_prev += blocked  # the device idles while the loop is blocked: reported apart
+        timer.exclude(blocked)  # the device idles while the loop is blocked: reported apart
         saves.append(blocked)
         if log:  # per save, so a run that is killed still leaves its save costs behind
             log.write({"event": "save", "step": s, "blocked_s": blocked})
-        p50 = float(np.median(step_times)) if step_times else None
-        chosen = interval.observe(s, blocked, p50)
+        chosen = interval.observe(s, blocked, timer.p50())
         if chosen and log:
             log.write({"event": "checkpoint_interval", "step": s, **chosen})
             console.print(
@@ -236,6 +172,11 @@ def run(
                 highlight=False,
             )
 
+    console.print(
+        f"[bold]jaxdist[/] {model.name} ({compiled.num_params / 1e6:.2f}M params) on mesh "
+        f"{dict(mesh.shape)} x {jax.devices()[0].platform}, steps {start}..{loop.steps - 1}, "
+        f"batch {data.batch_size} x {model.seq_len}; run dir {run_dir}"
+    )
     progress = Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -247,30 +188,20 @@ def run(
     )
     preempted = None
     pending: tuple[int, dict] | None = None
-    capture = Capture(
-        run_dir,
-        loop.profile,
-        loop.watch_comm,
-        loop.watch_every,
-        compiled,
-        global_shape,
-        mesh,
-        loop.hardware,
-        console,
-        log,
-    )
-    watchdog = Watchdog(Console(stderr=True), loop.slow_step_factor)
+    stall = loop.stall()
     with progress, PreemptionSignal() as signal_flag, watchdog:
         task = progress.add_task("compiling", total=loop.steps, completed=start)
         s = start
         while s < loop.steps:
-            if loop.fault_stall and loop.fault_stall[:2] == (s, jax.process_index()):
-                time.sleep(loop.fault_stall[2])
+            if stall and stall[:2] == (s, jax.process_index()):
+                time.sleep(stall[2])
+            # Stages 2-4: forward/backward, the collectives, the update; dispatched, not awaited.
             with capture.step(s, state):
                 state, metrics = compiled.step_fn(state, place(s))
             capture.after(s, metrics)
+            # Step s-1's scalars: s is already queued, so the device never idles for logging.
             if pending is not None:
-                rec = finish(*pending)
+                rec = timer.finish(*pending)
                 progress.update(task, completed=s, description=f"loss {rec['loss']:.3f}")
                 if not rec["finite"]:
                     rolled = _nonfinite(
@@ -288,16 +219,10 @@ def run(
                 break
             s += 1
         if pending is not None:
-            rec = finish(*pending)
+            rec = timer.finish(*pending)
             if not rec["finite"]:
-                _nonfinite(
-                    "skip" if loop.nonfinite == "rollback" else loop.nonfinite,
-                    rec["step"],
-                    checkpointer,
-                    compiled,
-                    shapes,
-                    console,
-                )
+                policy = "skip" if loop.nonfinite == "rollback" else loop.nonfinite
+                _nonfinite(policy, rec["step"], checkpointer, compiled, shapes, console)
     capture.close()
     checkpointer.close()  # waits for the last save to commit
     if log:
@@ -307,10 +232,130 @@ def run(
             f"{preempted[1]} received: saved step {preempted[0]} and committed it; "
             "rerun the same command to resume"
         )
-    stats = distribution(step_times)
-    steady = stats.get("p50") or (records[-1]["step_time_s"] if records else float("nan"))
     wall = time.perf_counter() - t_start
-    summary = {
+    summary = summarize(model, compiled, mesh, loop, start, preempted, timer, saves, wall)
+    summary["run_dir"] = str(run_dir)
+    if jax.process_index() == 0:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print_summary(console, summary)
+    return summary
+
+
+def _as_record(obj) -> Any:
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+
+
+def write_record(run_dir: pathlib.Path, model, mesh, rules, config: RunConfig) -> dict:
+    """The run's config.json: everything that decides what it computes, and where."""
+    record = {
+        "model": {"name": model.name, **(_as_record(model.config) or {})},
+        "mesh": dict(mesh.shape),
+        "rules": [list(r) for r in rules.rows],
+        **dataclasses.asdict(config),
+        "devices": {
+            "count": jax.device_count(),
+            "kind": jax.devices()[0].device_kind,
+            "processes": jax.process_count(),
+        },
+        "versions": {"jax": jax.__version__},
+    }
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if jax.process_index() == 0:
+            (run_dir / "config.json").write_text(json.dumps(record, indent=2))
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write run directory {run_dir}: {e.strerror}; pass a writable --run-dir"
+        ) from None
+    return record
+
+
+def restore_or_init(checkpointer: Checkpointer, compiled: Compiled, shapes, run_dir, console):
+    """Stage 5, recover: the newest checkpoint that reads and verifies, resharded onto this
+    mesh, or a fresh state. Returns (state, first step to run, the restored checkpoint)."""
+    restored = checkpointer.restore_latest(compiled.abstract_state, shapes)
+    if restored is None:
+        return compiled.init_fn(), 0, None
+    start = int(restored.state.step)
+    logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    redo = (
+        f"; steps {start}..{max(logged)} are recomputed" if logged and max(logged) >= start else ""
+    )
+    console.print(
+        f"resuming from checkpoint step {restored.step} (written on mesh "
+        f"{restored.meta.get('mesh')}) at step {start}{redo}"
+    )
+    return restored.state, start, restored
+
+
+class StepTimer:
+    """Times each step from one finished step to the next, logs it, and feeds the watchdog.
+
+    Step s's interval ends when its scalars arrive, which blocks only until s is done: s+1 is
+    already queued. Time the loop spent blocked in a save is excluded (`exclude`)."""
+
+    def __init__(self, model, data, loop, start, capture, watchdog, log, console):
+        self.model, self.loop, self.start = model, loop, start
+        self.capture, self.watchdog, self.log, self.console = capture, watchdog, log, console
+        self.tokens_per_step = data.batch_size * model.seq_len
+        self.peak = hardware.peak_flops(jax.devices()[0], loop.peak_tflops)
+        self.step_times: list[float] = []  # steady-state steps only
+        self.records: list[dict] = []
+        self._t_prev = time.perf_counter()
+
+    def exclude(self, seconds: float) -> None:
+        self._t_prev += seconds
+
+    def p50(self) -> float | None:
+        return float(np.median(self.step_times)) if self.step_times else None
+
+    def throughput(self, step_time_s: float) -> dict:
+        return throughput(
+            step_time_s,
+            self.tokens_per_step,
+            self.model.flops_per_token,
+            jax.device_count(),
+            self.peak,
+        )
+
+    def finish(self, s: int, metrics: dict) -> dict:
+        values = {k: float(local_value(v)) for k, v in metrics.items()}
+        now = time.perf_counter()
+        dt, self._t_prev = now - self._t_prev, now
+        # The first step compiles, the second's interval holds warm-up, traced steps run
+        # synchronously: none of them is a steady-state step time.
+        traced = self.capture.traced(s) or self.capture.traced(s - 1)
+        if s >= self.start + 2 and not traced:
+            self.step_times.append(dt)
+        rec = {
+            "step": s,
+            **values,
+            "finite": bool(values["finite"]),
+            "step_time_s": dt,
+            **self.throughput(dt),
+        }
+        self.records.append(rec)
+        # The recent median: bounded work per step, and it follows a run whose speed drifts.
+        recent = self.step_times[-100:]
+        self.watchdog.finished(s, float(np.median(recent)) if len(recent) >= 3 else None)
+        last = s == self.loop.steps - 1
+        if self.log and (s % self.loop.log_every == 0 or last or not rec["finite"]):
+            self.log.write(rec)
+            mfu = f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
+            self.console.print(
+                f"step {s:5d}  loss {rec['loss']:.4f}  grad_norm {rec['grad_norm']:.3f}  "
+                f"{dt * 1e3:7.1f} ms  {rec['tokens_per_s']:,.0f} tok/s{mfu}",
+                highlight=False,
+            )
+        return rec
+
+
+def summarize(model, compiled, mesh, loop, start, preempted, timer: StepTimer, saves, wall):
+    """summary.json: losses, step-time and save-cost distributions, throughput."""
+    records = timer.records
+    stats = distribution(timer.step_times)
+    steady = stats.get("p50") or (records[-1]["step_time_s"] if records else float("nan"))
+    return {
         "model": model.name,
         "params": compiled.num_params,
         "mesh": dict(mesh.shape),
@@ -326,13 +371,20 @@ def run(
         "checkpoint_blocked_total_s": sum(saves),
         "checkpoint_fraction_of_wall": sum(saves) / wall,
         "wall_s": wall,
-        **throughput(steady, tokens_per_step, model.flops_per_token, jax.device_count(), peak),
-        "run_dir": str(run_dir),
+        **timer.throughput(steady),
     }
-    if jax.process_index() == 0:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print_summary(console, summary)
-    return summary
+
+
+def evaluate(compiled: Compiled, params, batches: TokenBatches, steps) -> float:
+    """Mean loss of `params` over the batches of these steps, no update: a held-out loss when
+    the batches come from data (or positions of the stream) the run never trains on."""
+    losses = []
+    for s in steps:
+        batch = jax.make_array_from_process_local_data(
+            compiled.batch_sharding, batches.batch(s), batches.global_shape
+        )
+        losses.append(compiled.eval_fn(params, batch))
+    return float(np.mean([local_value(x) for x in losses]))
 
 
 def _nonfinite(
@@ -370,39 +422,3 @@ def _nonfinite(
     )
     step = jax.device_put(jnp.int32(s + 1), compiled.state_sharding.step)
     return restored.state._replace(step=step)
-
-
-def compile_only(compiled: Compiled, batch_size: int, seq_len: int) -> dict:
-    """Compiles the step for abstract state and batch; nothing is allocated on the devices."""
-    batch = jax.ShapeDtypeStruct(
-        (batch_size, seq_len + 1), np.int32, sharding=compiled.batch_sharding
-    )
-    t0 = time.perf_counter()
-    exe = compiled.step_fn.lower(compiled.abstract_state, batch).compile()
-    seconds = time.perf_counter() - t0
-    mem = exe.memory_analysis()
-    fields = (
-        "argument_size_in_bytes",
-        "output_size_in_bytes",
-        "temp_size_in_bytes",
-        "alias_size_in_bytes",
-        "generated_code_size_in_bytes",
-    )
-    per_device = {f.removesuffix("_size_in_bytes"): getattr(mem, f, 0) for f in fields}
-    per_device["peak_estimate"] = xla_peak(mem)
-    mesh = compiled.batch_sharding.mesh
-    collectives = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape)))
-    cost = exe.cost_analysis() or {}
-    cost = cost[0] if isinstance(cost, list) else cost
-    return {
-        "compile_s": seconds,
-        "platform": mesh.devices.flat[0].platform,
-        "device_kind": mesh.devices.flat[0].device_kind,
-        "per_device_bytes": per_device,
-        "collectives": [
-            {"axis": axis, "kind": kind, **v} for (axis, kind), v in sorted(collectives.items())
-        ],
-        # XLA's own per-device estimate, beside the model's FLOPs for comparison.
-        "xla_flops": cost.get("flops"),
-        "xla_optimal_seconds": cost.get("optimal_seconds"),
-    }

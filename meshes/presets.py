@@ -1,6 +1,8 @@
-"""Named meshes for CPU tests and real targets, and the rule table each one uses."""
+"""Named meshes for CPU tests and real targets (presets.toml), and the rule table each uses."""
 
 import dataclasses
+import pathlib
+import tomllib
 
 from jaxdist.errors import ConfigError
 from jaxdist.mesh import MeshConfig, parse_mesh
@@ -38,48 +40,25 @@ class MeshPreset:
     about: str
 
 
-PRESETS: dict[str, MeshPreset] = {
-    p.name: p
-    for p in [
-        MeshPreset("single", MeshConfig(ici=()), STANDARD_RULES, "one device, nothing sharded"),
-        MeshPreset(
-            "cpu8",
-            MeshConfig(ici=(("data", 2), ("fsdp", 2), ("tensor", 2))),
+def _layout(text: str) -> tuple[tuple[str, int], ...]:
+    return parse_mesh(text).ici if text else ()
+
+
+def _load() -> dict[str, MeshPreset]:
+    with pathlib.Path(__file__).with_name("presets.toml").open("rb") as f:
+        table = tomllib.load(f)
+    return {
+        name: MeshPreset(
+            name,
+            MeshConfig(ici=_layout(row["ici"]), dcn=_layout(row.get("dcn", ""))),
             STANDARD_RULES,
-            "8 fake CPU devices, every strategy at once (the test and default layout)",
-        ),
-        MeshPreset(
-            "gpu8",
-            MeshConfig(ici=(("fsdp", 8),)),
-            STANDARD_RULES,
-            "one host of 8 GPUs over NVLink: FSDP across all eight",
-        ),
-        MeshPreset(
-            "gpu8-tp",
-            MeshConfig(ici=(("fsdp", 4), ("tensor", 2))),
-            STANDARD_RULES,
-            "one host of 8 GPUs: FSDP 4 x tensor 2 (tensor pairs on the fastest links)",
-        ),
-        MeshPreset(
-            "gpu2x8",
-            MeshConfig(ici=(("fsdp", 8),), dcn=(("data", 2),)),
-            STANDARD_RULES,
-            "2 hosts x 8 GPUs: data parallel across hosts (DCN), FSDP inside (NVLink)",
-        ),
-        MeshPreset(
-            "tpu-v5p-8",
-            MeshConfig(ici=(("fsdp", 8),)),
-            STANDARD_RULES,
-            "a TPU v5p slice of 8 chips (2x2x2): FSDP over the ICI torus",
-        ),
-        MeshPreset(
-            "tpu-v5p-64",
-            MeshConfig(ici=(("fsdp", 16), ("tensor", 4))),
-            STANDARD_RULES,
-            "a TPU v5p slice of 64 chips (4x4x4): FSDP 16 x tensor 4",
-        ),
-    ]
-}
+            row["about"],
+        )
+        for name, row in table.items()
+    }
+
+
+PRESETS: dict[str, MeshPreset] = _load()
 
 
 def get_mesh_preset(text: str) -> MeshPreset:

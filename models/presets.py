@@ -3,7 +3,7 @@
 import dataclasses
 
 from jaxdist.errors import ConfigError
-from jaxdist.train import ModelSpec
+from jaxdist.model import ModelSpec
 from models.transformer import Transformer, TransformerConfig
 
 BYTE_VOCAB = 256  # the embedded default corpus is read as bytes

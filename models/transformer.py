@@ -20,10 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.errors import ConfigError
-from jaxdist.parallel.experts import capacity
 from jaxdist.parallel.pipeline import Stages
-from jaxdist.planning.memory import Activation, Inventory
-from jaxdist.planning.traffic import PartialSum
 from jaxdist.rules import constrain
 from models import moe
 from models.moe import EXPERT_WEIGHTS, MOE_LOGICAL, moe_shapes
@@ -93,102 +90,6 @@ class TransformerConfig:
             if len(s) >= 3 or k == "head_DV"
         )
         return 6 * n + 12 * self.num_layers * self.d_model * self.seq_len
-
-    def partial_sums(
-        self, batch_size: int, microbatches: int = 1, batch_ways: int = 1
-    ) -> list[PartialSum]:
-        """Where this model's matmuls leave partial sums when their split dims are sharded,
-        and (MoE) the buffers its experts exchange. `batch_ways`: devices sharing the batch."""
-        B, T, D, L = batch_size // microbatches, self.seq_len, self.d_model, self.num_layers
-        nbytes = jnp.dtype(self.compute_dtype).itemsize
-        x, btd = ("batch", "seq", "embed"), (B, T, D)
-        fwd = 2 if self.remat == "full" else 1  # full remat replays the forward in backward
-        per_layer = [
-            PartialSum(fwd, x, btd, "heads", nbytes),  # attention output projection
-            PartialSum(1, x, btd, "kv_heads", nbytes),  # backward: input grad of fused QKV
-        ]
-        if self.num_experts:
-            E = self.num_experts
-            C = capacity(B // batch_ways * T, E, self.top_k, self.capacity_factor, self.dropless)
-            ecd = (E, C, D)  # per device, whole: nothing further splits it
-            per_layer += [
-                # dispatch and combine, forward; their transposes, backward
-                PartialSum(2 * fwd + 2, (), ecd, "expert", nbytes, "all-to-all"),
-                # expert down projection, forward, and its transpose, backward
-                PartialSum(fwd + 1, (), ecd, "mlp", nbytes),
-                PartialSum(1, x, btd, "mlp", nbytes),  # backward: input grad of up and gate
-            ]
-        else:
-            per_layer += [
-                PartialSum(fwd, x, btd, "mlp", nbytes),  # MLP down projection
-                PartialSum(1, x, btd, "mlp", nbytes),  # backward: input grad of MLP up
-            ]
-            if self.style == "llama":
-                per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))  # ... and of the gate
-        sums = [dataclasses.replace(p, count=p.count * L) for p in per_layer]
-        sums += [
-            PartialSum(1, x, btd, "vocab", nbytes),  # embedding lookup in a vocab-split table
-            PartialSum(1, x, btd, "vocab", nbytes),  # backward: input grad of the output head
-            # Cross-entropy over split logits: the max, the sum of exponentials, the target.
-            PartialSum(3, ("batch", "seq"), (B, T), "vocab", 4),
-        ]
-        return [dataclasses.replace(p, count=p.count * microbatches) for p in sums]
-
-    def activations(self, batch_size: int) -> Inventory:
-        """What one (micro)batch of `batch_size` rows keeps alive for the backward pass.
-
-        Counted from the residuals JAX saves for this code (jax.ad_checkpoint's saved
-        residuals, per layer, at each remat policy) and checked against XLA's memory analysis
-        by `jaxdist plan --verify`. MoE layers are approximated as a dense MLP of top_k x
-        capacity_factor times the width.
-        """
-        B, T, D, F = batch_size, self.seq_len, self.d_model, self.d_mlp
-        N, G, H, V = self.num_heads, self.num_kv_heads, self.head_dim, self.vocab_size
-        if self.num_experts:
-            F = int(F * self.top_k * self.capacity_factor)
-        nb = jnp.dtype(self.compute_dtype).itemsize
-        btd = Activation(1, ("batch", "seq", "embed"), (B, T, D), nb)
-        stat = Activation(1, ("batch", "seq"), (B, T), 4)  # norm statistics stay fp32
-        btnh = Activation(1, ("batch", "seq", "heads", "head_dim"), (B, T, N, H), nb)
-        btgh = Activation(1, ("batch", "seq", "kv_heads", "head_dim"), (B, T, G, H), nb)
-        # XLA's attention computes its logits and softmax in fp32 whatever the input dtype.
-        scores = Activation(1, ("batch", "heads", "seq", None), (B, N, T, T), 4)
-        score_stat = Activation(1, ("batch", "heads", "seq"), (B, N, T), 4)
-        btf = Activation(1, ("batch", "seq", "mlp"), (B, T, F), nb)
-        qkv = Activation(
-            1, ("batch", "seq", "kv_heads", "qkv", "head_dim"), (B, T, G, N // G + 2, H), nb
-        )
-        n = dataclasses.replace
-        llama = self.style == "llama"
-        # Without remat: residual stream, norms and projections (8 of [B,T,D]), norm statistics,
-        # q/k/v and the attention output, the scores and softmax, and the MLP's hidden layer
-        # with its activation function's intermediates (tanh GELU: 5; SwiGLU: 6).
-        everything = (
-            n(btd, count=8),
-            n(stat, count=4),
-            n(btnh, count=2 if llama else 3),
-            n(btgh, count=2 if llama else 1),
-            # XLA's attention materializes scores and softmax; cuDNN's fused kernel keeps only
-            # the log-sum-exp per row and recomputes the rest in its backward.
-            n(scores, count=0 if self.attention == "cudnn" else 2),
-            n(score_stat, count=1 if self.attention == "cudnn" else 2),
-            n(btf, count=6 if llama else 5),
-        )
-        saved = {
-            "none": everything,
-            # Matmul outputs: fused QKV, the two output projections, the MLP's up (and gate).
-            "dots": (qkv, n(btd, count=2), n(btf, count=2 if llama else 1)),
-            "full": (btd,),  # the layer's input only
-        }[self.remat]
-        # The backward of one layer: with remat it rebuilds what was not saved, and XLA reuses
-        # those buffers for the gradients; without, the gradients need buffers of their own.
-        working = (
-            everything
-            if self.remat == "none"
-            else everything + tuple(n(t, count=-t.count) for t in saved)
-        )
-        once = (n(btd, count=4), Activation(1, ("batch", "seq", "vocab"), (B, T, V), 4))
-        return Inventory(saved, working, once)
 
 
 def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:

@@ -17,7 +17,7 @@ from jaxdist.errors import ConfigError
 from jaxdist.metrics import latest_per_step, read_metrics
 from jaxdist.optim import OptimConfig
 from jaxdist.step import StepConfig
-from jaxdist.train import LoopConfig, run
+from jaxdist.train import LoopConfig, RunConfig, run
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config, model_spec
 from tests.helpers import compiled_for, mesh_for
@@ -131,11 +131,13 @@ def _run(tmp_path, nonfinite="skip", fault=(), every="2", steps=8):
         model_spec(mc),
         mesh_for("data=8"),
         STANDARD_RULES,
-        OptimConfig(warmup_steps=2),
-        DataConfig(batch_size=16),
-        StepConfig(fault_nan_steps=fault),
-        LoopConfig(steps=steps, log_every=1, run_dir=str(tmp_path), nonfinite=nonfinite),
-        CheckpointConfig(every=every, keep=10),
+        RunConfig(
+            optim=OptimConfig(warmup_steps=2),
+            data=DataConfig(batch_size=16),
+            step=StepConfig(fault_nan_steps=fault),
+            loop=LoopConfig(steps=steps, log_every=1, run_dir=str(tmp_path), nonfinite=nonfinite),
+            checkpoint=CheckpointConfig(every=every, keep=10),
+        ),
         console=Console(quiet=True),
     )
 
@@ -194,11 +196,13 @@ def test_auto_interval_is_logged_with_its_inputs(tmp_path):
         model_spec(mc),
         mesh_for("data=8"),
         STANDARD_RULES,
-        OptimConfig(),
-        DataConfig(batch_size=16),
-        StepConfig(),
-        LoopConfig(steps=12, log_every=4, run_dir=str(tmp_path)),
-        CheckpointConfig(every="auto", mtbf_hours_per_device=0.05),
+        RunConfig(
+            optim=OptimConfig(),
+            data=DataConfig(batch_size=16),
+            step=StepConfig(),
+            loop=LoopConfig(steps=12, log_every=4, run_dir=str(tmp_path)),
+            checkpoint=CheckpointConfig(every="auto", mtbf_hours_per_device=0.05),
+        ),
         console=Console(quiet=True),
     )
     records = read_metrics(tmp_path / "metrics.jsonl")

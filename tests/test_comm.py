@@ -2,9 +2,9 @@
 
 import pytest
 
-from jaxdist.planning import hlo
-from jaxdist.planning import traffic as comm
+from jaxdist.planning import hlo, traffic
 from jaxdist.rules import batch_ways
+from models.inventory import partial_sums
 from tests.helpers import compiled_for
 
 CASES = [
@@ -21,13 +21,13 @@ CASES = [
 @pytest.mark.parametrize("layout, model, microbatches", CASES)
 def test_measured_bytes_match_expected(layout, model, microbatches):
     mc, mesh, compiled = compiled_for(layout, model, batch_size=16, microbatches=microbatches)
-    rep = comm.report(
+    rep = traffic.report(
         compiled,
         mesh,
         compiled_rules(),
         16,
         mc.seq_len,
-        mc.partial_sums(16, microbatches, batch_ways(compiled.batch_sharding)),
+        partial_sums(mc, 16, microbatches, batch_ways(compiled.batch_sharding)),
         compute_bytes=4,
         microbatches=microbatches,
     )

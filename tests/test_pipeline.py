@@ -14,10 +14,11 @@ from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.parallel import pipeline
 from jaxdist.parallel.pipeline import make_schedule, recv_table
-from jaxdist.planning import traffic as comm
+from jaxdist.planning import traffic
 from jaxdist.rules import batch_ways
 from jaxdist.step import StepConfig, build
 from meshes.presets import STANDARD_RULES
+from models.inventory import partial_sums
 from models.presets import get_model_config
 from models.transformer import Transformer
 from tests.helpers import mesh_for
@@ -245,17 +246,15 @@ def test_comm_reports_the_interleaved_permute_bytes(layout, virtual):
     mesh, p = _mesh(layout), int(layout.split(",")[0].split("=")[1])
     sched = make_schedule("interleaved", p, 4, virtual)
     ways = batch_ways(c.batch_sharding)
-    act = 16 // 4 // ways * mc.seq_len * mc.d_model * 4
-    expected = pipeline.permute_bytes(
-        sched, act, pipeline.layer_shard_bytes(c.abstract_state.params)
-    )
-    report = comm.report(
+    act = pipeline.microbatch_bytes(16, 4, ways, mc.seq_len, mc.d_model, 4)
+    expected = pipeline.send_bytes(sched, c.abstract_state.params, STANDARD_RULES, mesh.shape, act)
+    report = traffic.report(
         c,
         mesh,
         STANDARD_RULES,
         16,
         mc.seq_len,
-        mc.partial_sums(16, 4, ways),
+        partial_sums(mc, 16, 4, ways),
         compute_bytes=4,
         microbatches=4,
         extra_expected={("pipeline", "collective-permute"): expected},

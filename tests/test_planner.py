@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from jaxdist.cli.plan import plan_model
 from jaxdist.errors import ConfigError
 from jaxdist.planning.planner import PlanConfig, evaluate, plan
 from jaxdist.planning.tpu import parse_target, topology_name
 from meshes.presets import STANDARD_RULES
+from models.inventory import plan_model
 from models.presets import get_model_config
 from tests.helpers import cli
 

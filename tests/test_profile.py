@@ -315,7 +315,7 @@ def test_watch_comm_warns_during_training(tmp_path):
     from jaxdist.metrics import read_metrics
     from jaxdist.optim import OptimConfig
     from jaxdist.step import StepConfig
-    from jaxdist.train import LoopConfig, run
+    from jaxdist.train import LoopConfig, RunConfig, run
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config, model_spec
 
@@ -323,11 +323,15 @@ def test_watch_comm_warns_during_training(tmp_path):
         model_spec(get_model_config("tiny")),
         mesh_for("data=8"),
         STANDARD_RULES,
-        OptimConfig(),
-        DataConfig(batch_size=16),
-        StepConfig(),
-        LoopConfig(steps=9, log_every=4, run_dir=str(tmp_path), watch_comm=0.001, watch_every=4),
-        CheckpointConfig(every="100"),
+        RunConfig(
+            optim=OptimConfig(),
+            data=DataConfig(batch_size=16),
+            step=StepConfig(),
+            loop=LoopConfig(
+                steps=9, log_every=4, run_dir=str(tmp_path), watch_comm=0.001, watch_every=4
+            ),
+            checkpoint=CheckpointConfig(every="100"),
+        ),
         console=Console(quiet=True),
     )
     watches = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event") == "watch"]

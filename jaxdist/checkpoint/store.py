@@ -190,6 +190,19 @@ class Checkpointer:
         self._manager.reload()
 
 
+def restore(run_dir: str | pathlib.Path, abstract_state) -> Restored | None:
+    """The newest good checkpoint of a run, laid out as `abstract_state` says (the state of a
+    step built for any mesh: `Compiled.abstract_state`), or None if the run has none."""
+    directory = pathlib.Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        raise ConfigError(f"{run_dir} holds no checkpoints/ directory; pass a run directory")
+    checkpointer = Checkpointer(directory)
+    try:
+        return checkpointer.restore_latest(abstract_state, param_shapes(abstract_state.params))
+    finally:
+        checkpointer.close()
+
+
 def list_checkpoints(directory: pathlib.Path) -> list[dict]:
     """Every step directory with its size, mesh and whether it looks complete and readable."""
     if not directory.is_dir():

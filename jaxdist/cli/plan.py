@@ -2,25 +2,23 @@
 
 import dataclasses
 import json
-import math
-import time
-from typing import Literal
+from typing import Annotated, Literal
 
+import tyro
 from rich.console import Console
 from rich.table import Table
 
-MEMORY_TOLERANCE = 0.15  # predicted vs XLA's per-device memory
-BYTES_TOLERANCE = 0.05  # predicted vs the compiled HLO's collective bytes
+from jaxdist.cli.options import HARDWARE_HELP, MODEL_HELP
+from jaxdist.planning.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Rank the layouts of a model on N devices by predicted step time (memory must fit)."""
 
-    model: str = "1b"
+    model: Annotated[str, tyro.conf.arg(help=MODEL_HELP)] = "1b"
     devices: int = 64
-    hardware: str = "h100-ib"
-    """cost-model preset: cpu, h100-nvlink, h200-nvlink, h100-ib, tpu-v5p[-N], tpu-v5e[-N]"""
+    hardware: Annotated[str, tyro.conf.arg(help=HARDWARE_HELP)] = "h100"
     batch_size: int = 512
     axes: str = "pipeline,data,fsdp,expert,tensor"
     """mesh axes the planner may use"""
@@ -41,38 +39,15 @@ class Plan:
     """also write the plan as JSON to this file"""
 
 
-def plan_model(model_cfg, init=None):
-    """The planner's view of a model config (the wiring between models/ and the core)."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxdist.planning.planner import PlanModel
-    from models.transformer import Transformer
-
-    abstract = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
-    return PlanModel(
-        name=model_cfg.name,
-        abstract_params=abstract,
-        num_layers=model_cfg.num_layers,
-        seq_len=model_cfg.seq_len,
-        d_model=model_cfg.d_model,
-        flops_per_token=model_cfg.flops_per_token(),
-        compute_bytes=jnp.dtype(model_cfg.compute_dtype).itemsize,
-        num_experts=model_cfg.num_experts,
-        inventory=model_cfg.activations,
-        partial_sums=model_cfg.partial_sums,
-    )
-
-
 def _tpu_generation(hardware: str) -> str | None:
     return hardware.removeprefix("tpu-").split("-")[0] if hardware.startswith("tpu-") else None
 
 
-def run_plan(args: Plan) -> int:
-    from jaxdist.planning import costmodel
+def run(args: Plan) -> int:
+    from jaxdist.hardware import get_hardware
     from jaxdist.planning.planner import PlanConfig, plan
 
-    hw = costmodel.get_hardware(args.hardware)
+    hw = get_hardware(args.hardware)
     generation = _tpu_generation(args.hardware)
     if generation and args.verify:
         from jaxdist.planning.tpu import topology_name
@@ -86,11 +61,12 @@ def run_plan(args: Plan) -> int:
 
         setup_devices(f"cpu:{args.devices}")
     from meshes.presets import STANDARD_RULES
-    from models.presets import get_model_config
+    from models.inventory import plan_model
+    from models.presets import get_model_config, model_spec
 
-    dtype = "float32" if hw.name == "cpu" else "bfloat16"
+    dtype = "float32" if hw.platform == "cpu" else "bfloat16"
     # As `jaxdist train` runs it there: cuDNN's fused attention on GPUs, XLA's elsewhere.
-    attention = "cudnn" if hw.name.startswith(("h100", "h200")) else "xla"
+    attention = "cudnn" if hw.platform == "gpu" else "xla"
     model_cfg = get_model_config(
         args.model, compute_dtype=dtype, remat=args.remat, attention=attention
     )
@@ -116,90 +92,24 @@ def run_plan(args: Plan) -> int:
             devices = tpu_devices(topology_name(generation, args.devices))
         else:
             devices = jax.devices()
+        from jaxdist.planning.aot import verify
+
+        v = args.virtual_stages if args.pipeline_schedule == "interleaved" else 1
         for row in result["layouts"][: args.verify]:
-            row["verify"] = verify(row, model_cfg, STANDARD_RULES, args, devices)
+            row["verify"] = verify(
+                row,
+                model_spec(model_cfg),
+                STANDARD_RULES,
+                args.batch_size,
+                args.pipeline_schedule,
+                v,
+                devices,
+            )
         print_verify(result["layouts"][: args.verify], console)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
     return 0
-
-
-def verify(row: dict, model_cfg, rules, args: Plan, devices) -> dict:
-    """Compiles the layout's real train step for abstract inputs on `devices`."""
-    import numpy as np
-    from jax import ShapeDtypeStruct
-
-    from jaxdist.mesh import MeshConfig, build_mesh
-    from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.planning import hlo, memory
-    from jaxdist.step import StepConfig, build
-    from models.transformer import Transformer
-
-    mesh = build_mesh(MeshConfig(ici=tuple(row["mesh"].items())), devices)
-    tx, lr = make_optimizer(OptimConfig(), 100)
-    v = args.virtual_stages if args.pipeline_schedule == "interleaved" else 1
-    step = StepConfig(row["microbatches"], args.pipeline_schedule, virtual_stages=v)
-
-    def init(rngs):
-        return Transformer(model_cfg, rngs)
-
-    t0 = time.perf_counter()
-    compiled = build(init, tx, lr, rules, mesh, step, 0, args.batch_size)
-    batch = ShapeDtypeStruct(
-        (args.batch_size, model_cfg.seq_len + 1), np.int32, sharding=compiled.batch_sharding
-    )
-    try:
-        exe = compiled.step_fn.lower(compiled.abstract_state, batch).compile()
-    except Exception as e:  # the TPU compiler refuses a step that cannot fit the chip
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        return _refused(row, str(e), devices, time.perf_counter() - t0)
-    mem = exe.memory_analysis()
-    xla_peak = memory.xla_peak(mem)
-    measured = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape)))
-    hlo_bytes = sum(v["bytes"] for v in measured.values())
-    predicted_mem = row["memory_bytes"]["peak"]
-    predicted_bytes = row["comm_bytes"]
-    mem_ratio = predicted_mem / xla_peak if xla_peak else math.nan
-    bytes_ratio = predicted_bytes / hlo_bytes if hlo_bytes else (1.0 if not predicted_bytes else 0)
-    return {
-        "platform": devices[0].platform,
-        "compile_s": time.perf_counter() - t0,
-        "xla_peak_bytes": xla_peak,
-        "xla_temp_bytes": mem.temp_size_in_bytes,
-        "predicted_peak_bytes": predicted_mem,
-        "memory_ratio": mem_ratio,
-        "hlo_collective_bytes": hlo_bytes,
-        "predicted_collective_bytes": predicted_bytes,
-        "bytes_ratio": bytes_ratio,
-        "memory_ok": abs(mem_ratio - 1) <= MEMORY_TOLERANCE,
-        "bytes_ok": abs(bytes_ratio - 1) <= BYTES_TOLERANCE,
-    }
-
-
-def _refused(row: dict, message: str, devices, seconds: float) -> dict:
-    """XLA would not compile the layout for lack of memory: the planner said it fits."""
-    import re
-
-    need = re.search(r"temporaries \(([\d.]+)G\)", message)
-    xla_temp = float(need.group(1)) * 2**30 if need else math.nan
-    predicted = row["memory_bytes"]
-    xla_peak = xla_temp + predicted["params"] + predicted["optimizer"] + predicted["batch"]
-    return {
-        "platform": devices[0].platform,
-        "compile_s": seconds,
-        "refused": message.splitlines()[0][:300],
-        "xla_peak_bytes": xla_peak,
-        "xla_temp_bytes": xla_temp,
-        "predicted_peak_bytes": predicted["peak"],
-        "memory_ratio": predicted["peak"] / xla_peak,
-        "hlo_collective_bytes": math.nan,
-        "predicted_collective_bytes": row["comm_bytes"],
-        "bytes_ratio": math.nan,
-        "memory_ok": False,
-        "bytes_ok": False,
-    }
 
 
 def _ms(s: float) -> str:
@@ -261,10 +171,6 @@ def print_plan(result: dict, console: Console) -> None:
             f"best {best['layout']} vs naive data parallel {naive['layout']}: "
             f"{naive['step_s'] / best['step_s']:.2f}x faster per step (predicted)"
         )
-
-
-def _agrees(v: dict) -> bool:
-    return v["memory_ok"] and v["bytes_ok"]
 
 
 def print_verify(rows: list[dict], console: Console) -> None:

@@ -8,9 +8,11 @@ resumes from the last checkpoint.
 
 import dataclasses
 import os
+from typing import Annotated
 
 import jax
 import numpy as np
+import tyro
 
 from jaxdist.errors import ConfigError
 
@@ -20,10 +22,12 @@ _CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOS
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    coordinator: str | None = None  # host:port of process 0
+    coordinator: str | None = None
+    """HOST:PORT of process 0, for a multi-process run (else Slurm/MPI/K8s are detected)"""
     num_processes: int | None = None
     process_id: int | None = None
-    heartbeat_timeout_s: int = 100  # a silent peer is declared dead after this
+    heartbeat_timeout_s: Annotated[int, tyro.conf.arg(aliases=("--heartbeat-timeout",))] = 100
+    """seconds of silence after which a peer process is declared dead"""
 
     def explicit(self) -> bool:
         return any(v is not None for v in (self.coordinator, self.num_processes, self.process_id))

@@ -34,7 +34,6 @@ class Watchdog:
         self.multi = jax.process_count() > 1
         self.last_step, self.last_time = -1, time.monotonic()
         self.p50: float | None = None
-        self.reports: list[dict] = []
         self._stop = threading.Event()
         self._reported_for = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="jaxdist-watchdog")
@@ -79,13 +78,6 @@ class Watchdog:
                     ", ".join(f"process {p} (at step {s})" for p, s in sorted(behind.items()))
                     or "none behind: all processes are inside the same step"
                 )
-                report = {
-                    "step": self.last_step + 1,
-                    "waited_s": waited,
-                    "limit_s": limit,
-                    "behind": behind,
-                }
-                self.reports.append(report)
                 self.console.print(
                     f"[yellow]slow step {self.last_step + 1}: {waited:.1f} s so far, over "
                     f"{self.factor:g} x p50 ({limit:.1f} s); not yet arrived: {who}[/]"

@@ -37,7 +37,7 @@ from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeli
     recv_table,
     shuffle_plan,
 )
-from jaxdist.rules import activation_rules, active
+from jaxdist.rules import AxisRules, activation_rules, active, logical_axes, variables, ways
 
 
 class Stages(NamedTuple):
@@ -51,27 +51,45 @@ class Stages(NamedTuple):
 
 
 def _layer_vars(abstract_params) -> list[nnx.Variable]:
-    return [
-        var
-        for var in jax.tree.leaves(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        if "layers" in (var.get_metadata().get("logical_axes") or ())
-    ]
+    return [var for var in variables(abstract_params) if "layers" in logical_axes(var)]
 
 
-def layer_shard_bytes(abstract_params) -> float:
-    """Bytes of the stacked layer weights one device stores (its stage's share), for
-    `permute_bytes` of an interleaved schedule."""
-    return sum(
-        math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-        for a in (var.get_value() for var in _layer_vars(abstract_params))
-    )
+def microbatch_bytes(
+    batch_size: int,
+    microbatches: int,
+    batch_ways: int,
+    seq_len: int,
+    d_model: int,
+    dtype_bytes: int,
+) -> float:
+    """One microbatch's activation on one device: what a stage stores, and sends each tick."""
+    return batch_size // microbatches // batch_ways * seq_len * d_model * dtype_bytes
+
+
+def send_bytes(
+    schedule: Schedule,
+    abstract_params,
+    rules: AxisRules,
+    mesh_shape: dict[str, int],
+    activation_bytes: float,
+) -> float:
+    """Bytes each device sends over the pipeline axis per step (`jaxdist comm` checks them
+    against the compiled HLO): activations and their gradients every tick, and, interleaved,
+    the stage's stored layer shard moved into place and its gradients back."""
+    layers = 0.0
+    if schedule.virtual > 1:
+        for var in _layer_vars(abstract_params):
+            axes = {a for n in logical_axes(var) if n for a in rules.mesh_axes(n, "param")}
+            local = math.prod(var.get_value().shape) / ways(mesh_shape, axes)
+            layers += local * var.get_value().dtype.itemsize
+    return permute_bytes(schedule, activation_bytes, layers)
 
 
 def check_layers(abstract_params, schedule: Schedule) -> None:
     """Interleaving cuts the layers into stages x virtual stages equal chunks."""
     p, v = schedule.stages, schedule.virtual
     for var in _layer_vars(abstract_params):
-        n = var.get_value().shape[list(var.get_metadata()["logical_axes"]).index("layers")]
+        n = var.get_value().shape[logical_axes(var).index("layers")]
         if n % (p * v):
             fits = [w for w in range(2, n // p + 1) if n % (p * w) == 0]
             fix = f"--virtual-stages {' or '.join(map(str, fits))}" if fits else "another schedule"

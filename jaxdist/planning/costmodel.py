@@ -1,7 +1,7 @@
-"""Alpha-beta costs of collectives, hardware presets, and the fleet-law projection.
+"""Alpha-beta costs of collectives and the fleet-law projection (presets: jaxdist.hardware).
 
 T(n) = alpha + n / beta per message step; ring collectives over p devices (n in the bytes
-convention of jaxdist.comm: the full buffer):
+convention of jaxdist.planning.traffic: the full buffer):
   all-reduce      2(p-1) alpha + 2(p-1)/p n / B
   all-gather, reduce-scatter, all-to-all   (p-1) alpha + (p-1)/p n / B
   collective-permute   alpha + n / B
@@ -9,127 +9,9 @@ Small messages pay mostly alpha (latency-bound: bucket them); large ones n/B (ba
 shard or compress them).
 """
 
-import dataclasses
 import math
 
-from jaxdist.errors import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-    alpha_s: float  # per message step
-    bandwidth: float  # bytes/s per device per direction, as achieved by a good ring
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    name: str
-    peak_flops: float  # per device, bf16 dense
-    memory_bytes: float  # per device
-    inner: Link  # inside a host or slice: NVLink, ICI
-    outer: Link  # across hosts: InfiniBand, DCN
-    devices_per_host: int
-    about: str
-    # Share of overlappable communication (FSDP gathers, gradient reductions, pipeline sends)
-    # the compiler hides behind compute: XLA:CPU runs collectives in line, GPU and TPU
-    # schedulers run them async beside the matmuls.
-    overlap: float = 0.0
-    # Per-device step-time jitter as a share of compute (kernel timing, clocks, host noise):
-    # the straggler that every synchronous step waits for.
-    jitter: float = 0.02
-
-
-# Sources: NVIDIA datasheets (989 TFLOP/s bf16, NVLink 4 at 450 GB/s per direction, achieved
-# all-reduce bus bandwidth ~370 GB/s); NCCL's tuning tables (~15 us ring latency on 8 GPUs);
-# ConnectX-7 400 Gb/s = 50 GB/s per GPU; TPU v5p: 459 TFLOP/s, ICI 9e10 B/s per link one way,
-# ~1 us per hop, DCN ~2.5e10 B/s per host. "cpu" simulates fake devices on one host, where a
-# collective is a memory copy plus a rendezvous.
-PRESETS: dict[str, Hardware] = {
-    h.name: h
-    for h in [
-        Hardware(
-            "cpu",
-            # Per fake device: 8 of them share the host's cores. experiments/strategies.py ran
-            # tiny's data=8 step at ~50 GFLOP/s for the whole 2-core host, i.e. 6e9 per device
-            # at the planner's default 50% efficiency.
-            1.2e10,
-            24e9,
-            # Fitted by experiments/alpha_beta.py on 8 fake devices (2 cores): ~130 us per
-            # collective whatever its kind (one rendezvous of the device threads, which the
-            # ring form spreads over its steps) and 1.2-2 GB/s.
-            Link(15e-6, 1.6e9),
-            Link(15e-6, 1.6e9),
-            1 << 30,
-            "fake CPU devices on one host (simulated)",
-            overlap=0.0,
-            jitter=0.05,
-        ),
-        Hardware(
-            "h100-nvlink",
-            989e12,
-            80e9,
-            Link(15e-6, 370e9),
-            Link(30e-6, 50e9),
-            8,
-            "H100 SXM, NVLink 4 inside 8-GPU hosts, InfiniBand NDR between",
-            overlap=0.7,
-            jitter=0.02,
-        ),
-        Hardware(
-            "h200-nvlink",
-            989e12,
-            141e9,
-            Link(15e-6, 370e9),
-            Link(30e-6, 50e9),
-            8,
-            "H200 SXM (H100's NVLink 4, 141 GB HBM3e)",
-            overlap=0.7,
-            jitter=0.02,
-        ),
-        Hardware(
-            "h100-ib",
-            989e12,
-            80e9,
-            Link(15e-6, 370e9),
-            Link(30e-6, 50e9),
-            8,
-            "H100 hosts of 8 over InfiniBand NDR 400 Gb/s per GPU",
-            overlap=0.7,
-            jitter=0.02,
-        ),
-        Hardware(
-            "tpu-v5p",
-            459e12,
-            95e9,
-            Link(1e-6, 2 * 9e10),
-            Link(30e-6, 2.5e10 / 4),
-            4096,
-            "TPU v5p: 3D torus ICI within a slice, DCN between slices",
-            overlap=0.9,
-            jitter=0.01,
-        ),
-        Hardware(
-            "tpu-v5e",
-            197e12,
-            16e9,
-            Link(1e-6, 2 * 4.5e10),
-            Link(30e-6, 2.5e10 / 4),
-            256,
-            "TPU v5e: 2D torus ICI",
-            overlap=0.9,
-            jitter=0.01,
-        ),
-    ]
-}
-
-
-def get_hardware(name: str) -> Hardware:
-    if name in PRESETS:
-        return PRESETS[name]
-    base = name.rsplit("-", 1)[0]  # tpu-v5p-64 -> tpu-v5p
-    if base in PRESETS and name.rsplit("-", 1)[1].isdigit():
-        return PRESETS[base]
-    raise ConfigError(f"unknown hardware {name!r}; choose one of: {', '.join(PRESETS)}")
+from jaxdist.hardware import Hardware, Link
 
 
 def collective_time(kind: str, nbytes: float, p: int, link: Link) -> float:

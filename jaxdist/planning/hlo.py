@@ -6,12 +6,22 @@ while loops (the layer scan) count once per iteration, from XLA's known_trip_cou
 """
 
 import dataclasses
-import json
 import re
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# Every collective op XLA emits; async ones come as `<kind>-start` / `<kind>-done` pairs.
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "send",
+    "recv",
+)
 _DTYPE_BYTES = {
     "pred": 1,
     "s8": 1,
@@ -32,6 +42,16 @@ _DTYPE_BYTES = {
 _COMP_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 _SHAPE = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]")
+
+
+def base_name(name: str) -> str:
+    """`all-reduce-start.3` -> `all-reduce.3`: an async pair's two halves under one name."""
+    return name.replace("-start", "").replace("-done", "")
+
+
+def opcode(name: str) -> str:
+    """`all-reduce-start.3` -> `all-reduce`."""
+    return re.sub(r"-(start|done)$", "", re.sub(r"\.\d+$", "", name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,8 +165,8 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
             if not m:
                 continue
             name, result, op, rest = m.group(2), m.group(3), m.group(4), m.group(5)
-            kind = op.removesuffix("-start").removesuffix("-done")
-            if kind not in KINDS:
+            kind = opcode(op)
+            if kind not in COLLECTIVES:
                 continue
             if op.endswith("-start"):
                 starts[name] = (kind, rest)
@@ -179,7 +199,3 @@ def summarize(found: list[Collective]) -> dict[tuple[str, str], dict[str, int]]:
         row["count"] += c.executions
         row["bytes"] += c.executions * c.bytes
     return rows
-
-
-def dump(found: list[Collective]) -> str:
-    return json.dumps([dataclasses.asdict(c) for c in found], indent=1)

@@ -17,10 +17,9 @@ Terms, per device:
 import dataclasses
 import math
 
-import jax
 from flax import nnx
 
-from jaxdist.rules import AxisRules
+from jaxdist.rules import AxisRules, logical_axes, variables, ways
 
 ADAM_MOMENTS = 2
 
@@ -50,16 +49,12 @@ class Inventory:
     once: tuple[Activation, ...]
 
 
-def _ways(axes, mesh_shape: dict[str, int]) -> int:
-    return math.prod(mesh_shape.get(a, 1) for a in axes)
-
-
 def local_elements(
     shape, logical, rules: AxisRules, mesh_shape: dict[str, int], kind: str
 ) -> float:
     """Elements of one device's share of a tensor, laid out for storage ("param") or use."""
     axes = {a for n in logical if n is not None for a in rules.mesh_axes(n, kind)}
-    return math.prod(shape) / _ways(axes, mesh_shape)
+    return math.prod(shape) / ways(mesh_shape, axes)
 
 
 def tensors_bytes(
@@ -71,10 +66,6 @@ def tensors_bytes(
         * local_elements(t.shape, t.logical, rules, mesh_shape, "activation")
         for t in tensors
     )
-
-
-def _variables(abstract_params: nnx.State) -> list[nnx.Variable]:
-    return jax.tree.leaves(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def predict(
@@ -95,15 +86,15 @@ def predict(
     one microbatch's activations at a time in its backward pass.
     """
     params = grads = gathered_layer = gathered_other = 0.0
-    for var in _variables(abstract_params):
-        logical = tuple(var.get_metadata()["logical_axes"])
+    for var in variables(abstract_params):
+        logical = logical_axes(var)
         local = local_elements(var.shape, logical, rules, mesh_shape, "param")
         params += 4 * local
         grads += 4 * local
         param_axes = {a for n in logical if n for a in rules.mesh_axes(n, "param")}
         act_axes = {a for n in logical if n for a in rules.mesh_axes(n, "activation")}
         # A pipeline stage keeps its own layers: their split over `pipeline` is never gathered.
-        if _ways(param_axes - act_axes - {"pipeline"}, mesh_shape) > 1:
+        if ways(mesh_shape, param_axes - act_axes - {"pipeline"}) > 1:
             used = compute_bytes * local_elements(
                 var.shape, logical, rules, mesh_shape, "activation"
             )
@@ -111,8 +102,8 @@ def predict(
                 gathered_layer += used / var.shape[logical.index("layers")]
             else:
                 gathered_other += used
-    batch_ways = _ways(rules.mesh_axes("batch", "activation"), mesh_shape)
-    batch = 4 * batch_size * (seq_len + 1) / batch_ways
+    batch_rows = batch_size / ways(mesh_shape, rules.mesh_axes("batch", "activation"))
+    batch = 4 * batch_rows * (seq_len + 1)
     saved = tensors_bytes(inventory.saved_per_layer, rules, mesh_shape)
     activations = (
         num_layers * saved

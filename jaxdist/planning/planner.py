@@ -27,11 +27,11 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from jaxdist.errors import ConfigError
+from jaxdist.hardware import Link, get_hardware
 from jaxdist.mesh import MESH_AXES
-from jaxdist.parallel.pipeline import make_schedule, permute_bytes
-from jaxdist.planning import costmodel, memory
-from jaxdist.planning import traffic as comm
-from jaxdist.rules import AxisRules, check_divisible
+from jaxdist.parallel import pipeline
+from jaxdist.planning import costmodel, memory, traffic
+from jaxdist.rules import AxisRules, check_divisible, logical_axes, ways
 
 MEMORY_HEADROOM = 0.9  # XLA's allocator and the runtime keep some of the device's memory
 
@@ -101,9 +101,9 @@ def why_not(
         return "expert axis on a dense model"
     stages = sizes.get("pipeline", 1)
     m = _microbatches(cfg, stages)
-    ways = math.prod(sizes.get(a, 1) for a in rules.mesh_axes("batch", "activation"))
-    if cfg.batch_size % (m * ways):
-        return f"batch {cfg.batch_size} not divisible by {m} microbatches x {ways} batch ways"
+    n = ways(sizes, rules.mesh_axes("batch", "activation"))
+    if cfg.batch_size % (m * n):
+        return f"batch {cfg.batch_size} not divisible by {m} microbatches x {n} batch ways"
     if stages > 1 and model.num_experts:
         return "pipeline with experts is not supported"
     if stages > 1 and m < stages:
@@ -112,7 +112,7 @@ def why_not(
     if stages > 1 and (model.num_layers % (stages * v) or (v > 1 and m % stages)):
         return f"layers or microbatches do not split into {stages} x {v} interleaved chunks"
     for path, var in nnx.to_flat_state(model.abstract_params):
-        logical = tuple(var.get_metadata()["logical_axes"])
+        logical = logical_axes(var)
         try:
             check_divisible(
                 "/".join(map(str, path)), var.shape, logical, rules.spec(logical, "param"), mesh
@@ -129,13 +129,13 @@ def why_not(
     return None
 
 
-def _axis_link(label: str, sizes: dict[str, int], hw) -> tuple[int, costmodel.Link]:
+def _axis_link(label: str, sizes: dict[str, int], hw) -> tuple[int, Link]:
     """Group size of an axis label (data+fsdp) and the link its groups use: devices of inner
     mesh axes sit between a group's members, so the stride is their product."""
     names = label.split("+")
-    group = math.prod(sizes.get(a, 1) for a in names)
+    group = ways(sizes, names)
     innermost = max(MESH_AXES.index(a) for a in names)
-    stride = math.prod(sizes.get(a, 1) for a in MESH_AXES[innermost + 1 :])
+    stride = ways(sizes, MESH_AXES[innermost + 1 :])
     return group, costmodel.link_for(hw, group, stride)
 
 
@@ -144,17 +144,18 @@ OVERLAPPABLE = {"all-gather", "reduce-scatter", "collective-permute"}
 
 def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: PlanConfig) -> dict:
     """Predicted memory and step time of one layout."""
-    hw = costmodel.get_hardware(cfg.hardware)
+    hw = get_hardware(cfg.hardware)
     stages = sizes.get("pipeline", 1)
     m = _microbatches(cfg, stages)
     batch_axes = rules.mesh_axes("batch", "activation")
-    ways = math.prod(sizes.get(a, 1) for a in batch_axes)
+    batch_ways = ways(sizes, batch_axes)
     mesh = _abstract_mesh(sizes)
     micro_rows = cfg.batch_size // m
     v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
-    schedule = make_schedule(cfg.schedule, stages, m, v) if stages > 1 else None
-    # One microbatch's activation on one device: what a pipeline stage stores and sends.
-    micro_act = micro_rows // ways * model.seq_len * model.d_model * model.compute_bytes
+    schedule = pipeline.make_schedule(cfg.schedule, stages, m, v) if stages > 1 else None
+    micro_act = pipeline.microbatch_bytes(
+        cfg.batch_size, m, batch_ways, model.seq_len, model.d_model, model.compute_bytes
+    )
     # Three buffers (forward inbox, backward inbox, stash), each of `capacity` microbatch inputs
     # per virtual stage: all m for GPipe, at most p for 1F1B.
     stash = 3 * v * schedule.capacity * micro_act if schedule else 0.0
@@ -169,23 +170,18 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
         model.compute_bytes,
         stash,
     )
-    expected = comm.expected(
+    expected = traffic.expected(
         model.abstract_params,
         mesh,
         rules,
-        model.partial_sums(cfg.batch_size, m, ways),
+        model.partial_sums(cfg.batch_size, m, batch_ways),
         model.compute_bytes,
         m,
-        reduce_scatter=cfg.hardware != "cpu",
+        reduce_scatter=hw.platform != "cpu",
     )
     if schedule:
-        # Interleaving also moves the stage's stored layer chunks into place and back.
-        layer_bytes = sum(
-            4 * memory.local_elements(var.shape, logical, rules, dict(mesh.shape), "param")
-            for var, logical in _layer_variables(model)
-        )
-        expected[("pipeline", "collective-permute")] = permute_bytes(
-            schedule, micro_act, layer_bytes if v > 1 else 0.0
+        expected[("pipeline", "collective-permute")] = pipeline.send_bytes(
+            schedule, model.abstract_params, rules, dict(mesh.shape), micro_act
         )
     tokens = cfg.batch_size * model.seq_len
     compute = model.flops_per_token * tokens / (cfg.devices * hw.peak_flops)
@@ -232,13 +228,6 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
     }
 
 
-def _layer_variables(model: PlanModel):
-    for _, var in nnx.to_flat_state(model.abstract_params):
-        logical = tuple(var.get_metadata()["logical_axes"])
-        if "layers" in logical:
-            yield var, logical
-
-
 def _is_activation(label: str, rules: AxisRules) -> bool:
     """An all-reduce over a tensor or expert axis sums activations (on the critical path);
     over batch axes it sums gradients (can hide behind the backward pass)."""
@@ -248,7 +237,7 @@ def _is_activation(label: str, rules: AxisRules) -> bool:
 
 def plan(model: PlanModel, rules: AxisRules, cfg: PlanConfig) -> dict:
     """Every feasible layout, fastest first, or a ConfigError naming the nearest way out."""
-    hw = costmodel.get_hardware(cfg.hardware)
+    hw = get_hardware(cfg.hardware)
     unknown = set(cfg.axes) - set(MESH_AXES)
     if unknown or not cfg.axes:
         raise ConfigError(f"--axes {','.join(cfg.axes)}: choose from {', '.join(MESH_AXES)}")
@@ -297,7 +286,7 @@ def _candidates(model, rules, cfg, hw) -> tuple[list[dict[str, int]], dict[str, 
 
 
 def _no_layout_message(model, rules, cfg, rejected) -> str:
-    hw = costmodel.get_hardware(cfg.hardware)
+    hw = get_hardware(cfg.hardware)
     reasons = "; ".join(f"{k} ({n})" for k, n in rejected.items())
     for delta in range(1, cfg.devices):
         for n in (cfg.devices - delta, cfg.devices + delta):

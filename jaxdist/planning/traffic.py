@@ -15,14 +15,13 @@ Bytes follow one convention for every kind: the full buffer a device reduces or 
 import dataclasses
 import math
 
-import jax
 from flax import nnx
 from jax.sharding import Mesh
 from rich.console import Console
 from rich.table import Table
 
 from jaxdist.planning import hlo
-from jaxdist.rules import AxisRules
+from jaxdist.rules import AxisRules, logical_axes, variables, ways
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +35,6 @@ class PartialSum:
     over: str
     dtype_bytes: int
     kind: str = "all-reduce"  # or all-to-all: a buffer exchanged across the split of `over`
-
-
-def _ways(mesh: Mesh, axes) -> int:
-    return math.prod(mesh.shape[a] for a in axes)
 
 
 def _label(mesh: Mesh, axes) -> str:
@@ -63,12 +58,12 @@ def expected(
             out[(label, kind)] = out.get((label, kind), 0.0) + nbytes
 
     batch_axes = rules.mesh_axes("batch", "activation")
-    for var in jax.tree.leaves(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        logical = tuple(var.get_metadata()["logical_axes"])
+    for var in variables(abstract_params):
+        logical = logical_axes(var)
         named = [n for n in logical if n is not None]
         param_axes = {a for n in named for a in rules.mesh_axes(n, "param")}
         act_axes = {a for n in named for a in rules.mesh_axes(n, "activation")}
-        compute_size = math.prod(var.shape) / _ways(mesh, act_axes) * compute_bytes
+        compute_size = math.prod(var.shape) / ways(mesh.shape, act_axes) * compute_bytes
         # Scanned layer weights: gathered in the forward loop and again in the backward loop,
         # per microbatch. Other weights: gathered once; XLA hoists that out of the microbatch
         # loop since they do not change within a step.
@@ -89,7 +84,7 @@ def expected(
             add(
                 _label(mesh, reduce_over - gather),
                 "all-reduce",
-                microbatches * compute_size / _ways(mesh, gather),
+                microbatches * compute_size / ways(mesh.shape, gather),
             )
         else:
             kind = "reduce-scatter" if reduce_scatter and _label(mesh, gather) else "all-reduce"
@@ -97,7 +92,7 @@ def expected(
     for ps in partial_sums:
         over = rules.mesh_axes(ps.over, "activation")
         spec_axes = {a for n in ps.logical for a in rules.mesh_axes(n, "activation")}
-        size = math.prod(ps.shape) / _ways(mesh, spec_axes) * ps.dtype_bytes
+        size = math.prod(ps.shape) / ways(mesh.shape, spec_axes) * ps.dtype_bytes
         add(_label(mesh, over), ps.kind, ps.count * size)
     # Not modelled: scalar reductions (loss, norms), a few bytes that show as unexpected rows.
     return out
@@ -119,12 +114,7 @@ def report(
     `extra_expected` adds traffic the caller knows of, keyed (axis label, kind): the pipeline's
     permutes, for one.
     """
-    import numpy as np
-
-    batch = jax.ShapeDtypeStruct(
-        (batch_size, seq_len + 1), np.int32, sharding=compiled.batch_sharding
-    )
-    text = compiled.step_fn.lower(compiled.abstract_state, batch).compile().as_text()
+    text = compiled.compile_abstract((batch_size, seq_len + 1)).as_text()
     measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
     platform = mesh.devices.flat[0].platform
     exp = expected(

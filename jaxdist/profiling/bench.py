@@ -32,8 +32,7 @@ def bench(
         )
 
     t0 = time.perf_counter()
-    batch0 = place(0)
-    exe = compiled.step_fn.lower(compiled.abstract_state, batch0).compile()
+    exe = compiled.compile_abstract(global_shape)
     compile_s = time.perf_counter() - t0
     state = compiled.init_fn()
     for s in range(warmup):

@@ -11,9 +11,9 @@ import json
 import pathlib
 
 import jax
-import numpy as np
 from rich.console import Console
 
+from jaxdist.errors import ConfigError
 from jaxdist.metrics import MetricsLog
 from jaxdist.profiling import report as profile_report
 
@@ -21,8 +21,6 @@ WATCH_STEPS = 3
 
 
 def parse_range(text: str) -> tuple[int, int]:
-    from jaxdist.errors import ConfigError
-
     a, sep, b = text.partition(":")
     if not sep or not a.isdigit() or not b.isdigit() or int(b) <= int(a):
         raise ConfigError(f"--profile {text!r} is not START:STOP with STOP > START, e.g. 5:8")
@@ -30,12 +28,13 @@ def parse_range(text: str) -> tuple[int, int]:
 
 
 class Capture:
+    """Decides which steps are traced (`loop.profile`, `loop.watch_comm`), wraps them in a
+    trace, and attributes each finished window."""
+
     def __init__(
         self,
         run_dir: pathlib.Path,
-        profile: tuple[int, int] | None,
-        watch: float | None,
-        watch_every: int,
+        loop,
         compiled,
         global_shape,
         mesh,
@@ -44,16 +43,15 @@ class Capture:
         log: MetricsLog | None,
     ):
         self.windows: list[tuple[int, int, str]] = []
-        if profile:
-            self.windows.append((*profile, "profile"))
-        self.watch = watch
-        self.watch_every = watch_every
+        if loop.profile:
+            self.windows.append((*parse_range(loop.profile), "profile"))
+        self.watch = loop.watch_comm
+        self.watch_every = loop.watch_every
         self.compiled, self.global_shape, self.mesh = compiled, global_shape, mesh
         self.hardware, self.console, self.log = hardware, console, log
         self.run_dir = run_dir
         self._active: tuple[int, int, str] | None = None
         self._hlo: str | None = None
-        self.reports: list[dict] = []
 
     def _window(self, s: int) -> tuple[int, int, str] | None:
         for w in self.windows:
@@ -104,12 +102,7 @@ class Capture:
     def _analyze(self, window) -> None:
         out = self._dir(window)
         if self._hlo is None:
-            batch = jax.ShapeDtypeStruct(
-                self.global_shape, np.int32, sharding=self.compiled.batch_sharding
-            )
-            self._hlo = (
-                self.compiled.step_fn.lower(self.compiled.abstract_state, batch).compile().as_text()
-            )
+            self._hlo = self.compiled.compile_abstract(self.global_shape).as_text()
         (out / "hlo.txt").write_text(self._hlo)
         (out / "mesh.json").write_text(json.dumps(dict(self.mesh.shape)))
         report = profile_report.analyze(out, self._hlo, dict(self.mesh.shape), self.hardware)
@@ -118,7 +111,6 @@ class Capture:
             out / "breakdown.json",
             out / "breakdown.png" if window[2] == "profile" else None,
         )
-        self.reports.append(report)
         f = report["summary"]["fraction_of_step"]
         if window[2] == "profile":
             profile_report.print_report(report, self.console)

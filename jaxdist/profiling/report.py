@@ -6,13 +6,10 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
+from jaxdist.hardware import Hardware, get_hardware
 from jaxdist.planning import costmodel, hlo
 from jaxdist.profiling.breakdown import breakdown
 from jaxdist.profiling.trace import load
-
-
-def _key(name: str) -> str:
-    return name.replace("-start", "").replace("-done", "")
 
 
 def analyze(
@@ -22,18 +19,18 @@ def analyze(
     hardware: str = "cpu",
 ) -> dict:
     """Loads a trace and attributes it; with the compiled HLO and mesh, also per mesh axis."""
-    hw = costmodel.get_hardware(hardware)
+    hw = get_hardware(hardware)
     trace = load(path)
     axes_of: dict[str, str] = {}
     bytes_of: dict[str, int] = {}
     if hlo_text and mesh_shape:
         for c in hlo.collectives(hlo_text, mesh_shape):
-            axes_of[_key(c.name)] = "+".join(c.axes) or "none"
-            bytes_of[_key(c.name)] = c.bytes
+            axes_of[hlo.base_name(c.name)] = "+".join(c.axes) or "none"
+            bytes_of[hlo.base_name(c.name)] = c.bytes
         for e in list(trace.events):
-            if e.kind == "collective" and _key(e.name) != e.name:
-                axes_of.setdefault(e.name, axes_of.get(_key(e.name), "unknown"))
-                bytes_of.setdefault(e.name, bytes_of.get(_key(e.name), 0))
+            if e.kind == "collective" and hlo.base_name(e.name) != e.name:
+                axes_of.setdefault(e.name, axes_of.get(hlo.base_name(e.name), "unknown"))
+                bytes_of.setdefault(e.name, bytes_of.get(hlo.base_name(e.name), 0))
     report = breakdown(trace, axes_of, bytes_of)
     report["hardware"] = hw.name
     report["mesh"] = mesh_shape
@@ -41,7 +38,7 @@ def analyze(
     return report
 
 
-def _model(report: dict, mesh_shape: dict[str, int], hw: costmodel.Hardware) -> dict:
+def _model(report: dict, mesh_shape: dict[str, int], hw: Hardware) -> dict:
     """Alpha-beta predictions beside the measured per-axis times, and the N-device projection."""
     s = report["summary"]
     axes_order = list(mesh_shape)

@@ -18,29 +18,13 @@ import re
 from collections import defaultdict
 
 from jaxdist.errors import ConfigError
+from jaxdist.planning.hlo import COLLECTIVES, opcode
 
-COLLECTIVES = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "ragged-all-to-all",
-    "collective-permute",
-    "collective-broadcast",
-    "send",
-    "recv",
-)
 # Control-flow ops enclose the ops they run; only the ops inside are time spent.
 _CONTAINERS = ("while", "conditional", "call", "command_buffer")
 _NCCL = re.compile(r"(?i)nccl|rccl|allreducekernel|all_reduce|allgather|reducescatter")
 _MEMCPY = re.compile(r"(?i)^memcpy|^memset|memcpy\d*$")
 _DEVICE_PLANE = re.compile(r"^/device:(GPU|TPU):(\d+)")
-
-
-def opcode(hlo_op: str) -> str:
-    """`all-reduce-start.3` -> `all-reduce`."""
-    base = re.sub(r"\.\d+$", "", hlo_op)
-    return re.sub(r"-(start|done)$", "", base)
 
 
 @dataclasses.dataclass(frozen=True)

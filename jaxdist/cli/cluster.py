@@ -1,0 +1,81 @@
+"""`jaxdist launch|slurm|k8s OPTIONS -- train ...`: a run as several processes on this host, or
+as a Slurm script or a Kubernetes JobSet. They carry a train command line after `--`."""
+
+import dataclasses
+import sys
+from typing import Annotated, Literal
+
+import tyro
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Run `train` as N processes on this host over loopback:
+    jaxdist launch --processes 2 --devices-per-process 4 -- train --model tiny ..."""
+
+    processes: int = 2
+    devices_per_process: int = 4
+    platform: Literal["cpu", "gpu"] = "cpu"
+    """cpu: fake CPU devices per process; gpu: that many local GPUs per process"""
+    port: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Slurm:
+    """Print an sbatch script for a run: jaxdist slurm --nodes 2 --gpus-per-node 8 -- train ..."""
+
+    nodes: int = 1
+    """hosts in the allocation"""
+    gpus_per_node: int = 8
+    """0: CPU tasks with fake devices (one per node)"""
+    time: str = "24:00:00"
+    job_name: str = "jaxdist"
+
+
+@dataclasses.dataclass(frozen=True)
+class K8s:
+    """Print a Kubernetes JobSet manifest for a run: jaxdist k8s --hosts 4 -- train ..."""
+
+    hosts: int = 2
+    gpus_per_host: int = 8
+    """GPUs each pod asks for (0: none); one process per pod, pod 0 coordinates"""
+    image: Annotated[str, tyro.conf.arg(metavar="IMAGE")] = "jaxdist:latest"
+    """a container image with jaxdist installed"""
+    name: str = "jaxdist"
+
+
+def passthrough(argv: list[str]) -> int:
+    """Commands that carry a train command line after `--`."""
+    name, rest = argv[0], argv[1:]
+    if "--" not in rest:
+        print(
+            f"jaxdist: error: {name} needs the train command after --, e.g. "
+            f"jaxdist {name} ... -- train --model tiny",
+            file=sys.stderr,
+        )
+        return 2
+    cut = rest.index("--")
+    own, train_args = rest[:cut], rest[cut + 1 :]
+    kind = {"launch": Launch, "slurm": Slurm, "k8s": K8s}[name]
+    args = tyro.cli(kind, args=own, prog=f"jaxdist {name}")
+    if train_args and train_args[0] != "train":
+        train_args = ["train", *train_args]
+    if isinstance(args, Launch):
+        from jaxdist.cluster.launch import launch
+
+        return launch(
+            args.processes, args.devices_per_process, train_args, args.platform, args.port
+        )
+    from jaxdist.cluster import manifests
+
+    if isinstance(args, Slurm):
+        print(
+            manifests.sbatch(args.nodes, args.gpus_per_node, train_args, args.job_name, args.time),
+            end="",
+        )
+    else:
+        print(
+            manifests.jobset(args.hosts, train_args, args.image, args.gpus_per_host, args.name),
+            end="",
+        )
+    return 0

@@ -1,0 +1,69 @@
+"""`jaxdist comm`: the collectives XLA compiled into the step, per mesh axis, beside what the
+layout implies (jaxdist.planning.traffic)."""
+
+import dataclasses
+import json
+
+from jaxdist.cli.options import Common, setup
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm(Common):
+    """Compile the train step and report its collectives per mesh axis beside the analytic
+    expectation."""
+
+    seed: int = 0
+    json: bool = False
+    """print one JSON object instead of a table"""
+
+
+def run(args: Comm) -> int:
+    mesh, rules, model_cfg, args = setup(args)
+    import jax.numpy as jnp
+
+    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.parallel import pipeline
+    from jaxdist.planning import traffic
+    from jaxdist.rules import batch_ways
+    from jaxdist.step import build
+    from models.inventory import partial_sums
+    from models.presets import model_spec
+
+    model = model_spec(model_cfg)
+    tx, lr = make_optimizer(OptimConfig(), 100)
+    compiled = build(model.init, tx, lr, rules, mesh, args.step, args.seed, args.batch_size)
+    ways = batch_ways(compiled.batch_sharding)
+    dtype_bytes = jnp.dtype(model_cfg.compute_dtype).itemsize
+    extra = {}
+    if mesh.shape["pipeline"] > 1:
+        step = args.step
+        schedule = pipeline.make_schedule(
+            step.pipeline_schedule, mesh.shape["pipeline"], step.microbatches, step.virtual_stages
+        )
+        act = pipeline.microbatch_bytes(
+            args.batch_size,
+            step.microbatches,
+            ways,
+            model_cfg.seq_len,
+            model_cfg.d_model,
+            dtype_bytes,
+        )
+        extra[("pipeline", "collective-permute")] = pipeline.send_bytes(
+            schedule, compiled.abstract_state.params, rules, dict(mesh.shape), act
+        )
+    report = traffic.report(
+        compiled,
+        mesh,
+        rules,
+        args.batch_size,
+        model_cfg.seq_len,
+        partial_sums(model_cfg, args.batch_size, args.step.microbatches, ways),
+        compute_bytes=dtype_bytes,
+        microbatches=args.step.microbatches,
+        extra_expected=extra,
+    )
+    if args.json:
+        print(json.dumps(report))
+    else:
+        traffic.print_table(report)
+    return 0

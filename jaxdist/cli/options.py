@@ -1,0 +1,121 @@
+"""What every step-building command shares: the model, the mesh, the devices, the step's own
+settings; and `setup`, which turns them into a mesh, a rule table and a model config, all
+checked before anything compiles. Preset lists in the help come from the registries."""
+
+import dataclasses
+import os
+import pathlib
+from typing import Annotated, Literal
+
+import tyro
+
+from jaxdist import hardware
+from jaxdist.errors import ConfigError
+from jaxdist.rules import ways
+from jaxdist.step import StepConfig
+from meshes.presets import PRESETS as MESH_PRESETS
+from models.presets import PRESETS as MODEL_PRESETS
+
+# The user's own cache, unless told otherwise (tests point it at a temporary directory).
+DEFAULT_CACHE = os.environ.get(
+    "JAXDIST_COMPILE_CACHE", str(pathlib.Path.home() / ".cache" / "jaxdist" / "xla")
+)
+MODEL_HELP = f"model preset: {', '.join(MODEL_PRESETS)}"
+MESH_HELP = (
+    f"mesh preset ({', '.join(MESH_PRESETS)}) or inline axis=size list (data=2,fsdp=4); "
+    "auto: cpu8 on CPU, fsdp over all devices on an accelerator"
+)
+HARDWARE_HELP = f"hardware preset: {', '.join(hardware.PRESETS)}; a TPU slice size may follow"
+
+
+@dataclasses.dataclass(frozen=True)
+class Common:
+    model: Annotated[str, tyro.conf.arg(help=MODEL_HELP)] = "tiny"
+    layers: int | None = None
+    """override the preset's layer count (e.g. to give a pipeline more layers to cut)"""
+    mesh: Annotated[str, tyro.conf.arg(help=MESH_HELP)] = "auto"
+    devices: str = "auto"
+    """cpu:N for N fake CPU devices; auto uses the accelerators present, else cpu:8"""
+    batch_size: int | None = None
+    """global batch in rows; default 16, or one row per device of the batch axes if more"""
+    step: tyro.conf.OmitArgPrefixes[StepConfig] = StepConfig()
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """auto: bfloat16 on GPU/TPU, float32 on CPU; parameters stay float32"""
+    remat: Literal["none", "full", "dots"] = "none"
+    """rematerialization: none, full (recompute each layer), dots (save matmul outputs)"""
+    capacity_factor: float | None = None
+    """MoE: expert capacity = factor x tokens x top-k / experts (tokens past it are dropped)"""
+    dropless: bool = False
+    """MoE: size expert buffers so that no token is ever dropped"""
+    compile_cache: str = DEFAULT_CACHE
+    """persistent XLA compilation cache directory, or off"""
+
+
+def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | None = None):
+    """Devices, mesh, rules and model config, all checked before anything compiles.
+
+    `profiling`: op-level trace events; `cluster`: a DistributedConfig to join (multi-process);
+    `target`: compile for a TPU slice this host does not have. Returns (mesh, rules, model
+    config, args with the batch size resolved)."""
+    from jaxdist.mesh import build_mesh, parse_mesh, setup_devices
+    from meshes.presets import STANDARD_RULES, get_mesh_preset
+    from models.presets import get_model_config
+
+    if profiling:
+        # Op-level events in traces: XLA:CPU emits them only with this flag; on GPU, command
+        # buffers (CUDA graphs) would hide the ops behind one launch.
+        flags = "--xla_cpu_enable_xprof_traceme=true --xla_gpu_enable_command_buffer="
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+    setup_devices(args.devices)
+    if cluster is not None:
+        from jaxdist.cluster.join import initialize
+
+        initialize(cluster, cpu=True)
+
+    import jax
+
+    if args.compile_cache != "off":
+        # A restarted run (preemption, crash) then skips recompiling: restart time is part of
+        # what every failure costs. Small programs too: Orbax compiles dozens on a first save.
+        jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(args.compile_cache)))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    platform, target_devices = jax.default_backend(), None
+    if target:
+        from jaxdist.planning.tpu import parse_target, tpu_devices
+
+        platform, target_devices = "tpu", tpu_devices(parse_target(target))
+    dtype = args.compute_dtype
+    if dtype == "auto":
+        dtype = "float32" if platform == "cpu" else "bfloat16"
+    moe = {}
+    if args.capacity_factor is not None or args.dropless:
+        if not get_model_config(args.model).num_experts:
+            raise ConfigError(
+                f"--capacity-factor/--dropless apply to MoE models; {args.model} "
+                "has no experts (try --model tiny-moe)"
+            )
+        moe["dropless"] = args.dropless
+        if args.capacity_factor is not None:
+            moe["capacity_factor"] = args.capacity_factor
+    model_cfg = get_model_config(
+        args.model,
+        **moe,
+        compute_dtype=dtype,
+        remat=args.remat,
+        **({"num_layers": args.layers} if args.layers else {}),
+        # cuDNN's fused attention takes 16-bit inputs only.
+        attention="cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla",
+    )
+    if args.mesh == "auto":
+        rules = STANDARD_RULES
+        mesh_cfg = get_mesh_preset("cpu8").mesh if platform == "cpu" else parse_mesh("fsdp=-1")
+    else:
+        preset = get_mesh_preset(args.mesh)
+        mesh_cfg, rules = preset.mesh, preset.rules
+    mesh = build_mesh(mesh_cfg, target_devices)
+    if args.batch_size is None:
+        batch_ways = ways(mesh.shape, rules.mesh_axes("batch", "activation"))
+        batch_size = max(16, batch_ways * args.step.microbatches)
+        args = dataclasses.replace(args, batch_size=batch_size)
+    return mesh, rules, model_cfg, args

@@ -1,0 +1,73 @@
+"""`jaxdist train`: the loop over the library's own configs, or the step compiled ahead of time
+(`--compile-only`, also for a TPU target this host does not have)."""
+
+import dataclasses
+import json
+
+import tyro
+
+from jaxdist.checkpoint.interval import CheckpointConfig
+from jaxdist.cli.options import Common, setup
+from jaxdist.cluster.join import DistributedConfig
+from jaxdist.optim import OptimConfig
+from jaxdist.train import LoopConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Train(Common):
+    """Train a model (the default: tiny on 8 fake CPU devices, embedded corpus)."""
+
+    loop: tyro.conf.OmitArgPrefixes[LoopConfig] = LoopConfig()
+    optim: tyro.conf.OmitArgPrefixes[OptimConfig] = OptimConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    cluster: tyro.conf.OmitArgPrefixes[DistributedConfig] = DistributedConfig()
+    data: str | None = None
+    """a text or JSONL file (or directory of them); default: Python's stdlib sources"""
+    compile_only: bool = False
+    """compile the step for abstract inputs and report per-device memory; no training"""
+    target: str | None = None
+    """with --compile-only: compile for a TPU slice this host does not have, e.g.
+    tpu-v5p:4x4x4 (needs the libtpu package: pip install 'jaxdist[tpu]')"""
+
+
+def run(args: Train) -> int:
+    from jaxdist.errors import ConfigError
+
+    if args.target and not args.compile_only:
+        raise ConfigError("--target compiles only; add --compile-only")
+    args.loop.validate()
+    args.checkpoint.validate()
+    mesh, rules, model_cfg, args = setup(
+        args,
+        profiling=bool(args.loop.profile or args.loop.watch_comm),
+        cluster=args.cluster,
+        target=args.target,
+    )
+    from jaxdist import train as loop
+    from jaxdist.data import DataConfig
+    from models.presets import model_spec
+
+    model = model_spec(model_cfg)
+    if args.compile_only:
+        return _compile_only(args, model, mesh, rules)
+    data = DataConfig(path=args.data, batch_size=args.batch_size, seed=args.loop.seed)
+    config = loop.RunConfig(args.optim, data, args.step, args.loop, args.checkpoint)
+    loop.run(model, mesh, rules, config)
+    return 0
+
+
+def _compile_only(args: Train, model, mesh, rules) -> int:
+    from jaxdist.optim import make_optimizer
+    from jaxdist.planning.aot import compile_only, target_fit
+    from jaxdist.step import build
+
+    # No data: the batch is abstract (and a target's hosts are not this one).
+    tx, lr = make_optimizer(args.optim, args.loop.steps)
+    compiled = build(model.init, tx, lr, rules, mesh, args.step, args.loop.seed, args.batch_size)
+    report = compile_only(compiled, args.batch_size, model.seq_len)
+    report |= {"model": model.name, "params": compiled.num_params, "mesh": dict(mesh.shape)}
+    if args.target:
+        hardware = args.target.split(":")[0]
+        report |= target_fit(hardware, report, model, args.batch_size, mesh.size)
+    print(json.dumps(report))
+    return 0

@@ -1,0 +1,132 @@
+"""Ahead-of-time: compile the real train step for abstract inputs, on the devices present or on
+a target this host does not have (jaxdist.planning.tpu), and read XLA's own figures: memory per
+device, the collectives per mesh axis, FLOPs. Nothing is allocated and nothing runs, so a
+layout that cannot fit is found before the fleet is rented."""
+
+import math
+import re
+import time
+
+from jaxdist.hardware import get_hardware
+from jaxdist.mesh import MeshConfig, build_mesh
+from jaxdist.model import ModelSpec
+from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.planning import hlo
+from jaxdist.planning.memory import xla_peak
+from jaxdist.rules import AxisRules
+from jaxdist.step import Compiled, StepConfig, build
+
+MEMORY_TOLERANCE = 0.15  # predicted vs XLA's per-device memory
+BYTES_TOLERANCE = 0.05  # predicted vs the compiled HLO's collective bytes
+
+
+def compile_only(compiled: Compiled, batch_size: int, seq_len: int) -> dict:
+    """XLA's per-device memory analysis, collectives and cost analysis of the step."""
+    t0 = time.perf_counter()
+    exe = compiled.compile_abstract((batch_size, seq_len + 1))
+    seconds = time.perf_counter() - t0
+    mem = exe.memory_analysis()
+    fields = (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "temp_size_in_bytes",
+        "alias_size_in_bytes",
+        "generated_code_size_in_bytes",
+    )
+    per_device = {f.removesuffix("_size_in_bytes"): getattr(mem, f, 0) for f in fields}
+    per_device["peak_estimate"] = xla_peak(mem)
+    mesh = compiled.batch_sharding.mesh
+    collectives = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape)))
+    cost = exe.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {
+        "compile_s": seconds,
+        "platform": mesh.devices.flat[0].platform,
+        "device_kind": mesh.devices.flat[0].device_kind,
+        "per_device_bytes": per_device,
+        "collectives": [
+            {"axis": axis, "kind": kind, **v} for (axis, kind), v in sorted(collectives.items())
+        ],
+        # XLA's own per-device estimate, beside the model's FLOPs for comparison.
+        "xla_flops": cost.get("flops"),
+        "xla_optimal_seconds": cost.get("optimal_seconds"),
+    }
+
+
+def target_fit(hardware: str, report: dict, model: ModelSpec, batch_size: int, devices: int):
+    """Whether the step fits a chip of the target, and XLA's FLOPs beside the model's."""
+    hw = get_hardware(hardware)
+    ours = model.flops_per_token * batch_size * model.seq_len / devices
+    return {
+        "chip_memory_bytes": hw.memory_bytes,
+        "fits": report["per_device_bytes"]["peak_estimate"] <= hw.memory_bytes,
+        "model_flops_per_device": ours,
+        "xla_over_model_flops": report["xla_flops"] / ours if report["xla_flops"] else None,
+    }
+
+
+def verify(
+    row: dict,
+    model: ModelSpec,
+    rules: AxisRules,
+    batch_size: int,
+    pipeline_schedule: str,
+    virtual_stages: int,
+    devices: list,
+) -> dict:
+    """Compiles a planned layout's real train step for abstract inputs on `devices` and sets
+    XLA's memory and the HLO's collective bytes beside the planner's predictions."""
+    mesh = build_mesh(MeshConfig(ici=tuple(row["mesh"].items())), devices)
+    tx, lr = make_optimizer(OptimConfig(), 100)
+    step = StepConfig(row["microbatches"], pipeline_schedule, virtual_stages=virtual_stages)
+    t0 = time.perf_counter()
+    compiled = build(model.init, tx, lr, rules, mesh, step, 0, batch_size)
+    try:
+        exe = compiled.compile_abstract((batch_size, model.seq_len + 1))
+    except Exception as e:  # the TPU compiler refuses a step that cannot fit the chip
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return _refused(row, str(e), devices, time.perf_counter() - t0)
+    mem = exe.memory_analysis()
+    peak = xla_peak(mem)
+    measured = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape)))
+    hlo_bytes = sum(v["bytes"] for v in measured.values())
+    predicted_mem = row["memory_bytes"]["peak"]
+    predicted_bytes = row["comm_bytes"]
+    mem_ratio = predicted_mem / peak if peak else math.nan
+    bytes_ratio = predicted_bytes / hlo_bytes if hlo_bytes else (1.0 if not predicted_bytes else 0)
+    return {
+        "platform": devices[0].platform,
+        "compile_s": time.perf_counter() - t0,
+        "xla_peak_bytes": peak,
+        "xla_temp_bytes": mem.temp_size_in_bytes,
+        "predicted_peak_bytes": predicted_mem,
+        "memory_ratio": mem_ratio,
+        "hlo_collective_bytes": hlo_bytes,
+        "predicted_collective_bytes": predicted_bytes,
+        "bytes_ratio": bytes_ratio,
+        "memory_ok": abs(mem_ratio - 1) <= MEMORY_TOLERANCE,
+        "bytes_ok": abs(bytes_ratio - 1) <= BYTES_TOLERANCE,
+    }
+
+
+def _refused(row: dict, message: str, devices, seconds: float) -> dict:
+    """XLA would not compile the layout for lack of memory: the planner said it fits."""
+    need = re.search(r"temporaries \(([\d.]+)G\)", message)
+    xla_temp = float(need.group(1)) * 2**30 if need else math.nan
+    predicted = row["memory_bytes"]
+    xla_peak = xla_temp + predicted["params"] + predicted["optimizer"] + predicted["batch"]
+    return {
+        "platform": devices[0].platform,
+        "compile_s": seconds,
+        "refused": message.splitlines()[0][:300],
+        "xla_peak_bytes": xla_peak,
+        "xla_temp_bytes": xla_temp,
+        "predicted_peak_bytes": predicted["peak"],
+        "memory_ratio": predicted["peak"] / xla_peak,
+        "hlo_collective_bytes": math.nan,
+        "predicted_collective_bytes": row["comm_bytes"],
+        "bytes_ratio": math.nan,
+        "memory_ok": False,
+        "bytes_ok": False,
+    }

@@ -1,0 +1,131 @@
+"""What the planner and `jaxdist comm` need to know of the transformer, beyond its weights.
+
+Where its matmuls leave partial sums when a split dimension is sharded (the activation traffic
+of tensor and expert parallelism), and what one (micro)batch keeps alive for the backward pass
+(the activation memory). Both are declared in logical axes; jaxdist's rules say how each splits
+over a layout. `plan_model` hands the planner the whole description.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdist.parallel.experts import capacity
+from jaxdist.planning.memory import Activation, Inventory
+from jaxdist.planning.planner import PlanModel
+from jaxdist.planning.traffic import PartialSum
+from models.transformer import Transformer, TransformerConfig
+
+
+def plan_model(config: TransformerConfig) -> PlanModel:
+    """The planner's view of a model config."""
+    abstract = nnx.state(nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0))))
+    return PlanModel(
+        name=config.name,
+        abstract_params=abstract,
+        num_layers=config.num_layers,
+        seq_len=config.seq_len,
+        d_model=config.d_model,
+        flops_per_token=config.flops_per_token(),
+        compute_bytes=jnp.dtype(config.compute_dtype).itemsize,
+        num_experts=config.num_experts,
+        inventory=lambda rows: activations(config, rows),
+        partial_sums=lambda *a: partial_sums(config, *a),
+    )
+
+
+def partial_sums(
+    c: TransformerConfig, batch_size: int, microbatches: int = 1, batch_ways: int = 1
+) -> list[PartialSum]:
+    """Where this model's matmuls leave partial sums when their split dims are sharded,
+    and (MoE) the buffers its experts exchange. `batch_ways`: devices sharing the batch."""
+    B, T, D, L = batch_size // microbatches, c.seq_len, c.d_model, c.num_layers
+    nbytes = jnp.dtype(c.compute_dtype).itemsize
+    x, btd = ("batch", "seq", "embed"), (B, T, D)
+    fwd = 2 if c.remat == "full" else 1  # full remat replays the forward in backward
+    per_layer = [
+        PartialSum(fwd, x, btd, "heads", nbytes),  # attention output projection
+        PartialSum(1, x, btd, "kv_heads", nbytes),  # backward: input grad of fused QKV
+    ]
+    if c.num_experts:
+        E = c.num_experts
+        C = capacity(B // batch_ways * T, E, c.top_k, c.capacity_factor, c.dropless)
+        ecd = (E, C, D)  # per device, whole: nothing further splits it
+        per_layer += [
+            # dispatch and combine, forward; their transposes, backward
+            PartialSum(2 * fwd + 2, (), ecd, "expert", nbytes, "all-to-all"),
+            # expert down projection, forward, and its transpose, backward
+            PartialSum(fwd + 1, (), ecd, "mlp", nbytes),
+            PartialSum(1, x, btd, "mlp", nbytes),  # backward: input grad of up and gate
+        ]
+    else:
+        per_layer += [
+            PartialSum(fwd, x, btd, "mlp", nbytes),  # MLP down projection
+            PartialSum(1, x, btd, "mlp", nbytes),  # backward: input grad of MLP up
+        ]
+        if c.style == "llama":
+            per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))  # ... and of the gate
+    sums = [dataclasses.replace(p, count=p.count * L) for p in per_layer]
+    sums += [
+        PartialSum(1, x, btd, "vocab", nbytes),  # embedding lookup in a vocab-split table
+        PartialSum(1, x, btd, "vocab", nbytes),  # backward: input grad of the output head
+        # Cross-entropy over split logits: the max, the sum of exponentials, the target.
+        PartialSum(3, ("batch", "seq"), (B, T), "vocab", 4),
+    ]
+    return [dataclasses.replace(p, count=p.count * microbatches) for p in sums]
+
+
+def activations(c: TransformerConfig, batch_size: int) -> Inventory:
+    """What one (micro)batch of `batch_size` rows keeps alive for the backward pass.
+
+    Counted from the residuals JAX saves for this code (jax.ad_checkpoint's saved
+    residuals, per layer, at each remat policy) and checked against XLA's memory analysis
+    by `jaxdist plan --verify`. MoE layers are approximated as a dense MLP of top_k x
+    capacity_factor times the width.
+    """
+    B, T, D, F = batch_size, c.seq_len, c.d_model, c.d_mlp
+    N, G, H, V = c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
+    if c.num_experts:
+        F = int(F * c.top_k * c.capacity_factor)
+    nb = jnp.dtype(c.compute_dtype).itemsize
+    btd = Activation(1, ("batch", "seq", "embed"), (B, T, D), nb)
+    stat = Activation(1, ("batch", "seq"), (B, T), 4)  # norm statistics stay fp32
+    btnh = Activation(1, ("batch", "seq", "heads", "head_dim"), (B, T, N, H), nb)
+    btgh = Activation(1, ("batch", "seq", "kv_heads", "head_dim"), (B, T, G, H), nb)
+    # XLA's attention computes its logits and softmax in fp32 whatever the input dtype.
+    scores = Activation(1, ("batch", "heads", "seq", None), (B, N, T, T), 4)
+    score_stat = Activation(1, ("batch", "heads", "seq"), (B, N, T), 4)
+    btf = Activation(1, ("batch", "seq", "mlp"), (B, T, F), nb)
+    qkv = Activation(
+        1, ("batch", "seq", "kv_heads", "qkv", "head_dim"), (B, T, G, N // G + 2, H), nb
+    )
+    n = dataclasses.replace
+    llama = c.style == "llama"
+    # Without remat: residual stream, norms and projections (8 of [B,T,D]), norm statistics,
+    # q/k/v and the attention output, the scores and softmax, and the MLP's hidden layer
+    # with its activation function's intermediates (tanh GELU: 5; SwiGLU: 6).
+    everything = (
+        n(btd, count=8),
+        n(stat, count=4),
+        n(btnh, count=2 if llama else 3),
+        n(btgh, count=2 if llama else 1),
+        # XLA's attention materializes scores and softmax; cuDNN's fused kernel keeps only
+        # the log-sum-exp per row and recomputes the rest in its backward.
+        n(scores, count=0 if c.attention == "cudnn" else 2),
+        n(score_stat, count=1 if c.attention == "cudnn" else 2),
+        n(btf, count=6 if llama else 5),
+    )
+    saved = {
+        "none": everything,
+        # Matmul outputs: fused QKV, the two output projections, the MLP's up (and gate).
+        "dots": (qkv, n(btd, count=2), n(btf, count=2 if llama else 1)),
+        "full": (btd,),  # the layer's input only
+    }[c.remat]
+    # The backward of one layer: with remat it rebuilds what was not saved, and XLA reuses
+    # those buffers for the gradients; without, the gradients need buffers of their own.
+    working = (
+        everything if c.remat == "none" else everything + tuple(n(t, count=-t.count) for t in saved)
+    )
+    once = (n(btd, count=4), Activation(1, ("batch", "seq", "vocab"), (B, T, V), 4))
+    return Inventory(saved, working, once)
