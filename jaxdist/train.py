@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from rich.console import Console
@@ -21,7 +20,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from jaxdist import hardware
 from jaxdist.checkpoint.interval import CheckpointConfig, Interval
-from jaxdist.checkpoint.recovery import NonFinitePolicy, PreemptionSignal, TrainingStopped
+from jaxdist.checkpoint.recovery import (
+    NonFinitePolicy,
+    PreemptionSignal,
+    apply_nonfinite_policy,
+)
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
 from jaxdist.cluster.join import local_value, process_rows
 from jaxdist.cluster.watchdog import Watchdog
@@ -204,7 +207,7 @@ def run(
                 rec = timer.finish(*pending)
                 progress.update(task, completed=s, description=f"loss {rec['loss']:.3f}")
                 if not rec["finite"]:
-                    rolled = _nonfinite(
+                    rolled = apply_nonfinite_policy(
                         loop.nonfinite, rec["step"], checkpointer, compiled, shapes, console
                     )
                     if rolled is not None:  # drop the step in flight; resume past the bad batch
@@ -222,7 +225,7 @@ def run(
             rec = timer.finish(*pending)
             if not rec["finite"]:
                 policy = "skip" if loop.nonfinite == "rollback" else loop.nonfinite
-                _nonfinite(policy, rec["step"], checkpointer, compiled, shapes, console)
+                apply_nonfinite_policy(policy, rec["step"], checkpointer, compiled, shapes, console)
     capture.close()
     checkpointer.close()  # waits for the last save to commit
     if log:
@@ -385,40 +388,3 @@ def evaluate(compiled: Compiled, params, batches: TokenBatches, steps) -> float:
         )
         losses.append(compiled.eval_fn(params, batch))
     return float(np.mean([local_value(x) for x in losses]))
-
-
-def _nonfinite(
-    policy: str,
-    s: int,
-    checkpointer: Checkpointer,
-    compiled: Compiled,
-    shapes: dict,
-    console: Console,
-):
-    """Applies the non-finite policy to step s, whose update the step itself already skipped.
-
-    Returns the state to continue from for `rollback`, None to go on as before.
-    """
-    if policy == "stop":
-        checkpointer.close()
-        raise TrainingStopped(
-            f"step {s}: loss or gradient is NaN/Inf and --nonfinite stop was given; the last "
-            f"good checkpoint ({checkpointer.steps()[-1] if checkpointer.steps() else 'none'}) "
-            "is kept. Lower --lr, or use --nonfinite skip|rollback"
-        )
-    if policy == "skip":
-        console.print(f"[yellow]step {s}: loss or gradient is NaN/Inf; update skipped[/]")
-        return None
-    checkpointer.wait()
-    restored = checkpointer.restore_latest(compiled.abstract_state, shapes)
-    if restored is None:
-        console.print(
-            f"[yellow]step {s}: NaN/Inf and no checkpoint to roll back to; update skipped[/]"
-        )
-        return None
-    console.print(
-        f"[yellow]step {s}: NaN/Inf; rolled back to checkpoint step {restored.step}"
-        f", skipping batches {int(restored.state.step)}..{s}[/]"
-    )
-    step = jax.device_put(jnp.int32(s + 1), compiled.state_sharding.step)
-    return restored.state._replace(step=step)

@@ -5,6 +5,7 @@ import threading
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 NonFinitePolicy = Literal["skip", "rollback", "stop"]
 
@@ -55,3 +56,40 @@ class PreemptionSignal:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def apply_nonfinite_policy(
+    policy: str,
+    s: int,
+    checkpointer,
+    compiled,
+    shapes: dict,
+    console,
+):
+    """Applies the non-finite policy to step s, whose update the step itself already skipped.
+
+    Returns the state to continue from for `rollback`, None to go on as before.
+    """
+    if policy == "stop":
+        checkpointer.close()
+        raise TrainingStopped(
+            f"step {s}: loss or gradient is NaN/Inf and --nonfinite stop was given; the last "
+            f"good checkpoint ({checkpointer.steps()[-1] if checkpointer.steps() else 'none'}) "
+            "is kept. Lower --lr, or use --nonfinite skip|rollback"
+        )
+    if policy == "skip":
+        console.print(f"[yellow]step {s}: loss or gradient is NaN/Inf; update skipped[/]")
+        return None
+    checkpointer.wait()
+    restored = checkpointer.restore_latest(compiled.abstract_state, shapes)
+    if restored is None:
+        console.print(
+            f"[yellow]step {s}: NaN/Inf and no checkpoint to roll back to; update skipped[/]"
+        )
+        return None
+    console.print(
+        f"[yellow]step {s}: NaN/Inf; rolled back to checkpoint step {restored.step}"
+        f", skipping batches {int(restored.state.step)}..{s}[/]"
+    )
+    step = jax.device_put(jnp.int32(s + 1), compiled.state_sharding.step)
+    return restored.state._replace(step=step)
