@@ -78,7 +78,7 @@ class _Windows:
 class TokenBatches:
     """Batches of shape [len(rows), seq_len + 1] (int32): the given rows of each global batch.
 
-    A process asks only for the rows its devices hold (jaxdist.distributed.process_rows).
+    A process asks only for the rows its devices hold (jaxdist.cluster.join.process_rows).
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 
 Stage 2 (compute forward/backward locally) and stage 4 (synchronize the update) of a step live
 here. Stage 3 (move the tensors) is implicit: XLA inserts the collectives that the parameter
-and batch shardings imply; jaxdist.comm reads them back out of the compiled program.
+and batch shardings imply; jaxdist.planning.traffic reads them back out of the compiled program.
 """
 
 import dataclasses

@@ -3,7 +3,7 @@
 Legend: B batch  T seq  D embed  F mlp (per expert)  E expert  K router choices  L layers
 
 Two implementations of one function: `dispatch` sends tokens to their experts through
-jaxdist.experts (all-to-all over the `expert` mesh axis, per-expert capacity); `dense` runs
+jaxdist.parallel.experts (all-to-all over the `expert` mesh axis, per-expert capacity); `dense` runs
 every expert on every token and masks by the router: the reference a test compares against.
 """
 

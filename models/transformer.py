@@ -268,7 +268,7 @@ _REMAT_POLICIES = {
 
 
 def _block(c: TransformerConfig, x_BTD, w, positions_T):
-    # Expert weights stay as stored: jaxdist.experts gathers them inside its shard_map.
+    # Expert weights stay as stored: jaxdist.parallel.experts gathers them inside its shard_map.
     w = {k: v if k in EXPERT_WEIGHTS else constrain(v, _LOGICAL[k][1:]) for k, v in w.items()}
     B, T, _ = x_BTD.shape
     h_BTD = _norm(c, x_BTD, w["norm1_scale_LD"], w.get("norm1_bias_LD"))

@@ -9,17 +9,17 @@ import sys
 
 import tyro
 
-from jaxdist.cli import bench, comm, plan, runs, train
-from jaxdist.cli.cluster import passthrough
+from jaxdist.cli import cmd_bench, cmd_comm, cmd_plan, cmd_runs, cmd_train
+from jaxdist.cli.cmd_launch import passthrough
 from jaxdist.errors import ConfigError
 
 COMMANDS = {
-    "train": (train.Train, train.run),
-    "comm": (comm.Comm, comm.run),
-    "bench": (bench.Bench, bench.run),
-    "checkpoints": (runs.Checkpoints, runs.checkpoints),
-    "profile": (runs.Profile, runs.profile),
-    "plan": (plan.Plan, plan.run),
+    "train": (cmd_train.Train, cmd_train.run),
+    "comm": (cmd_comm.Comm, cmd_comm.run),
+    "bench": (cmd_bench.Bench, cmd_bench.run),
+    "checkpoints": (cmd_runs.Checkpoints, cmd_runs.checkpoints),
+    "profile": (cmd_runs.Profile, cmd_runs.profile),
+    "plan": (cmd_plan.Plan, cmd_plan.run),
 }
 
 
@@ -50,7 +50,3 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as e:
         print(f"jaxdist: stopped: {e}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Pipeline parallelism: the layers split into stages along the `pipeline` mesh axis.
 
 Each device runs its stage's share of the layers (`layers` is split over `pipeline`), and a
-static schedule (jaxdist.schedules: gpipe, 1f1b, interleaved) says, tick by tick, which
+static schedule (jaxdist.parallel.schedules: gpipe, 1f1b, interleaved) says, tick by tick, which
 microbatch each stage runs forward (F) or backward (B), and with interleaving on which of its
 virtual stages; activations move one chunk on and gradients one chunk back by collective
 permutes at the end of every tick (around a ring when interleaved: the last stage's chunk k

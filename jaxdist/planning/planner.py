@@ -7,8 +7,8 @@ with the fleet law and ranks them:
     T_step = T_compute/N (+ pipeline bubble) + T_comm + T_sync - T_overlap
 
 - T_compute: the model's training FLOPs at `compute_efficiency` of the device's peak;
-- T_comm: the bytes jaxdist.comm expects for the layout (the figure `jaxdist comm` checks
-  against the compiled HLO), priced by the alpha-beta model of jaxdist.costmodel on the link
+- T_comm: the bytes planning.traffic expects for the layout (the figure `jaxdist comm` checks
+  against the compiled HLO), priced by the alpha-beta model of planning.costmodel on the link
   each axis's groups span (inner while a group fits in a host, outer beyond);
 - T_overlap: FSDP gathers, gradient reductions and pipeline sends can run behind compute (the
   hardware preset's `overlap` share of them, at most T_compute); tensor- and expert-parallel

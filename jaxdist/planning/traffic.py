@@ -77,7 +77,7 @@ def expected(
         # which XLA's CPU pipeline emits as all-reduce, combined with the other batch axes.
         reduce_over = set(batch_axes) - act_axes
         if "expert" in named and _label(mesh, gather):
-            # Expert weights are gathered by an explicit all_gather inside jaxdist.experts'
+            # Expert weights are gathered by an explicit all_gather inside jaxdist.parallel.experts'
             # shard_map; its transpose is a reduce-scatter on every platform, and the rest
             # of the batch axes then sum the scattered shard.
             add(_label(mesh, gather), "reduce-scatter", microbatches * compute_size)

@@ -63,7 +63,7 @@ def bench(
     bare = (time.perf_counter() - t0) / steps
 
     stats = distribution(times)
-    peak = peak_tflops * 1e12 if peak_tflops else hardware.peak_flops(jax.devices()[0])
+    peak = hardware.peak_flops(jax.devices()[0], peak_tflops)
     tp = throughput(
         stats["p50"], batch_size * model.seq_len, model.flops_per_token, jax.device_count(), peak
     )

@@ -6,7 +6,7 @@ from collections import defaultdict
 import numpy as np
 
 from jaxdist.profiling import spans as iv
-from jaxdist.profiling.trace import Event, Trace, step_windows
+from jaxdist.profiling.xplane import Event, Trace, step_windows
 
 NS = 1e-9
 

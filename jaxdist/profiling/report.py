@@ -9,7 +9,7 @@ from rich.table import Table
 from jaxdist.hardware import Hardware, get_hardware
 from jaxdist.planning import costmodel, hlo
 from jaxdist.profiling.breakdown import breakdown
-from jaxdist.profiling.trace import load
+from jaxdist.profiling.xplane import load
 
 
 def analyze(

@@ -66,7 +66,7 @@ class Profile:
 def profile(args: Profile) -> int:
     from jaxdist.mesh import parse_mesh
     from jaxdist.profiling import report as profile_report
-    from jaxdist.profiling.trace import find_xplane
+    from jaxdist.profiling.xplane import find_xplane
 
     trace = find_xplane(args.path)
     here = pathlib.Path(args.path) if pathlib.Path(args.path).is_dir() else trace.parent
