@@ -1,6 +1,23 @@
-"""Tests run on 8 fake CPU devices; this must happen before any JAX backend starts."""
+"""Tests run on 8 fake CPU devices; this must happen before any JAX backend starts.
 
+The run is hermetic: caches the code under test (and its libraries) would keep in the user's
+home directory go to one temporary directory per session instead, set in the environment here,
+before anything imports jaxdist.cli, so that every subprocess the tests start inherits it."""
+
+import atexit
 import os
+import shutil
+import tempfile
+
+_SCRATCH = tempfile.mkdtemp(prefix="jaxdist-tests-")
+atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
+# The CLI's persistent XLA compile cache (jaxdist/cli/options.py DEFAULT_CACHE), shared by the
+# session's subprocesses; matplotlib's font cache and config (breakdown.png); anything else
+# that follows the XDG base directories.
+os.environ["JAXDIST_COMPILE_CACHE"] = os.path.join(_SCRATCH, "xla")
+os.environ["MPLCONFIGDIR"] = os.path.join(_SCRATCH, "matplotlib")
+os.environ["XDG_CACHE_HOME"] = os.path.join(_SCRATCH, "cache")
+os.environ["XDG_CONFIG_HOME"] = os.path.join(_SCRATCH, "config")
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Op-level events in CPU traces (for the profile tests); inert while no trace is running.

@@ -46,8 +46,9 @@ def compiled_for(
     return mc, mesh, compiled
 
 
-# --- the command line, as the subprocess tests run it ---
+# --- the command line, as the subprocess tests run it: every test builds it here ---
 JAXDIST = [sys.executable, "-m", "jaxdist.cli"]
+# Read after conftest.py pointed the caches at the session's temporary directory.
 CLI_ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
@@ -71,12 +72,14 @@ def tiny_train(steps: int, checkpoint_every: int) -> list[str]:
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`jaxdist *args`, run to the end; stdout and stderr captured as text."""
     return subprocess.run(
         [*JAXDIST, *args], capture_output=True, text=True, timeout=timeout, env=CLI_ENV
     )
 
 
 def cli_popen(*args: str, merge_output: bool = True) -> subprocess.Popen:
+    """`jaxdist *args`, started in the background (for the tests that signal or kill it)."""
     return subprocess.Popen(
         [*JAXDIST, *args],
         stdout=subprocess.PIPE,

@@ -1,18 +1,15 @@
 """Launch files for clusters: the sbatch script and the JobSet manifest, checked by structure
 (and by sbatch itself where Slurm is installed)."""
 
-import subprocess
-import sys
-
 import yaml
+
+from tests.helpers import cli
 
 TRAIN = ["train", "--model", "1b", "--mesh", "gpu2x8", "--run-dir", "/shared/runs/a b"]
 
 
 def jaxdist(*args):
-    r = subprocess.run(
-        [sys.executable, "-m", "jaxdist.cli", *args], capture_output=True, text=True, timeout=120
-    )
+    r = cli(*args, timeout=120)
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -65,17 +62,7 @@ def test_jobset_manifest():
 
 
 def test_launch_refuses_what_it_sets_itself():
-    r = subprocess.run(
-        [sys.executable, "-m", "jaxdist.cli", "launch", "--", "train", "--process-id", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = cli("launch", "--", "train", "--process-id", "0", timeout=60)
     assert r.returncode == 2 and "launch sets --process-id itself" in r.stderr
-    r = subprocess.run(
-        [sys.executable, "-m", "jaxdist.cli", "launch", "--processes", "2"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = cli("launch", "--processes", "2", timeout=60)
     assert r.returncode == 2 and "needs the train command after --" in r.stderr

@@ -7,14 +7,15 @@ from jaxdist.rules import batch_ways
 from models.inventory import partial_sums
 from tests.helpers import compiled_for
 
+SLOW = pytest.mark.slow  # the quick loop (-m "not slow") keeps one dense and one MoE layout
 CASES = [
     ("expert=4,data=2", "tiny-moe", 1),
-    ("expert=2,fsdp=2,tensor=2", "tiny-moe", 1),
-    ("data=8", "tiny", 1),
-    ("fsdp=8", "tiny", 1),
-    ("data=2,tensor=4", "tiny", 1),
+    pytest.param("expert=2,fsdp=2,tensor=2", "tiny-moe", 1, marks=SLOW),
+    pytest.param("data=8", "tiny", 1, marks=SLOW),
+    pytest.param("fsdp=8", "tiny", 1, marks=SLOW),
+    pytest.param("data=2,tensor=4", "tiny", 1, marks=SLOW),
     ("data=2,fsdp=2,tensor=2", "tiny", 1),
-    ("fsdp=4,tensor=2", "tiny-llama", 2),
+    pytest.param("fsdp=4,tensor=2", "tiny-llama", 2, marks=SLOW),
 ]
 
 

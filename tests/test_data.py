@@ -44,10 +44,15 @@ def test_every_window_once_per_epoch_and_epochs_reshuffle(tmp_path):
 
 
 def test_jsonl(tmp_path):
+    docs = [f"document {i}: " + "hello world " * 20 for i in range(5)]
     path = tmp_path / "d.jsonl"
-    path.write_text("\n".join(json.dumps({"text": "hello world " * 20}) for _ in range(5)))
+    path.write_text("\n".join(json.dumps({"text": t}) for t in docs))
     d = TokenBatches(DataConfig(path=str(path), batch_size=2), 32, 256)
-    assert bytes(d.batch(0)[0].astype(np.uint8)).decode().strip(" \n")
+    # The texts, not the JSON around them, one after another: every row is a window of 33.
+    corpus = "\n".join(docs).encode()
+    assert d.num_windows == (len(corpus) - 1) // 32
+    for row in d.batch(0):
+        assert row.shape == (33,) and bytes(row.astype(np.uint8)) in corpus
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,13 @@ from meshes.presets import STANDARD_RULES
 from tests.helpers import compiled_for
 
 STEPS = 4
-LAYOUTS = ["data=8", "fsdp=8", "data=2,tensor=4", "data=2,fsdp=2,tensor=2"]
+SLOW = pytest.mark.slow  # the quick loop (-m "not slow") keeps data=2,fsdp=2,tensor=2
+LAYOUTS = [
+    pytest.param("data=8", marks=SLOW),
+    pytest.param("fsdp=8", marks=SLOW),
+    pytest.param("data=2,tensor=4", marks=SLOW),
+    "data=2,fsdp=2,tensor=2",
+]
 
 
 def _grads(compiled, mesh, graphdef, state, batch):
@@ -69,6 +75,7 @@ def test_sharded_matches_single_device(layout):
     _assert_close(jax.device_get(state.params), ref_params, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_llama_variant_and_accumulation_match_single_device():
     ref_params, ref_losses, ref_grads = _reference("tiny-llama", microbatches=2)
     _, _, state, losses, grads0 = _run("fsdp=4,tensor=2", "tiny-llama", microbatches=2)
@@ -77,6 +84,7 @@ def test_llama_variant_and_accumulation_match_single_device():
     _assert_close(jax.device_get(state.params), ref_params, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_accumulation_equals_one_big_batch():
     # Two microbatches of 8 rows are the same step as one batch of 16 (mean of means).
     _, one_losses, _ = _reference("tiny", microbatches=1)
@@ -84,6 +92,7 @@ def test_accumulation_equals_one_big_batch():
     np.testing.assert_allclose(two_losses, one_losses, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data=2,fsdp=2,tensor=2", "fsdp=8"])
 def test_params_and_optimizer_state_are_sharded_by_the_rules(layout):
     mesh, compiled, state, _, _ = _run(layout)

@@ -2,9 +2,6 @@
 dropped fraction is what the router's choices imply, and checkpoints move across expert
 layouts."""
 
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
@@ -17,7 +14,7 @@ from jaxdist.parallel.experts import capacity, moe_ffn
 from jaxdist.rules import activation_rules
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
-from tests.helpers import compiled_for, mesh_for
+from tests.helpers import cli, compiled_for, mesh_for
 
 STEPS = 3
 
@@ -38,8 +35,23 @@ def dense_reference():
     return _losses_and_params("single", moe_impl="dense")
 
 
-@pytest.mark.parametrize("layout", ["expert=8", "expert=4,data=2", "expert=2,fsdp=2,tensor=2"])
-@pytest.mark.parametrize("mode", [{"capacity_factor": 4.0}, {"dropless": True}])
+MODES = {"capacity4": {"capacity_factor": 4.0}, "dropless": {"dropless": True}}
+QUICK = ("expert=2,fsdp=2,tensor=2", "dropless")  # the one case in the quick loop
+
+
+@pytest.mark.parametrize(
+    "layout, mode",
+    [
+        pytest.param(
+            layout,
+            MODES[mode],
+            id=f"{mode}-{layout}",
+            marks=() if (layout, mode) == QUICK else pytest.mark.slow,
+        )
+        for mode in MODES
+        for layout in ("expert=8", "expert=4,data=2", "expert=2,fsdp=2,tensor=2")
+    ],
+)
 def test_expert_parallel_equals_dense_reference(dense_reference, layout, mode):
     ref_losses, ref_params, _ = dense_reference
     losses, params, metrics = _losses_and_params(layout, **mode)
@@ -144,12 +156,7 @@ def test_moe_active_flops_and_bad_input():
         (["--model", "tiny", "--dropless"], "apply to MoE models"),
     ]
     for args, message in bad:
-        r = subprocess.run(
-            [sys.executable, "-m", "jaxdist.cli", "train", "--steps", "1", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = cli("train", "--steps", "1", *args, timeout=120)
         assert r.returncode == 2 and message in r.stderr, r.stderr
     with pytest.raises(Exception, match="top-k 9 must lie in"):
         get_model_config("tiny-moe", top_k=9)
@@ -166,10 +173,9 @@ def test_experts_not_divisible_by_the_expert_axis():
         compiled_for("expert=4,data=2", "tiny-moe", num_experts=6)
 
 
+@pytest.mark.slow
 def test_profile_attributes_all_to_all_to_the_expert_axis(tmp_path):
     import json
-
-    from tests.helpers import cli
 
     r = cli(
         "train",

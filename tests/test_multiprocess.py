@@ -13,6 +13,7 @@ import pytest
 from jaxdist.metrics import read_metrics
 from tests.helpers import cli, cli_popen, losses, tiny_train
 
+pytestmark = pytest.mark.slow  # real processes, 12-30 s each
 STEPS = 8
 TRAIN = tiny_train(STEPS, checkpoint_every=4)
 LAUNCH_2X4 = ["launch", "--processes", "2", "--devices-per-process", "4", "--"]

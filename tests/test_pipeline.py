@@ -24,6 +24,7 @@ from models.transformer import Transformer
 from tests.helpers import mesh_for
 
 STEPS, LAYERS = 3, 8
+SLOW = pytest.mark.slow  # the quick loop (-m "not slow") keeps one case of each test
 
 
 def _mesh(layout):
@@ -66,14 +67,14 @@ def reference():
 @pytest.mark.parametrize(
     "layout, schedule, virtual",
     [
-        ("pipeline=8", "gpipe", 1),
+        pytest.param("pipeline=8", "gpipe", 1, marks=SLOW),
         ("pipeline=4,data=2", "1f1b", 1),
-        ("pipeline=4,data=2", "gpipe", 1),
-        ("pipeline=2,data=2,tensor=2", "1f1b", 1),
-        ("pipeline=2,fsdp=4", "1f1b", 1),
-        ("pipeline=4", "interleaved", 2),
-        ("pipeline=2,data=2,tensor=2", "interleaved", 2),
-        ("pipeline=2,fsdp=4", "interleaved", 4),
+        pytest.param("pipeline=4,data=2", "gpipe", 1, marks=SLOW),
+        pytest.param("pipeline=2,data=2,tensor=2", "1f1b", 1, marks=SLOW),
+        pytest.param("pipeline=2,fsdp=4", "1f1b", 1, marks=SLOW),
+        pytest.param("pipeline=4", "interleaved", 2, marks=SLOW),
+        pytest.param("pipeline=2,data=2,tensor=2", "interleaved", 2, marks=SLOW),
+        pytest.param("pipeline=2,fsdp=4", "interleaved", 4, marks=SLOW),
     ],
 )
 def test_pipelined_equals_unpipelined(reference, layout, schedule, virtual):
@@ -212,7 +213,11 @@ def test_bad_pipeline_input():
 
 
 @pytest.mark.parametrize(
-    "layout, schedule", [("pipeline=2,data=4", "gpipe"), ("pipeline=2,data=2,tensor=2", "1f1b")]
+    "layout, schedule",
+    [
+        pytest.param("pipeline=2,data=4", "gpipe", marks=SLOW),
+        ("pipeline=2,data=2,tensor=2", "1f1b"),
+    ],
 )
 def test_comm_reports_the_permute_bytes_the_schedule_implies(layout, schedule):
     from tests.helpers import cli
@@ -238,7 +243,9 @@ def test_comm_reports_the_permute_bytes_the_schedule_implies(layout, schedule):
     assert row["count"] == 2 * make_schedule(schedule, p, 4).ticks  # both ways, every tick
 
 
-@pytest.mark.parametrize("layout, virtual", [("pipeline=4,data=2", 2), ("pipeline=2,fsdp=4", 4)])
+@pytest.mark.parametrize(
+    "layout, virtual", [("pipeline=4,data=2", 2), pytest.param("pipeline=2,fsdp=4", 4, marks=SLOW)]
+)
 def test_comm_reports_the_interleaved_permute_bytes(layout, virtual):
     # Through the Python API, as `jaxdist comm` computes it: activations both ways every tick,
     # plus the layer chunks moved into interleaved placement and their gradients back.

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from jaxdist.errors import ConfigError
+from jaxdist.parallel.experts import capacity
 from jaxdist.planning.planner import PlanConfig, evaluate, plan
 from jaxdist.planning.tpu import parse_target, topology_name
 from meshes.presets import STANDARD_RULES
@@ -20,22 +21,61 @@ def _model(name: str, dtype: str = "bfloat16", **over):
     return plan_model(get_model_config(name, compute_dtype=dtype, **over))
 
 
+def _compiled_figures(row: dict, batch: int) -> tuple[int, int]:
+    """XLA's per-device peak and the HLO's collective bytes for a planned layout, compiled here
+    in the test process as `plan --verify` compiles it (float32 on CPU, AdamW)."""
+    from jaxdist.mesh import MeshConfig, build_mesh
+    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.planning import hlo
+    from jaxdist.step import StepConfig, build
+    from models.presets import model_spec
+
+    mc = get_model_config("tiny", compute_dtype="float32")
+    mesh = build_mesh(MeshConfig(ici=tuple(row["mesh"].items())))
+    tx, lr = make_optimizer(OptimConfig(), 100)
+    c = build(
+        model_spec(mc).init, tx, lr, STANDARD_RULES, mesh, StepConfig(row["microbatches"]), 0, batch
+    )
+    exe = c.compile_abstract((batch, mc.seq_len + 1))
+    m = exe.memory_analysis()
+    # Arguments, outputs and temporaries, the donated state (aliased to its output) once.
+    peak = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+    sent = sum(x.bytes * x.executions for x in hlo.collectives(exe.as_text(), dict(mesh.shape)))
+    return peak, sent
+
+
+@pytest.mark.slow
 def test_verify_on_cpu_agrees_with_xla(tmp_path):
     """The issue's bar: memory within 15% and collective bytes within 5% of the compiled step,
-    for every verified layout, at the default batch and a small one."""
-    for batch in ("512", "16"):
+    for every verified layout, at the default batch and a small one. The best layout is
+    compiled again here, so the test measures the planner against XLA, not `verify` against
+    its own figures."""
+    for batch in (512, 16):
         out = tmp_path / f"plan{batch}.json"
         args = ["plan", "--model", "tiny", "--devices", "8", "--hardware", "cpu"]
-        r = cli(*args, "--verify", "3", "--batch-size", batch, "--json", str(out))
+        r = cli(*args, "--verify", "3", "--batch-size", str(batch), "--json", str(out))
         assert r.returncode == 0, r.stderr
         assert "every verified layout within" in r.stdout
         verified = [row for row in json.loads(out.read_text())["layouts"] if "verify" in row]
         assert len(verified) == 3
+        # What verify sets beside the prediction is XLA's figure for the layout.
+        peak, sent = _compiled_figures(verified[0], batch)
+        assert sent > 0
+        v = verified[0]["verify"]
+        assert (v["xla_peak_bytes"], v["hlo_collective_bytes"]) == (peak, sent)
         for row in verified:
             v = row["verify"]
-            assert abs(v["memory_ratio"] - 1) <= 0.15, (row["layout"], v)
-            assert abs(v["bytes_ratio"] - 1) <= 0.05, (row["layout"], v)
-            assert v["hlo_collective_bytes"] > 0
+            # ... and the prediction beside it is the planner's own row.
+            assert v["predicted_peak_bytes"] == row["memory_bytes"]["peak"]
+            assert v["predicted_collective_bytes"] == row["comm_bytes"]
+            mem, comm = row["memory_bytes"]["peak"], row["comm_bytes"]
+            assert abs(mem / v["xla_peak_bytes"] - 1) <= 0.15, (row["layout"], v)
+            assert abs(comm / v["hlo_collective_bytes"] - 1) <= 0.05, (row["layout"], v)
 
 
 def test_ranked_by_the_fleet_law():
@@ -51,7 +91,10 @@ def test_ranked_by_the_fleet_law():
         terms = r["compute_s"] + r["bubble_s"] + r["comm_s"] + r["sync_s"] - r["overlap_s"]
         assert r["step_s"] == pytest.approx(terms)
         assert 0 <= r["overlap_s"] <= min(r["compute_s"], r["comm_s"])
-        assert sum(r["mesh"].values()) >= 1 and _product(r["mesh"]) == 64
+        # Every layout uses all 64 devices, and its name is its mesh.
+        assert _product(r["mesh"]) == 64
+        assert r["layout"] == ",".join(f"{a}={n}" for a, n in r["mesh"].items() if n > 1)
+    assert len({r["layout"] for r in rows}) == len(rows)  # each layout priced once
     # 1B params of fp32 state and AdamW moments on every device plus 16K tokens of activations
     # do not fit an 80 GB H100: plain data parallelism is priced but refused.
     assert result["naive"]["layout"] == "data=64" and not result["naive"]["fits"]
@@ -98,7 +141,7 @@ def test_unknown_axis_and_hardware_are_refused():
     with pytest.raises(ConfigError, match="--axes"):
         plan(_model("tiny"), STANDARD_RULES, PlanConfig(8, "cpu", 16, axes=("data", "model")))
     with pytest.raises(ConfigError, match="unknown hardware"):
-        plan(_model("tiny"), STANDARD_RULES, PlanConfig(8, "a100", 16))
+        plan(_model("tiny"), STANDARD_RULES, PlanConfig(8, "mi300x", 16))
 
 
 def test_tpu_topology_names():
@@ -114,6 +157,7 @@ def test_tpu_topology_names():
         parse_target("v5p")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install 'jaxdist[tpu]')")
 def test_compile_for_a_tpu_slice_from_a_cpu_host():
     r = cli(
@@ -142,6 +186,7 @@ def test_target_without_compile_only_is_refused():
     assert r.returncode == 2 and "--compile-only" in r.stderr
 
 
+@pytest.mark.slow
 def test_interleaving_shrinks_the_priced_bubble_and_its_sends_match_the_hlo():
     import jax
     import numpy as np
@@ -182,21 +227,30 @@ def test_expert_layouts_for_a_moe_model():
     experts = evaluate({"expert": 8}, model, STANDARD_RULES, cfg)
     # Experts split 8 ways: their weights and moments no longer sit whole on every device.
     assert experts["memory_bytes"]["params"] < naive["memory_bytes"]["params"] / 2
-    # The token exchange is an all-to-all over the expert axis, on the critical path.
-    assert experts["by_axis"]["expert all-to-all"]["bytes"] > 0
+    # The token exchange is an all-to-all over the expert axis, on the critical path: each
+    # device's 4 rows of tokens sent to their experts' capacity buffers and back, forward and
+    # backward, float32, every layer (the bytes test_moe finds in the compiled step's trace).
+    mc = get_model_config("tiny-moe")
+    C = capacity(32 // 8 * mc.seq_len, mc.num_experts, mc.top_k, mc.capacity_factor, dropless=False)
+    a2a = mc.num_layers * 4 * mc.num_experts * C * mc.d_model * 4
+    assert experts["by_axis"]["expert all-to-all"]["bytes"] == a2a
     assert experts["comm_exposed_s"] > 0
     ranked = plan(model, STANDARD_RULES, cfg)["layouts"]
     assert any(r["mesh"]["expert"] > 1 for r in ranked)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install 'jaxdist[tpu]')")
 def test_plan_verifies_against_the_tpu_compiler(tmp_path):
     out = tmp_path / "plan.json"
     args = ["plan", "--model", "tiny", "--devices", "8", "--hardware", "tpu-v5p-8"]
     r = cli(*args, "--batch-size", "64", "--verify", "1", "--json", str(out))
     assert r.returncode == 0, r.stderr
-    v = json.loads(out.read_text())["layouts"][0]["verify"]
+    row = json.loads(out.read_text())["layouts"][0]
+    v = row["verify"]
     assert v["platform"] == "tpu" and v["xla_peak_bytes"] > 0
-    # Whatever the agreement, both figures are there and the ratio is reported, not hidden.
-    assert v["memory_ratio"] == pytest.approx(v["predicted_peak_bytes"] / v["xla_peak_bytes"])
+    # Whatever the agreement, the planner's own prediction is set beside the TPU compiler's
+    # figure and a disagreement is flagged, not hidden. (That the figures are XLA's and the
+    # ratio theirs is checked against a compile of its own by test_verify_on_cpu_agrees_with_xla.)
+    assert v["predicted_peak_bytes"] == row["memory_bytes"]["peak"]
     assert ("FLAG" in r.stdout) == (not (v["memory_ok"] and v["bytes_ok"]))

@@ -12,6 +12,7 @@ from jaxdist.checkpoint.store import list_checkpoints
 from jaxdist.metrics import read_metrics
 from tests.helpers import cli_popen, losses, tiny_train
 
+pytestmark = pytest.mark.slow  # real processes killed and relaunched, 10-30 s each
 STEPS = 40
 ARGS = [*tiny_train(STEPS, checkpoint_every=2), "--devices", "cpu:8"]
 

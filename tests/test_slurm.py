@@ -2,17 +2,18 @@
 the losses match one process on the same mesh."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.helpers import losses, tiny_train
+from tests.helpers import JAXDIST, cli, losses, tiny_train
 from tests.slurm_cluster import SlurmCluster, why_not
 
 REASON = why_not()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [
+    pytest.mark.skipif(REASON is not None, reason=REASON or ""),
+    pytest.mark.slow,  # starts Slurm daemons, then trains twice
+]
 TRAIN = tiny_train(6, checkpoint_every=100)
 
 
@@ -25,12 +26,7 @@ def cluster(tmp_path_factory):
 
 def test_srun_two_tasks_train_like_one_process(cluster, tmp_path):
     ref = tmp_path / "ref"
-    r = subprocess.run(
-        [sys.executable, "-m", "jaxdist.cli", *TRAIN, "--devices", "cpu:8", "--run-dir", str(ref)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = cli(*TRAIN, "--devices", "cpu:8", "--run-dir", str(ref), timeout=300)
     assert r.returncode == 0, r.stderr
     run_dir = tmp_path / "slurm"
     r = cluster.run(
@@ -41,9 +37,7 @@ def test_srun_two_tasks_train_like_one_process(cluster, tmp_path):
             "-N1",
             "-n2",
             "--kill-on-bad-exit=1",
-            sys.executable,
-            "-m",
-            "jaxdist.cli",
+            *JAXDIST,
             *TRAIN,
             "--devices",
             "cpu:4",
@@ -61,23 +55,9 @@ def test_srun_two_tasks_train_like_one_process(cluster, tmp_path):
 
 
 def test_sbatch_accepts_the_rendered_script(cluster, tmp_path):
-    script = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxdist.cli",
-            "slurm",
-            "--nodes",
-            "1",
-            "--gpus-per-node",
-            "0",
-            "--",
-            *TRAIN,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
+    rendered = cli("slurm", "--nodes", "1", "--gpus-per-node", "0", "--", *TRAIN, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    script = rendered.stdout
     path = tmp_path / "job.sh"
     path.write_text(script)
     r = cluster.run(["sbatch", "--test-only", str(path)], timeout=60)
