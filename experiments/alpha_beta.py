@@ -4,12 +4,12 @@
     python experiments/alpha_beta.py --kinds all-reduce --max-mb 16 --reps 50
 
 For all-reduce (psum), all-gather and collective-permute inside shard_map, over message sizes
-from 1 KB to 64 MB (powers of 2; n is the full buffer, as in jaxdist.comm and
-jaxdist.costmodel: the all-reduced array, the gathered output, the array each device sends),
-it times many calls and reports p50/p90/max per collective, then fits T(n) = alpha + n/beta to
-the p50s by least squares on relative residuals (so 1 KB counts as much as 64 MB), with
-non-negative coefficients. The plain fit is converted to jaxdist.costmodel's ring convention
-(per-step alpha and per-device bandwidth B for p devices: all-reduce
+from 1 KB to 64 MB (powers of 2; n is the full buffer, as in jaxdist.planning.traffic and
+jaxdist.planning.costmodel: the all-reduced array, the gathered output, the array each device
+sends), it times many calls and reports p50/p90/max per collective, then fits
+T(n) = alpha + n/beta to the p50s by least squares on relative residuals (so 1 KB counts as much
+as 64 MB), with non-negative coefficients. The plain fit is converted to the cost model's ring
+convention (per-step alpha and per-device bandwidth B for p devices: all-reduce
 2(p-1) alpha + 2(p-1)/p n/B, all-gather (p-1) alpha + (p-1)/p n/B, permute alpha + n/B) and
 printed beside the "cpu" preset (or --preset). The crossover n* = alpha * beta splits the
 latency-bound regime (below: bucket small tensors) from the bandwidth-bound one (above).
@@ -38,24 +38,26 @@ Writes experiments/results/alpha_beta.json and .png (a few minutes on 2 cores).
 import argparse
 import ctypes
 import json
+import math
 import os
 import pathlib
 import resource
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
 KINDS = ("all-reduce", "all-gather", "collective-permute")
 
 
 def ring_terms(kind: str, p: int) -> tuple[float, float]:
-    """(steps, bytes factor): T = steps * alpha_step + factor * n / B, jaxdist.costmodel's ring."""
-    if kind == "all-reduce":
-        return 2 * (p - 1), 2 * (p - 1) / p
-    if kind == "all-gather":
-        return p - 1, (p - 1) / p
-    return 1, 1.0
+    """(steps, bytes factor): T = steps * alpha_step + factor * n / B in the cost model's ring,
+    read off jaxdist.planning.costmodel.collective_time with unit links, so the conversion is
+    the model's own."""
+    from jaxdist.hardware import Link
+    from jaxdist.planning.costmodel import collective_time
+
+    steps = collective_time(kind, 1.0, p, Link(alpha_s=1.0, bandwidth=math.inf))
+    factor = collective_time(kind, 1.0, p, Link(alpha_s=0.0, bandwidth=1.0))
+    return steps, factor
 
 
 def fit_alpha_beta(n, t) -> tuple[float, float]:
@@ -78,8 +80,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30, help="timed calls per size")
     ap.add_argument("--bucket-count", type=int, default=256)
     ap.add_argument("--bucket-kb", type=float, default=4)
-    ap.add_argument("--preset", default=None, help="costmodel preset (default: cpu, or h100)")
+    ap.add_argument(
+        "--preset", default=None, help="jaxdist.hardware preset (default: cpu, or h100)"
+    )
     ap.add_argument("--malloc-no-mmap", action="store_true", help="glibc: reuse large buffers")
+    ap.add_argument("--out", default=None, help="results directory (default: experiments/results)")
     args = ap.parse_args()
     if args.malloc_no_mmap:
         libc = ctypes.CDLL("libc.so.6")
@@ -280,8 +285,8 @@ def main() -> None:
         f"{bucket['preset_speedup']:.1f}x from the preset"
     )
 
-    out = pathlib.Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).parent / "results"
+    out.mkdir(parents=True, exist_ok=True)
     record = {
         "devices": {"count": p, "platform": platform, "kind": devices[0].device_kind},
         "host_cpus": os.cpu_count(),

@@ -20,8 +20,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -41,7 +39,7 @@ def main() -> None:
 
     from jaxdist.checkpoint.interval import daly_interval_s
     from jaxdist.checkpoint.store import Checkpointer
-    from jaxdist.mesh import build_mesh, parse_mesh
+    from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.step import StepConfig, build
     from meshes.presets import STANDARD_RULES
@@ -49,7 +47,7 @@ def main() -> None:
 
     mc = get_model_config(args.model)
     spec = model_spec(mc)
-    mesh = build_mesh(parse_mesh(args.mesh))
+    mesh = make_mesh(args.mesh)
     tx, lr = make_optimizer(OptimConfig(), 100)
     compiled = build(spec.init, tx, lr, STANDARD_RULES, mesh, StepConfig(), 0, mesh.size)
     state = jax.block_until_ready(compiled.init_fn())

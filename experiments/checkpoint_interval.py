@@ -11,120 +11,117 @@ calibration run (its first save, which pays one-off setup, left out). Every inte
 trial meets the same failure draws (common random numbers); trials differ in seed and run the
 intervals in alternating order, against drift in the machine's load.
 
-Per run, from the step lines the children print (timestamped as they arrive):
+Per run, from the run's own metrics.jsonl (every step logged, each record stamped with the
+wall-clock time it was written; the records a process appended are its segment's):
   lost work        per failure, the steps the killed process ran that the next one runs again,
                    times the run's mean step time, plus the unlogged work in flight (kill - last
-                   line). The resume line ("steps a..b are recomputed") names every logged step
-                   at or past the restored one, so two failures before new progress name the
-                   same steps twice: its sum over-counts and is kept only for comparison.
-  checkpoint cost  blocked time per save x the saves every process reached, lost ones included.
-                   The loop leaves a save out of its step times, so a line's spacing beyond its
-                   step time is that save's blocked time (it matches the loop's own total to a
-                   few ms); each process's first save pays its setup here.
-  restart overhead launch -> first step line, less one step (and a save due at that step):
-                   process start, restore, compile from the persistent cache. A constant per
-                   failure, reported apart so that it does not swamp the interval's effect.
+                   step record, less a save logged after it). The resume names every logged
+                   step at or past the restored one ("steps a..b are recomputed", computed here
+                   from the records as the loop does), so two failures before new progress
+                   name the same steps twice: its sum over-counts and is kept only for
+                   comparison.
+  checkpoint cost  the time each save blocked the loop, as the loop logged it per save
+                   ("save" events), summed over every save any process reached, lost ones
+                   included; each process's first save pays its setup here.
+  restart overhead launch -> first step record, less one step and the saves logged before
+                   it: process start, restore, compile from the persistent cache. A constant
+                   per failure, reported apart so that it does not swamp the interval's effect.
   total overhead   the segments' measured training spans less steps x mean step time: the
-                   cross-check of lost work + checkpoint cost, needing no save count.
-Failures strike only while a process trains (the clock starts at each process's first step),
-so restarts cost every interval the same per failure. The optimum is also located by fitting
-a / tau + b * tau to all runs' lost work + checkpoint cost.
+                   cross-check of lost work + checkpoint cost.
+Failures strike only while a process trains (the clock starts at each process's first step
+record), so restarts cost every interval the same per failure. The optimum is also located by
+fitting a / tau + b * tau to all runs' lost work + checkpoint cost.
 Writes experiments/results/checkpoint_interval.json and .png.
 """
 
 import argparse
 import json
 import math
-import os
 import pathlib
-import re
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
+import plots
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from jaxdist.checkpoint.interval import daly_interval_s
 
-from jaxdist.checkpoint.interval import daly_interval_s  # noqa: E402 - after the path insert
-
-STEP_LINE = re.compile(r"^step\s+(\d+)\s+loss\s+\S+\s+grad_norm\s+\S+\s+([\d.]+) ms")
-RESUMED = re.compile(r"resuming from checkpoint step (\d+) .*? at step (\d+)")
-RECOMPUTED = re.compile(r"steps (\d+)\.\.(\d+) are recomputed")
 # Past 4x, tau nears the MTBF; under 1/4x, saves queue behind the previous commit and a run
 # takes twice as long (at 1/8x every save blocked ~3x T_write in a trial run).
 FACTORS = (1 / 4, 1 / 2, 1, 2, 4)
-# Wide enough that the resume line is never wrapped by rich, so the regexes see it whole.
-CHILD_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "400"}
 
 
-def segment(cmd: list[str], gap_s: float | None) -> dict:
-    """One process; SIGKILLed gap_s seconds after its first step line, unless it ends first."""
-    t_launch = time.perf_counter()
-    p = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=CHILD_ENV, cwd=ROOT
-    )
-    lines: list[tuple[float, str]] = []
-    first: list[float] = []
-    started = threading.Event()
+class Records:
+    """The records one process appends to a run's metrics.jsonl, read as they arrive.
 
-    def read() -> None:
-        for line in p.stderr:
-            now = time.perf_counter()
-            lines.append((now, line.rstrip("\n")))
-            if not first and STEP_LINE.match(line):
-                first.append(now)
-                started.set()
+    Starts where the file's complete lines end: a killed writer's partial last line is cut off
+    there by the next process's MetricsLog before it appends."""
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    while not started.wait(0.005) and p.poll() is None:
-        pass
-    t_kill = None
-    if first and gap_s is not None:
-        try:
-            p.wait(timeout=max(0.0, first[0] + gap_s - time.perf_counter()))
-        except subprocess.TimeoutExpired:
-            p.send_signal(signal.SIGKILL)
-            t_kill = time.perf_counter()
-    rc = p.wait()
-    reader.join()
-    t_end = time.perf_counter()
-    killed = t_kill is not None and rc == -signal.SIGKILL  # else it finished before the blow
-    if not killed and rc != 0:
-        tail = "\n".join(text for _, text in lines[-30:])
-        raise RuntimeError(f"training exited {rc}: {' '.join(cmd)}\n{tail}")
-    steps = [(t, int(m[1]), float(m[2]) / 1e3) for t, x in lines if (m := STEP_LINE.match(x))]
-    text = " ".join(x for _, x in lines)
-    resumed, recomputed = RESUMED.search(text), RECOMPUTED.search(text)
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.pos = path.read_bytes().rfind(b"\n") + 1 if path.exists() else 0
+        self.all: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        """The complete records written since the last poll."""
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self.pos)
+            data = f.read()
+        data = data[: data.rfind(b"\n") + 1]
+        self.pos += len(data)
+        new = [json.loads(line) for line in data.splitlines()]
+        self.all += new
+        return new
+
+
+def segment(cmd: list[str], run_dir: pathlib.Path, gap_s: float | None) -> dict:
+    """One process; SIGKILLed gap_s seconds after its first step record, unless it ends first."""
+    records = Records(run_dir / "metrics.jsonl")
+    t_launch = time.time()  # wall clock, as the records' own stamps
+    with tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        first = None
+        while first is None and p.poll() is None:
+            first = next((r for r in records.poll() if "loss" in r), None)
+            time.sleep(0.005)
+        t_kill = None
+        if first is not None and gap_s is not None:
+            try:
+                p.wait(timeout=max(0.0, first["time"] + gap_s - time.time()))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)
+                t_kill = time.time()
+        rc = p.wait()
+        t_end = time.time()
+        killed = t_kill is not None and rc == -signal.SIGKILL  # else it finished before the blow
+        if not killed and rc != 0:
+            err.seek(0)
+            tail = "\n".join(err.read().splitlines()[-30:])
+            raise RuntimeError(f"training exited {rc}: {' '.join(cmd)}\n{tail}")
+    records.poll()
+    steps = [(r["time"], r["step"], r["step_time_s"]) for r in records.all if "loss" in r]
+    saves = [
+        (r["time"], r["step"], r["blocked_s"]) for r in records.all if r.get("event") == "save"
+    ]
     return {
         "t_launch": t_launch,
-        "t_first": first[0] if first else None,
+        "t_first": steps[0][0] if steps else None,
         "t_kill": t_kill,
         "t_end": t_end,
         "killed": killed,
         "steps": steps,
-        "restored_step": int(resumed[1]) if resumed else None,
-        "log_recomputed": (int(recomputed[1]), int(recomputed[2])) if recomputed else (None, None),
+        "saves": saves,
     }
 
 
-def saves_in(first: int, last: int, every: int, steps: int) -> int:
-    """Saves the loop makes at steps first..last: s + 1 a multiple of `every`, and the final."""
-    if last < first:
-        return 0
-    return (last + 1) // every - first // every + (first <= steps - 1 <= last and steps % every > 0)
-
-
-def run_interval(
-    base: list[str], run_dir: pathlib.Path, every: int, steps: int, gaps, fallback_save_s: float
-) -> dict:
+def run_interval(base: list[str], run_dir: pathlib.Path, every: int, steps: int, gaps) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [*base, "--checkpoint-every", str(every), "--run-dir", str(run_dir)]
     segs = []
@@ -132,44 +129,43 @@ def run_interval(
     while not segs or segs[-1]["killed"]:
         if len(segs) >= len(gaps):
             raise RuntimeError(f"every {every}: {len(segs)} failures and not done; raise --mtbf-s")
-        segs.append(segment(cmd, gaps[len(segs)]))
+        segs.append(segment(cmd, run_dir, gaps[len(segs)]))
     wall = time.perf_counter() - t0
 
     # Steady step time: each segment's first step holds the compile, its second warm-up.
     step_s = [dt for seg in segs for _, _, dt in seg["steps"][2:]]
     step_mean = statistics.fmean(step_s)
-    ran = [seg for seg in segs if seg["steps"]]
-    # Step s's save runs between lines s-1 and s, and the loop leaves it out of its step time:
-    # what the lines' spacing holds beyond the step times is the saves' blocked time.
-    blocked = sum(
-        seg["steps"][-1][0] - seg["steps"][0][0] - sum(dt for _, _, dt in seg["steps"][1:])
-        for seg in ran
-    )
-    timed = sum(saves_in(seg["steps"][0][1] + 1, seg["steps"][-1][1], every, steps) for seg in ran)
-    per_save = blocked / timed if timed else fallback_save_s
-    lost, restarts, spans, saves, early = [], [], 0.0, 0, 0
+    blocked = [b for seg in segs for _, _, b in seg["saves"]]
+    lost, restarts, spans, early, restored, named = [], [], 0.0, 0.0, [], 0
+    logged: list[int] = []  # steps logged by the processes so far
     for i, seg in enumerate(segs):
-        if not seg["steps"]:  # a kill after the last step, before exit: resumed with none left
+        # A process resumes at its restored state's step; one that logged no step resumed with
+        # none left to run (a kill after the last step, before exit).
+        start = seg["steps"][0][1] if seg["steps"] else steps
+        if i:
+            restored.append(start - 1)  # the checkpoint of step s holds s + 1 steps
+            # The resume names logged steps start..max(logged) as recomputed (jaxdist.train).
+            named += max(0, max(logged, default=-1) - start + 1)
+        logged += [s for _, s, _ in seg["steps"]]
+        if not seg["steps"]:
             restarts.append(seg["t_end"] - seg["t_launch"])
             continue
-        (t_a, start, _), (t_b, last, _) = seg["steps"][0], seg["steps"][-1]
-        saves += saves_in(start, last, every, steps)
-        # Launch -> first line: start-up, one step, and a save if that step is due one.
-        early += saves_in(start, start, every, steps)
+        (t_a, _, _), (t_b, last, _) = seg["steps"][0], seg["steps"][-1]
+        # Step s's save runs after step s is dispatched, before step s's record: the saves
+        # logged before the first record are the start-up's, those after the last in flight.
+        before = sum(b for t, _, b in seg["saves"] if t <= t_a)
+        after = sum(b for t, _, b in seg["saves"] if t > t_b)
+        early += before
         if i:
-            up = seg["t_first"] - seg["t_launch"] - step_mean
-            restarts.append(up - per_save * saves_in(start, start, every, steps))
+            restarts.append(t_a - seg["t_launch"] - step_mean - before)
         if seg["killed"]:
             nxt = segs[i + 1]["steps"]
             redo_from = max(start, nxt[0][1] if nxt else steps)
             # The steps this process ran that the next one runs again, and the one in flight.
-            lost.append(max(0, last - redo_from + 1) * step_mean + seg["t_kill"] - t_b)
+            lost.append(max(0, last - redo_from + 1) * step_mean + seg["t_kill"] - t_b - after)
         spans += (seg["t_kill"] if seg["killed"] else t_b) - (t_a - step_mean)
     summary = json.loads((run_dir / "summary.json").read_text())
-    # The resume line names every logged step at or past the restored one, including steps an
-    # earlier resume already named when a failure struck before new progress: summed over
-    # restarts it over-counts, so it is kept only for comparison.
-    log_named = sum(b - a + 1 for a, b in (s["log_recomputed"] for s in segs) if a is not None)
+    ran = [seg for seg in segs if seg["steps"]]
     return {
         "every": every,
         "wall_s": wall,
@@ -178,36 +174,30 @@ def run_interval(
         "step_time_p50_s": statistics.median(step_s),
         "tau_s": every * step_mean,
         "recomputed_steps": sum(len(seg["steps"]) for seg in ran) - steps,
-        "log_named_recomputed_steps": log_named,
+        "log_named_recomputed_steps": named,
         "lost_per_failure_s": lost,
         "lost_work_s": sum(lost),
-        "saves": saves,
-        "blocked_per_save_s": per_save,
-        "saves_timed": timed,
-        "checkpoint_cost_s": saves * per_save,
-        "lost_plus_checkpoint_s": sum(lost) + saves * per_save,
+        "saves": len(blocked),
+        "blocked_per_save_s": statistics.fmean(blocked),
+        "checkpoint_cost_s": sum(blocked),
+        "lost_plus_checkpoint_s": sum(lost) + sum(blocked),
         "final_segment_blocked_s": summary["checkpoint_blocked_s"],
         "restart_s": restarts,
         "startup_s": segs[0]["t_first"] - segs[0]["t_launch"] - step_mean,
         "training_span_s": spans,
-        "overhead_measured_s": spans - steps * step_mean + early * per_save,
-        "restored_steps": [s["restored_step"] for s in segs[1:]],
+        "overhead_measured_s": spans - steps * step_mean + early,
+        "restored_steps": restored,
         "gaps_used_s": [float(g) for g in gaps[: len(segs) - 1]],
     }
 
 
-def calibrate(base: list[str], run_dir: pathlib.Path, every: int, steps: int) -> dict:
+def calibrate(base: list[str], run_dir: pathlib.Path, every: int) -> dict:
     """An uninterrupted run: step time and the time a save blocks the loop (and a warm cache)."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    seg = segment([*base, "--checkpoint-every", str(every), "--run-dir", str(run_dir)], None)
+    cmd = [*base, "--checkpoint-every", str(every), "--run-dir", str(run_dir)]
+    seg = segment(cmd, run_dir, None)
     s = json.loads((run_dir / "summary.json").read_text())
-    lines = seg["steps"]
-    # Each save alone, as in the run's accounting: a line's spacing beyond its step time.
-    blocked = [
-        lines[i][0] - lines[i - 1][0] - lines[i][2]
-        for i in range(1, len(lines))
-        if saves_in(lines[i][1], lines[i][1], every, steps)
-    ]
+    blocked = [b for _, _, b in seg["saves"]]  # each save as the loop logged it
     return {
         "every": every,
         "wall_s": seg["t_end"] - seg["t_launch"],
@@ -215,7 +205,8 @@ def calibrate(base: list[str], run_dir: pathlib.Path, every: int, steps: int) ->
         "loop_blocked_s": s["checkpoint_blocked_s"],
         "loop_blocked_total_s": s["checkpoint_blocked_total_s"],
         "blocked_per_save_s": blocked,
-        # The first save of a process also pays one-off setup, as jaxdist.interval assumes.
+        # The first save of a process also pays one-off setup, as jaxdist.checkpoint.interval
+        # assumes.
         "t_write_s": statistics.fmean(blocked[1:]),
         "compile_and_first_step_s": s["compile_and_first_step_s"],
     }
@@ -246,6 +237,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="failure draws; trial k uses seed + k")
     ap.add_argument("--calibrate-every", type=int, default=20)
     ap.add_argument("--dir", default=None, help="run directories (default: a temp dir)")
+    ap.add_argument("--out", default=None, help="results directory (default: experiments/results)")
     args = ap.parse_args()
 
     t_all = time.perf_counter()
@@ -262,7 +254,7 @@ def main() -> None:
         # A cache of its own: filled by the calibration run, so no restart recompiles.
         *("--compile-cache", str(root / "xla-cache")),
     ]
-    cal = calibrate(base, root / "calibration", args.calibrate_every, args.steps)
+    cal = calibrate(base, root / "calibration", args.calibrate_every)
     t_write = cal["t_write_s"]
     step_cal = cal["step_time_s"]["mean"]
     mtbf = args.mtbf_s
@@ -283,9 +275,7 @@ def main() -> None:
         gaps = rng.exponential(mtbf, size=200)  # the same draws for every interval of a trial
         order = intervals if trial % 2 == 0 else intervals[::-1]
         for every in order:
-            r = run_interval(
-                base, root / f"t{trial}-every{every}", every, args.steps, gaps, t_write
-            )
+            r = run_interval(base, root / f"t{trial}-every{every}", every, args.steps, gaps)
             r["trial"] = trial
             runs.append(r)
             print(
@@ -365,10 +355,10 @@ def main() -> None:
         "runs": runs,
         "runtime_s": time.perf_counter() - t_all,
     }
-    out = pathlib.Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).parent / "results"
+    out.mkdir(parents=True, exist_ok=True)
     (out / "checkpoint_interval.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / "checkpoint_interval.png")
+    plots.checkpoint_interval(result, out / "checkpoint_interval.png")
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     m = result["measured_minimum"]
@@ -382,74 +372,6 @@ def main() -> None:
         f"{result['runtime_s']:.0f} s in all",
         file=sys.stderr,
     )
-
-
-def plot(result: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib import ticker
-
-    rows = result["rows"]
-    taus = np.array([r["tau_s"] for r in rows])
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-
-    def band(key: str, style: str, label: str, **kw) -> None:
-        mean = np.array([r[key]["mean"] for r in rows])
-        err = [mean - [r[key]["min"] for r in rows], [r[key]["max"] for r in rows] - mean]
-        a.errorbar(taus, mean, yerr=err, fmt=style, capsize=3, label=label, **kw)
-
-    band("lost_work_s", "o-", "lost work (recomputed + in flight)", alpha=0.7)
-    band("checkpoint_cost_s", "s-", "checkpoint cost (blocked x saves)", alpha=0.7)
-    for t, r in zip(taus, rows, strict=True):  # a save blocks longer once saves queue
-        ms = r["blocked_per_save_s"]["mean"] * 1e3
-        a.annotate(f"{ms:.0f} ms/save", (t, r["checkpoint_cost_s"]["mean"]), fontsize=6)
-    band("lost_plus_checkpoint_s", "D-", "lost work + checkpoint cost", color="k", lw=2)
-    band("overhead_measured_s", "^--", "total overhead (measured spans)", color="tab:red")
-    # First-order model for the same useful work: T (C / tau + tau / (2 M)).
-    grid = np.geomspace(taus.min() * 0.8, taus.max() * 1.25, 100)
-    useful = result["config"]["steps"] * statistics.fmean(r["step_time_s"] for r in rows)
-    c, m = result["t_write_s"], result["mtbf_s"]
-    a.plot(grid, useful * (c / grid + grid / (2 * m)), ":", color="grey", label="Young model")
-    a.axvline(result["young_daly_s"], color="tab:green", ls="--", label="sqrt(2 T_write MTBF)")
-    fit = result["measured_minimum"]["fit"]
-    if fit:
-        a.axvline(fit["tau_s"], color="tab:purple", ls=":", label="fitted measured optimum")
-    a.set_xscale("log")
-    a.set_ylim(0, 1.7 * max(r["lost_plus_checkpoint_s"]["max"] for r in rows))  # legend room
-    a.set_xlabel("checkpoint interval tau = steps x step time (s)")
-    a.set_ylabel(f"seconds per {result['config']['steps']}-step run")
-    a.set_title(
-        f"T_write {c * 1e3:.0f} ms, MTBF {m:.0f} s, {result['config']['trials']} trials "
-        "(bars: min-max)"
-    )
-    a.legend(fontsize=7, loc="upper center", ncol=2)
-    st = statistics.fmean(r["step_time_s"] for r in rows)
-    top = a.secondary_xaxis("top", functions=(lambda t: t / st, lambda n: n * st))
-    top.set_xlabel("steps (approx.)", fontsize=8)
-    for axis in (a.xaxis, top.xaxis):
-        axis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-        axis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
-        axis.set_tick_params(which="minor", labelsize=6)
-
-    x = np.arange(len(rows))
-    restart = [r["restart_total_s"]["mean"] for r in rows]
-    b.bar(x, restart, color="tab:orange", alpha=0.7, label="restart overhead (all failures)")
-    b.bar(x, [r["lost_plus_checkpoint_s"]["mean"] for r in rows], color="k", alpha=0.6, width=0.4)
-    b.plot([], [], "s", color="k", alpha=0.6, label="lost work + checkpoint cost")
-    for i, r in enumerate(rows):
-        b.text(i, restart[i], f"{r['failures']['mean']:.1f} fail.", ha="center", va="bottom")
-    b.set_xticks(x, [str(r["every"]) for r in rows])
-    b.set_xlabel("--checkpoint-every")
-    b.set_ylabel("seconds per run (mean)")
-    b.set_title(
-        f"restart {result['restart_per_failure_s']['p50']:.1f} s per failure, kept apart",
-    )
-    b.set_ylim(0, 1.3 * max(restart))
-    b.legend(fontsize=7, loc="upper center", ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Pipeline bubble and activation memory, measured against theory.
 
     python experiments/pipeline_bubble.py    # tiny, 8 layers, pipeline=4,data=2; ~5 min on 2 cores
+    python experiments/pipeline_bubble.py --multiples 1,2 --out /tmp/bubble   # m = p, 2p only
 
 For p = 4 stages and m in {p, 2p, 4p, 8p} microbatches, for GPipe, 1F1B and interleaved 1F1B
 with v = 2 virtual stages: the bubble the textbook predicts, (p-1)/(vm+p-1) of the ticks (v = 1
@@ -12,45 +13,48 @@ for more buffered inputs. Ticks are v times shorter when interleaved (a chunk, n
 Writes experiments/results/pipeline_bubble.json and .png.
 """
 
+import argparse
 import json
 import os
 import pathlib
-import sys
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true"
 ).strip()
 
 
 def main() -> None:
-    import jax
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--multiples", default="1,2,4,8", help="microbatches m = k * p for these k")
+    ap.add_argument("--out", default=None, help="results directory (default: experiments/results)")
+    args = ap.parse_args()
+    from jaxdist.mesh import setup_devices
 
-    jax.config.update("jax_num_cpu_devices", 8)
+    setup_devices("cpu:8")
+    import jax
     import numpy as np
 
     from jaxdist.data import DataConfig, TokenBatches
-    from jaxdist.mesh import build_mesh, parse_mesh
+    from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.parallel.pipeline import make_schedule
+    from jaxdist.parallel.schedules import make_schedule
     from jaxdist.profiling.breakdown import breakdown
-    from jaxdist.profiling.trace import load
+    from jaxdist.profiling.xplane import load
     from jaxdist.step import StepConfig, build
     from meshes.presets import STANDARD_RULES
-    from models.presets import get_model_config
-    from models.transformer import Transformer
+    from models.presets import get_model_config, model_spec
 
     p, layout = 4, "pipeline=4,data=2"
     mc = get_model_config("tiny", num_layers=8)
-    mesh = build_mesh(parse_mesh(layout))
+    mesh = make_mesh(layout)
     rows = []
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
-        for m in (p, 2 * p, 4 * p, 8 * p):
+        for m in (int(k) * p for k in args.multiples.split(",")):
             batch = 2 * m  # one row per data shard per microbatch
             tx, lr = make_optimizer(OptimConfig(), 10)
             c = build(
-                lambda r: Transformer(mc, r),
+                model_spec(mc).init,
                 tx,
                 lr,
                 STANDARD_RULES,
@@ -60,10 +64,7 @@ def main() -> None:
                 batch,
             )
             data = TokenBatches(DataConfig(batch_size=batch), mc.seq_len, mc.vocab_size)
-            abstract = jax.ShapeDtypeStruct(
-                (batch, mc.seq_len + 1), np.int32, sharding=c.batch_sharding
-            )
-            exe = c.step_fn.lower(c.abstract_state, abstract).compile()
+            exe = c.compile_abstract((batch, mc.seq_len + 1))
             temp = exe.memory_analysis().temp_size_in_bytes
             state = c.init_fn()
             for s in range(2):
@@ -100,9 +101,13 @@ def main() -> None:
                 }
             )
             print(json.dumps(rows[-1]))
-    out = pathlib.Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).parent / "results"
+    out.mkdir(parents=True, exist_ok=True)
     (out / "pipeline_bubble.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, p, out / "pipeline_bubble.png")
+
+
+def plot(rows: list[dict], p: int, path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,7 +137,7 @@ def main() -> None:
     b.set_title("activation memory")
     b.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "pipeline_bubble.png", dpi=100)
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -53,7 +51,7 @@ def main() -> None:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     from jaxdist.profiling.breakdown import breakdown
-    from jaxdist.profiling.trace import find_xplane, load
+    from jaxdist.profiling.xplane import find_xplane, load
 
     trace = find_xplane(run_dir / "profile")
     size = trace.stat().st_size

@@ -1,6 +1,6 @@
 """Held-out loss against training compute for small transformers, and its power law.
 
-    python experiments/scaling_law.py                  # 20 runs, about 5 min on 2 cores
+    python experiments/scaling_law.py                  # 20 runs, about 6 min on 2 cores
     python experiments/scaling_law.py --sizes "2,32,2;2,64,4;4,128,4" --levels 8  # longer
 
 An IsoFLOP grid (Chinchilla's approach 2): GPT-2 style models from the `tiny` preset
@@ -10,11 +10,16 @@ between --min-steps and --max-steps steps of 16 x 64 bytes, so 20 runs. Compute 
 C = flops_per_token * tokens (PaLM's 6N + 12LdT, N without embedding lookups). Data: the
 embedded corpus (the Python standard library read as bytes, vocab 256); loss is measured on
 held-out windows, the tail of the first epoch of the same shuffled stream, which no run reaches
-(the longest run reads 80% of an epoch: nothing is repeated). Training uses jaxdist.step.build
-on one device with jaxdist.optim's AdamW, clipping and decay mask; the learning rate is warmed
-up over 10% of each run and decays on a cosine to 10% at the end of that run (Chinchilla:
-a schedule longer than the run misstates the loss), its length held in the optimizer state so
-one compiled step serves every budget of a size.
+(the longest run reads 80% of an epoch: nothing is repeated). Each run is jaxdist's own
+setup on one device (jaxdist.train.prepare): jaxdist.optim's AdamW, clipping and decay mask,
+and its warmup-cosine schedule fitted to the run, warmed up over 10% of it and decaying to 10%
+at its last step (Chinchilla: a schedule longer than the run misstates the loss); the held-out
+loss is jaxdist.train.evaluate. make_optimizer bakes the run length into the schedule, so every
+(size, budget) run builds and compiles its own step: these tiny models compile in seconds, but
+seconds per run add up (compile and first step: about 4 s a run on 2 idle cores, some 80 s of
+the default grid; recorded per run as compile_and_first_step_s). Every budget of a size starts
+from the same weights (same seed). results/scaling_law.json was made with an in-script
+schedule of the same shape; this setup gives the same training losses (to 4 digits, as compared).
 
 The compute-efficient frontier: each level's best run, where no cheaper level's beats it. On
 it we fit the pure power law L = a C^-gamma (Kaplan et al. 2020: 0.050) and
@@ -34,46 +39,14 @@ import dataclasses
 import json
 import os
 import pathlib
-import sys
 import time
-from typing import NamedTuple
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import plots
 
 # (layers, d_model, heads): d_mlp = 4 d, GPT-2 style as the tiny preset.
 SIZES = ((1, 16, 2), (2, 32, 2), (2, 64, 4), (3, 96, 4))
 KAPLAN_GAMMA = 0.050
 CHINCHILLA_GAMMA = 0.34 * 0.28 / (0.34 + 0.28)
-
-
-def run_length_schedule(peak: float, min_ratio: float):
-    """Scales updates by a warmup-then-cosine learning rate whose length is optimizer state.
-
-    jaxdist.optim bakes the run length into the compiled step; here it is data (`total`, set
-    before each run), so a size compiles once for all its budgets."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    class RunLength(NamedTuple):
-        count: jax.Array
-        total: jax.Array
-
-    def init(params):
-        del params
-        return RunLength(jnp.zeros([], jnp.int32), jnp.ones([], jnp.int32))
-
-    def update(updates, state, params=None):
-        del params
-        count, total = state.count.astype(jnp.float32), state.total.astype(jnp.float32)
-        warmup = jnp.maximum(1.0, jnp.floor(total / 10))
-        progress = jnp.clip((count - warmup) / jnp.maximum(1.0, total - warmup), 0.0, 1.0)
-        cosine = min_ratio + (1 - min_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
-        lr = peak * jnp.where(count < warmup, count / warmup, cosine)
-        updates = jax.tree.map(lambda u: lr * u, updates)
-        return updates, RunLength(state.count + 1, state.total)
-
-    return optax.GradientTransformation(init, update)
 
 
 def main() -> None:
@@ -87,40 +60,32 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-batches", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="data order and initial weights")
+    ap.add_argument("--out", default=None, help="results directory (default: experiments/results)")
     args = ap.parse_args()
     sizes = [tuple(int(v) for v in s.split(",")) for s in args.sizes.split(";")]
     levels = [args.compute * 2**k for k in range(args.levels)]
 
     import jax
     import numpy as np
-    import optax
-    from flax import nnx
 
     from jaxdist.data import DataConfig, TokenBatches, load_corpus
-    from jaxdist.mesh import MeshConfig, build_mesh
-    from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.rules import activation_rules
-    from jaxdist.step import StepConfig, build, cross_entropy
+    from jaxdist.mesh import make_mesh
+    from jaxdist.optim import OptimConfig
+    from jaxdist.train import LoopConfig, RunConfig, evaluate, prepare
     from meshes.presets import STANDARD_RULES
-    from models.presets import get_model_config
-    from models.transformer import Transformer
+    from models.presets import get_model_config, model_spec
 
     # One device: the law is about model and data size, not parallelism.
-    device = jax.devices()[0]
-    mesh = build_mesh(MeshConfig(ici=()), [device])
+    mesh = make_mesh("single")
+    device = mesh.devices.flat[0]
     B, T = args.batch_size, args.seq_len
     data = DataConfig(batch_size=B, seed=args.seed)
     tokens_per_step = B * T
-    optim = OptimConfig(learning_rate=args.lr)
-    # jaxdist's optimizer at a constant rate of 1, then the per-run schedule on top.
-    base, _ = make_optimizer(
-        dataclasses.replace(optim, learning_rate=1.0, warmup_steps=0, min_lr_ratio=1.0), 1
-    )
-    tx = optax.chain(base, run_length_schedule(optim.learning_rate, optim.min_lr_ratio))
-    t_start = time.perf_counter()
 
-    runs = []
+    # The grid first: every (size, budget) with min..max steps, checked against the held-out
+    # tail before anything trains.
+    grid = []
     for L, d, h in sizes:
         mc = get_model_config(
             "tiny", num_layers=L, d_model=d, num_heads=h, num_kv_heads=h, d_mlp=4 * d, seq_len=T
@@ -135,37 +100,42 @@ def main() -> None:
         if not budgets:
             print(f"{mc.name}: no compute level gives {args.min_steps}..{args.max_steps} steps")
             continue
-        batches = TokenBatches(data, T, mc.vocab_size)
-        epoch_steps = batches.num_windows // B
-        held_out = [epoch_steps - 1 - i for i in range(args.eval_batches)]
-        if max(n for _, n in budgets) >= held_out[-1]:
-            raise ValueError(
-                f"{mc.name} would read into the held-out tail of the {epoch_steps}-step epoch; "
-                "lower --max-steps or --eval-batches"
-            )
-        init = lambda rngs, mc=mc: Transformer(mc, rngs)  # noqa: E731
-        c = build(init, tx, lambda count: 0.0 * count, STANDARD_RULES, mesh, StepConfig(), 0, B)
-        graphdef = nnx.split(nnx.eval_shape(init, nnx.Rngs(0)))[0]
+        grid.append(((L, d, h), mc, budgets))
+    if not grid:
+        raise SystemExit("no run in the grid: widen --levels or --min-steps..--max-steps")
+    epoch_steps = TokenBatches(data, T, grid[0][1].vocab_size).num_windows // B
+    held_out = [epoch_steps - 1 - i for i in range(args.eval_batches)]
+    longest = max(n for *_, budgets in grid for _, n in budgets)
+    if longest >= held_out[-1]:
+        raise ValueError(
+            f"a {longest}-step run would read into the held-out tail of the {epoch_steps}-step "
+            "epoch; lower --max-steps or --eval-batches"
+        )
+    t_start = time.perf_counter()
 
-        @jax.jit
-        def eval_loss(params, tokens_BT1, graphdef=graphdef):
-            with activation_rules(STANDARD_RULES, mesh):
-                logits_BTV, _ = nnx.merge(graphdef, params)(tokens_BT1[:, :-1])
-            return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
-
-        eval_data = [jax.device_put(batches.batch(s), device) for s in held_out]
-        total_sharding = c.state_sharding.opt_state[1].total
+    runs = []
+    for (L, d, h), mc, budgets in grid:
+        spec = model_spec(mc)
         for C, steps in budgets:
             t0 = time.perf_counter()
-            state = c.init_fn()  # same seed: every budget of a size starts from the same weights
-            opt = state.opt_state
-            total = jax.device_put(np.int32(steps), total_sharding)
-            state = state._replace(opt_state=(opt[0], opt[1]._replace(total=total)))
+            # jaxdist's optimizer, its schedule fitted to this run: warmup over 10% of the run,
+            # cosine decay to min_lr_ratio at its last step. The run length is baked into the
+            # compiled step, so every run builds its own. The same seed gives every budget of a
+            # size the same initial weights.
+            optim = OptimConfig(learning_rate=args.lr, warmup_steps=max(1, steps // 10))
+            config = RunConfig(optim=optim, data=data, loop=LoopConfig(steps=steps, seed=args.seed))
+            c, batches = prepare(spec, mesh, STANDARD_RULES, config)
+            state = c.init_fn()
             losses = []
             for s in range(steps):
-                state, metrics = c.step_fn(state, jax.device_put(batches.batch(s), device))
+                state, metrics = c.step_fn(
+                    state, jax.device_put(batches.batch(s), c.batch_sharding)
+                )
+                if s == 0:  # the step compiled and ran once
+                    jax.block_until_ready(metrics)
+                    first_s = time.perf_counter() - t0
                 losses.append(metrics["loss"])  # fetched after the run: no per-step stall
-            held = float(np.mean([eval_loss(state.params, x) for x in eval_data]))
+            held = evaluate(c, state.params, batches, held_out)
             train = np.array(jax.device_get(losses))
             tokens = steps * tokens_per_step
             run = {
@@ -185,13 +155,14 @@ def main() -> None:
                 "train_loss_last10pct": float(train[-max(1, steps // 10) :].mean()),
                 "train_loss_curve": train.tolist(),
                 "wall_s": time.perf_counter() - t0,
-                "wall_includes_compile": C == budgets[0][0],
+                "compile_and_first_step_s": first_s,
             }
             runs.append(run)
             print(
                 f"{mc.name:8s} {c.num_params / 1e3:6.1f}K params {steps:5d} steps "
                 f"{tokens / 1e6:6.2f}M tokens  C {run['compute']:.2e}  held-out {held:.4f}  "
-                f"train {run['train_loss_last10pct']:.4f}  {run['wall_s']:5.1f} s",
+                f"train {run['train_loss_last10pct']:.4f}  {run['wall_s']:5.1f} s "
+                f"({first_s:.1f} s compile + first step)",
                 flush=True,
             )
             del state
@@ -203,8 +174,8 @@ def main() -> None:
     ctx = context(runs, fits, unigram, len(corpus), T)
     print_fits(fits, ctx)
 
-    out = pathlib.Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).parent / "results"
+    out.mkdir(parents=True, exist_ok=True)
     record = {
         "device": {"platform": device.platform, "kind": device.device_kind},
         "host_cpus": os.cpu_count(),
@@ -213,11 +184,15 @@ def main() -> None:
         "runs": runs,
         "fits": fits,
         "context": ctx,
+        "compile_and_first_step_s": sum(r["compile_and_first_step_s"] for r in runs),
         "wall_s": time.perf_counter() - t_start,
     }
     (out / "scaling_law.json").write_text(json.dumps(record, indent=1))
-    plot(runs, fits, unigram, out / "scaling_law.png")
-    print(f"wall {record['wall_s']:.0f} s")
+    plots.scaling_law(runs, fits, unigram, out / "scaling_law.png")
+    print(
+        f"wall {record['wall_s']:.0f} s, of which compiles and first steps "
+        f"{record['compile_and_first_step_s']:.0f} s"
+    )
 
 
 def frontier(runs: list[dict]) -> list[dict]:
@@ -380,86 +355,6 @@ def print_fits(fits: dict, ctx: dict) -> None:
     for level, m in ctx["isoflop_minimum"].items():
         edge = "" if m["bracketed"] else "  (not bracketed: an end of the sizes run at this level)"
         print(f"  C {level}: best {m['best']}, {m['tokens_per_param']:.0f} tokens/param{edge}")
-
-
-def plot(runs, fits, unigram, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
-    models = list(dict.fromkeys(r["model"] for r in runs))
-    for i, name in enumerate(models):
-        rs = sorted((r for r in runs if r["model"] == name), key=lambda r: r["compute"])
-        color = f"C{i}"
-        label = f"{name} ({rs[0]['params'] / 1e3:.0f}K)"
-        a.plot(
-            [r["compute"] for r in rs],
-            [r["held_out_loss"] for r in rs],
-            "o-",
-            color=color,
-            label=label,
-        )
-        # The longest run's training curve, against the compute spent so far.
-        longest = rs[-1]
-        curve = np.array(longest["train_loss_curve"])
-        k = max(1, len(curve) // 50)
-        smooth = np.convolve(curve, np.ones(k) / k, mode="valid")
-        steps = np.arange(len(smooth)) + k
-        per_step = longest["compute"] / longest["steps"]
-        a.plot(steps * per_step, smooth, "-", color=color, alpha=0.25, lw=1)
-    cmap = plt.get_cmap("viridis")
-    levels = sorted({r["level"] for r in runs})
-    for j, level in enumerate(levels):
-        rs = sorted((r for r in runs if r["level"] == level), key=lambda r: r["params"])
-        b.plot(
-            [r["params"] for r in rs],
-            [r["held_out_loss"] for r in rs],
-            "o-",
-            color=cmap(j / max(1, len(levels) - 1)),
-            label=f"C = {level:.2g}",
-        )
-    front = fits["frontier"]
-    fr = [r for r in runs if {"model": r["model"], "tokens": r["tokens"]} in front]
-    fr.sort(key=lambda r: r["compute"])
-    C = np.array([r["compute"] for r in fr])
-    a.plot(C, [r["held_out_loss"] for r in fr], "ks", mfc="none", ms=10, label="frontier")
-    grid = np.geomspace(C.min() / 2, C.max() * 4, 100)
-    f = fits.get("frontier_fit")
-    if f:
-        a.plot(
-            grid,
-            f["pure"]["a"] * grid ** -f["pure"]["gamma"],
-            "k--",
-            lw=1,
-            label=f"a C^-{f['pure']['gamma']:.3f}",
-        )
-    wf = f and f["with_floor"]
-    if wf and "gamma" in wf:
-        a.plot(
-            grid,
-            wf["a"] * grid ** -wf["gamma"] + wf["l_inf"],
-            "k-",
-            lw=1,
-            label=f"a C^-{wf['gamma']:.3f} + {wf['l_inf']:.2f}",
-        )
-    a.axhline(unigram, color="gray", ls=":", lw=1, label=f"unigram entropy {unigram:.2f}")
-    a.set_xscale("log")
-    a.set_yscale("log")
-    a.set_xlabel("training compute C = flops_per_token x tokens (FLOPs)")
-    a.set_ylabel("held-out loss (nats/byte)")
-    a.set_title("loss vs compute; faint: longest run's train loss")
-    a.legend(fontsize=7)
-    b.set_xscale("log")
-    b.set_yscale("log")
-    b.set_xlabel("parameters N")
-    b.set_ylabel("held-out loss (nats/byte)")
-    b.set_title("IsoFLOP profiles: each level's minimum is its compute-optimal size")
-    b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

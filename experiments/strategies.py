@@ -16,10 +16,7 @@ Writes experiments/results/strategies.json and .png.
 import argparse
 import json
 import pathlib
-import sys
 import time
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 LAYOUTS = [
     # (layout, model, microbatches, schedule)
@@ -38,10 +35,9 @@ LAYOUTS = [
 
 def measure(layout, model, microbatches, schedule, args) -> dict:
     import jax
-    import numpy as np
 
     from jaxdist.data import DataConfig, TokenBatches
-    from jaxdist.mesh import build_mesh, parse_mesh
+    from jaxdist.mesh import make_mesh
     from jaxdist.metrics import distribution
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.planning import hlo
@@ -50,14 +46,13 @@ def measure(layout, model, microbatches, schedule, args) -> dict:
     from jaxdist.step import StepConfig, build
     from meshes.presets import STANDARD_RULES
     from models.inventory import plan_model
-    from models.presets import get_model_config
-    from models.transformer import Transformer
+    from models.presets import get_model_config, model_spec
 
     mc = get_model_config(model, num_layers=args.layers)
-    mesh = build_mesh(parse_mesh(layout))
+    mesh = make_mesh(layout)
     tx, lr = make_optimizer(OptimConfig(), args.steps + args.warmup)
     c = build(
-        lambda r: Transformer(mc, r),
+        model_spec(mc).init,
         tx,
         lr,
         STANDARD_RULES,
@@ -66,10 +61,7 @@ def measure(layout, model, microbatches, schedule, args) -> dict:
         0,
         args.batch_size,
     )
-    abstract = jax.ShapeDtypeStruct(
-        (args.batch_size, mc.seq_len + 1), np.int32, sharding=c.batch_sharding
-    )
-    exe = c.step_fn.lower(c.abstract_state, abstract).compile()
+    exe = c.compile_abstract((args.batch_size, mc.seq_len + 1))
     peak = xla_peak(exe.memory_analysis())
     moved = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape)))
     data = TokenBatches(DataConfig(batch_size=args.batch_size), mc.seq_len, mc.vocab_size)
@@ -112,10 +104,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--out", default=None, help="results directory (default: experiments/results)"
+    )
     args = parser.parse_args()
-    import jax
+    from jaxdist.mesh import setup_devices
 
-    jax.config.update("jax_num_cpu_devices", 8)
+    setup_devices("cpu:8")
     rows = []
     for layout, model, m, schedule in LAYOUTS:
         row = measure(layout, model, m, schedule, args)
@@ -132,8 +127,8 @@ def main() -> None:
             " ms",
             flush=True,
         )
-    out = pathlib.Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).parent / "results"
+    out.mkdir(parents=True, exist_ok=True)
     (out / "strategies.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     plot(rows, out / "strategies.png")
 
