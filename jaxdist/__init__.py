@@ -14,7 +14,7 @@ The loop that runs them is train.run (jaxdist.fit). From a script (see experimen
 
     import jaxdist
     mesh = jaxdist.make_mesh("data=2,fsdp=2,tensor=2")
-    summary = jaxdist.fit(model_spec, mesh, rules, jaxdist.OptimConfig(), ...)
+    summary = jaxdist.fit(model_spec, mesh, rules, jaxdist.RunConfig(...))
 
 The names below load on first use, so `import jaxdist` stays cheap.
 """
