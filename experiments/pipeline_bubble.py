@@ -19,6 +19,8 @@ import os
 import pathlib
 import tempfile
 
+import plots
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true"
 ).strip()
@@ -104,40 +106,7 @@ def main() -> None:
     out = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).parent / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "pipeline_bubble.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, p, out / "pipeline_bubble.png")
-
-
-def plot(rows: list[dict], p: int, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for sched, mark in (("gpipe", "o"), ("1f1b", "s"), ("interleaved", "^")):
-        rs = [r for r in rows if r["schedule"] == sched]
-        ms = [r["m"] for r in rs]
-        a.plot(
-            ms,
-            [r["idle_plus_exposed_comm"] for r in rs],
-            mark + "-",
-            label=f"{sched}: idle + exposed comm",
-        )
-        b.plot(ms, [r["temp_mb"] for r in rs], mark + "-", label=sched)
-        if sched != "1f1b":  # 1f1b's theory line is gpipe's
-            v = rs[0]["v"]
-            label = "(p-1)/(m+p-1)" if v == 1 else f"(p-1)/(vm+p-1), v={v}"
-            a.plot(ms, [r["bubble_theory"] for r in rs], "k--" if v == 1 else "k:", label=label)
-    a.set_xlabel("microbatches m")
-    a.set_ylabel("share of step")
-    a.set_title(f"bubble, p={p}")
-    a.legend(fontsize=8)
-    b.set_xlabel("microbatches m")
-    b.set_ylabel("XLA temp MB per device")
-    b.set_title("activation memory")
-    b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    plots.pipeline_bubble(rows, p, out / "pipeline_bubble.png")
 
 
 if __name__ == "__main__":

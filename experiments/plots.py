@@ -16,6 +16,13 @@ def _pyplot():
     return plt
 
 
+def _label(ax, xlabel: str, ylabel: str, title: str, fontsize: int = 7) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=fontsize)
+
+
 def scaling_law(runs: list[dict], fits: dict, unigram: float, path: pathlib.Path) -> None:
     """Loss against compute per size (with the frontier and its fits), and IsoFLOP profiles."""
     plt = _pyplot()
@@ -78,16 +85,14 @@ def scaling_law(runs: list[dict], fits: dict, unigram: float, path: pathlib.Path
     a.axhline(unigram, color="gray", ls=":", lw=1, label=f"unigram entropy {unigram:.2f}")
     a.set_xscale("log")
     a.set_yscale("log")
-    a.set_xlabel("training compute C = flops_per_token x tokens (FLOPs)")
-    a.set_ylabel("held-out loss (nats/byte)")
-    a.set_title("loss vs compute; faint: longest run's train loss")
-    a.legend(fontsize=7)
+    compute = "training compute C = flops_per_token x tokens (FLOPs)"
+    _label(
+        a, compute, "held-out loss (nats/byte)", "loss vs compute; faint: longest run's train loss"
+    )
     b.set_xscale("log")
     b.set_yscale("log")
-    b.set_xlabel("parameters N")
-    b.set_ylabel("held-out loss (nats/byte)")
-    b.set_title("IsoFLOP profiles: each level's minimum is its compute-optimal size")
-    b.legend(fontsize=7)
+    isoflop = "IsoFLOP profiles: each level's minimum is its compute-optimal size"
+    _label(b, "parameters N", "held-out loss (nats/byte)", isoflop)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -154,5 +159,28 @@ def checkpoint_interval(result: dict, path: pathlib.Path) -> None:
     )
     b.set_ylim(0, 1.3 * max(restart))
     b.legend(fontsize=7, loc="upper center", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def pipeline_bubble(rows: list[dict], p: int, path: pathlib.Path) -> None:
+    plt = _pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for sched, mark in (("gpipe", "o"), ("1f1b", "s"), ("interleaved", "^")):
+        rs = [r for r in rows if r["schedule"] == sched]
+        ms = [r["m"] for r in rs]
+        a.plot(
+            ms,
+            [r["idle_plus_exposed_comm"] for r in rs],
+            mark + "-",
+            label=f"{sched}: idle + exposed comm",
+        )
+        b.plot(ms, [r["temp_mb"] for r in rs], mark + "-", label=sched)
+        if sched != "1f1b":  # 1f1b's theory line is gpipe's
+            v = rs[0]["v"]
+            label = "(p-1)/(m+p-1)" if v == 1 else f"(p-1)/(vm+p-1), v={v}"
+            a.plot(ms, [r["bubble_theory"] for r in rs], "k--" if v == 1 else "k:", label=label)
+    _label(a, "microbatches m", "share of step", f"bubble, p={p}", fontsize=8)
+    _label(b, "microbatches m", "XLA temp MB per device", "activation memory", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

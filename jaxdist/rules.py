@@ -138,6 +138,14 @@ def ways(mesh_shape: Mapping[str, int], axes: Iterable[str]) -> int:
     return math.prod(mesh_shape.get(a, 1) for a in axes)
 
 
+def local_elements(
+    shape, logical, rules: AxisRules, mesh_shape: Mapping[str, int], kind: str
+) -> float:
+    """Elements of one device's share of a tensor, laid out for storage ("param") or use."""
+    axes = {a for n in logical if n is not None for a in rules.mesh_axes(n, kind)}
+    return math.prod(shape) / ways(mesh_shape, axes)
+
+
 def state_shardings(state: nnx.State, rules: AxisRules, mesh: Mesh) -> nnx.State:
     """NamedShardings for every parameter, from each Variable's `logical_axes` metadata.
 

@@ -19,7 +19,6 @@ Pays in: the bubble (idle ticks), the recompute (one extra forward per stage), a
 point-to-point bytes (one activation forward and one gradient back per microbatch and chunk).
 """
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -37,7 +36,14 @@ from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeli
     recv_table,
     shuffle_plan,
 )
-from jaxdist.rules import AxisRules, activation_rules, active, logical_axes, variables, ways
+from jaxdist.rules import (
+    AxisRules,
+    activation_rules,
+    active,
+    local_elements,
+    logical_axes,
+    variables,
+)
 
 
 class Stages(NamedTuple):
@@ -79,9 +85,9 @@ def send_bytes(
     layers = 0.0
     if schedule.virtual > 1:
         for var in _layer_vars(abstract_params):
-            axes = {a for n in logical_axes(var) if n for a in rules.mesh_axes(n, "param")}
-            local = math.prod(var.get_value().shape) / ways(mesh_shape, axes)
-            layers += local * var.get_value().dtype.itemsize
+            value = var.get_value()
+            local = local_elements(value.shape, logical_axes(var), rules, mesh_shape, "param")
+            layers += local * value.dtype.itemsize
     return permute_bytes(schedule, activation_bytes, layers)
 
 

@@ -9,9 +9,8 @@ Small messages pay mostly alpha (latency-bound: bucket them); large ones n/B (ba
 shard or compress them).
 """
 
-import math
-
 from jaxdist.hardware import Hardware, Link
+from jaxdist.rules import ways
 
 
 def collective_time(kind: str, nbytes: float, p: int, link: Link) -> float:
@@ -96,4 +95,4 @@ def ring_bytes_factor(kind: str, p: int) -> float:
 def group_size(mesh_shape: dict[str, int], axes_label: str) -> int:
     if axes_label in ("unknown", "none", ""):
         return 0
-    return math.prod(mesh_shape.get(a, 1) for a in axes_label.split("+"))
+    return ways(mesh_shape, axes_label.split("+"))

@@ -15,11 +15,10 @@ Terms, per device:
 """
 
 import dataclasses
-import math
 
 from flax import nnx
 
-from jaxdist.rules import AxisRules, logical_axes, variables, ways
+from jaxdist.rules import AxisRules, local_elements, logical_axes, variables, ways
 
 ADAM_MOMENTS = 2
 
@@ -47,14 +46,6 @@ class Inventory:
     saved_per_layer: tuple[Activation, ...]
     working: tuple[Activation, ...]
     once: tuple[Activation, ...]
-
-
-def local_elements(
-    shape, logical, rules: AxisRules, mesh_shape: dict[str, int], kind: str
-) -> float:
-    """Elements of one device's share of a tensor, laid out for storage ("param") or use."""
-    axes = {a for n in logical if n is not None for a in rules.mesh_axes(n, kind)}
-    return math.prod(shape) / ways(mesh_shape, axes)
 
 
 def tensors_bytes(
@@ -102,8 +93,9 @@ def predict(
                 gathered_layer += used / var.shape[logical.index("layers")]
             else:
                 gathered_other += used
-    batch_rows = batch_size / ways(mesh_shape, rules.mesh_axes("batch", "activation"))
-    batch = 4 * batch_rows * (seq_len + 1)
+    batch = (
+        4 * batch_size * (seq_len + 1) / ways(mesh_shape, rules.mesh_axes("batch", "activation"))
+    )
     saved = tensors_bytes(inventory.saved_per_layer, rules, mesh_shape)
     activations = (
         num_layers * saved
