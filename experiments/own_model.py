@@ -6,6 +6,10 @@ Every parameter names its dims with logical axes (jaxdist.LOGICAL_AXES); the sta
 table (meshes.presets) maps them onto the mesh, so `fsdp` splits each weight's `embed` dim and
 `tensor` its `mlp` and `vocab` dims. Changing --mesh changes the layout, not the losses.
 
+The model is called as `model(tokens_BT, docs=None)` (jaxdist.model): on tokenized data with
+document masking the step passes the packed documents (jaxdist.documents), and the mixing
+stays inside each document, at positions that restart with it.
+
 Legend: B batch  T seq (target position)  S seq (source position)  D embed  F mlp  V vocab
 """
 
@@ -19,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxdist
+from jaxdist.documents import Documents, attention_mask
 from jaxdist.rules import constrain
 from meshes.presets import STANDARD_RULES
 
@@ -54,17 +59,27 @@ class MixerBlock(nnx.Module):
         self.w_up_DF = _param(rngs, (D, F), ("embed", "mlp"))
         self.w_down_FD = _param(rngs, (F, D), ("mlp", "embed"), 0.02 / math.sqrt(2 * c.num_layers))
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, docs: Documents | None) -> jax.Array:
         T = x_BTD.shape[1]
-        mix_TS = jnp.tril(_use(self.mix_TS)[:T, :T])
-        x_BTD = x_BTD + jnp.einsum("ts,bsd->btd", mix_TS, _norm(x_BTD, self.norm1_D))
+        if docs is None:
+            mix_TS = jnp.tril(_use(self.mix_TS)[:T, :T])
+            x_BTD = x_BTD + jnp.einsum("ts,bsd->btd", mix_TS, _norm(x_BTD, self.norm1_D))
+        else:
+            # Weight (t, s) is the mixer's for their positions within their document; zero
+            # between two documents.
+            pos_BT = docs.positions_BT
+            mix_BTS = _use(self.mix_TS)[pos_BT[:, :, None], pos_BT[:, None, :]]
+            keep_BTS = attention_mask(docs)[:, 0] & jnp.tril(jnp.ones((T, T), bool))
+            mix_BTS = jnp.where(keep_BTS, mix_BTS, 0)
+            x_BTD = x_BTD + jnp.einsum("bts,bsd->btd", mix_BTS, _norm(x_BTD, self.norm1_D))
         h_BTF = jax.nn.gelu(_norm(x_BTD, self.norm2_D) @ _use(self.w_up_DF))
         h_BTF = constrain(h_BTF, ("batch", "seq", "mlp"))
         return constrain(x_BTD + h_BTF @ _use(self.w_down_FD), ("batch", "seq", "embed"))
 
 
 class MixerLM(nnx.Module):
-    """tokens [B, T] int32 -> (logits [B, T, V], {"loss": 0.0, "metrics": {}})."""
+    """tokens [B, T] int32 (and packed documents, or None) -> (logits [B, T, V],
+    {"loss": 0.0, "metrics": {}})."""
 
     def __init__(self, c: MixerConfig, rngs: nnx.Rngs):
         self.embed_VD = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"))
@@ -72,12 +87,14 @@ class MixerLM(nnx.Module):
         self.norm_f_D = nnx.Param(jnp.ones((c.d_model,)), logical_axes=("embed",))
         self.head_DV = _param(rngs, (c.d_model, c.vocab_size), ("embed", "vocab"))
 
-    def __call__(self, tokens_BT: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(
+        self, tokens_BT: jax.Array, docs: Documents | None = None
+    ) -> tuple[jax.Array, dict]:
         x_BTD = constrain(
             jnp.take(_use(self.embed_VD), tokens_BT, axis=0), ("batch", "seq", "embed")
         )
         for block in self.blocks:
-            x_BTD = block(x_BTD)
+            x_BTD = block(x_BTD, docs)
         logits_BTV = _norm(x_BTD, self.norm_f_D) @ _use(self.head_DV)
         return constrain(logits_BTV, ("batch", "seq", "vocab")), {"loss": 0.0, "metrics": {}}
 

@@ -1,9 +1,13 @@
 """What the trainer needs to know of a model: the contract between models/ and the loop.
 
-Any Flax NNX module whose parameters declare `logical_axes` (jaxdist.axes) and whose call maps
-tokens [B, T] to (logits [B, T, V], aux) fits: aux holds `loss` (added to the objective, e.g.
-MoE balance) and `metrics` (logged). models/ supplies specs for its presets; a script may
-supply its own (see experiments/own_model.py).
+Any Flax NNX module whose parameters declare `logical_axes` (jaxdist.axes) and whose call
+`model(tokens_BT, docs=None) -> (logits_BTV, aux)` maps tokens [B, T] to logits [B, T, V] fits:
+aux holds `loss` (added to the objective, e.g. MoE balance) and `metrics` (logged). The step
+passes `docs` (second argument; jaxdist.documents.Documents: per-token document ids and
+positions) only when rows are packed documents and document masking is on; the model then
+keeps every document to itself (no attention or mixing across a boundary, positions restarting
+at each). Otherwise it calls `model(tokens_BT)`: one causal sequence per row. models/ supplies
+specs for its presets; a script may supply its own (see experiments/own_model.py).
 """
 
 from collections.abc import Callable

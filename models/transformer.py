@@ -2,6 +2,7 @@
 
 Legend (dims carry logical axes, jaxdist.axes):
   B batch  T seq  D embed  F mlp  N heads  G kv_heads  Q qkv  H head_dim  V vocab  L layers
+  S seq (key position, in attention masks)
 
 Attention weights are fused per kv group, Megatron's GQA layout: wqkv is [D, G, N/G + 2, H]
 (each group's query heads, then its key and its value head), so splitting G over devices keeps
@@ -9,6 +10,10 @@ every group whole, and the input gradient of Q, K and V is one partial sum, not 
 
 Layers are stored stacked along L and run with `lax.scan`, so compile time does not grow with
 depth and every per-layer weight carries the `layers` logical axis.
+
+Packed documents (jaxdist.documents): given `docs`, attention stays inside each document
+(block-diagonal causal mask) and positions, learned or RoPE, restart at each document; without
+them a row is one causal sequence at positions 0..T-1.
 """
 
 import dataclasses
@@ -19,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdist.documents import Documents, attention_mask
 from jaxdist.errors import ConfigError
 from jaxdist.parallel.pipeline import Stages
 from jaxdist.rules import constrain
@@ -168,11 +174,14 @@ class Transformer(nnx.Module):
         """Every parameter by name, as stored (fp32)."""
         return {name: getattr(self, name)[...] for name in _param_shapes(self.config)}
 
-    def __call__(self, tokens_BT: jax.Array) -> tuple[jax.Array, dict]:
-        """Logits, and {"loss": auxiliary loss to add, "metrics": {...}} (MoE; else zero)."""
+    def __call__(
+        self, tokens_BT: jax.Array, docs: Documents | None = None
+    ) -> tuple[jax.Array, dict]:
+        """Logits, and {"loss": auxiliary loss to add, "metrics": {...}} (MoE; else zero);
+        with `docs`, each document of a row is seen alone (see the module docstring)."""
         c, p = self.config, self.weights()
-        x_BTD = embed(c, p, tokens_BT)
-        x_BTD, aux = run_layers(c, {k: v for k, v in p.items() if "_L" in k}, x_BTD)
+        x_BTD = embed(c, p, tokens_BT, docs)
+        x_BTD, aux = run_layers(c, {k: v for k, v in p.items() if "_L" in k}, x_BTD, docs)
         aux = moe.summarize(c, aux) if c.num_experts else {"loss": 0.0, "metrics": {}}
         return logits(c, p, x_BTD), aux
 
@@ -187,8 +196,8 @@ class Transformer(nnx.Module):
         return Stages(
             self.weights(),
             [k for k in _param_shapes(c) if "_L" in k],
-            lambda p, t: embed(c, p, t),
-            lambda w, x: run_layers(c, w, x)[0],
+            lambda p, t, docs: embed(c, p, t, docs),
+            lambda w, x, docs: run_layers(c, w, x, docs)[0],
             lambda p, x: logits(c, p, x),
         )
 
@@ -201,20 +210,30 @@ def _cast(c: TransformerConfig, name: str, v: jax.Array) -> jax.Array:
     return v if "_L" in name else constrain(v, _LOGICAL[name])
 
 
-def embed(c: TransformerConfig, p: dict, tokens_BT: jax.Array) -> jax.Array:
+def embed(
+    c: TransformerConfig, p: dict, tokens_BT: jax.Array, docs: Documents | None = None
+) -> jax.Array:
     x_BTD = jnp.take(_cast(c, "tok_embed_VD", p["tok_embed_VD"]), tokens_BT, axis=0)
     if c.style == "gpt2":
-        x_BTD = x_BTD + _cast(c, "pos_embed_TD", p["pos_embed_TD"])[: tokens_BT.shape[1]]
+        pos_embed_TD = _cast(c, "pos_embed_TD", p["pos_embed_TD"])
+        if docs is None:
+            x_BTD = x_BTD + pos_embed_TD[: tokens_BT.shape[1]]
+        else:
+            x_BTD = x_BTD + jnp.take(pos_embed_TD, docs.positions_BT, axis=0)
     return constrain(x_BTD, ("batch", "seq", "embed"))
 
 
-def run_layers(c: TransformerConfig, layers: dict, x_BTD: jax.Array):
+def run_layers(c: TransformerConfig, layers: dict, x_BTD: jax.Array, docs: Documents | None = None):
     """The stacked layers given (all of them, or a pipeline stage's share), in order."""
     layers = {k: v.astype(jnp.dtype(c.compute_dtype)) for k, v in layers.items()}
-    positions_T = jnp.arange(x_BTD.shape[1])
+    if docs is None:
+        positions_BT, mask_B1TS = jnp.arange(x_BTD.shape[1])[None], None  # B of 1: broadcast
+    else:
+        # Built once for all layers; a bool mask (see _attention).
+        positions_BT, mask_B1TS = docs.positions_BT, attention_mask(docs)
 
     def block(x_BTD, w):
-        return _block(c, x_BTD, w, positions_T)
+        return _block(c, x_BTD, w, positions_BT, mask_B1TS)
 
     block = jax.checkpoint(block, policy=_REMAT_POLICIES[c.remat])
     return jax.lax.scan(block, x_BTD, layers)
@@ -241,11 +260,12 @@ def _norm(c: TransformerConfig, x_BTD, scale_D, bias_D):
     return y if bias_D is None else y + bias_D
 
 
-def _rope(c: TransformerConfig, x_BTNH, positions_T):
+def _rope(c: TransformerConfig, x_BTNH, positions_BT):
+    """Rotary positions; positions_BT per token ([1, T] broadcasts over the batch)."""
     H = x_BTNH.shape[-1]
     freqs_H2 = c.rope_theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
-    angles_TH2 = positions_T[:, None].astype(jnp.float32) * freqs_H2[None, :]
-    sin, cos = jnp.sin(angles_TH2)[None, :, None, :], jnp.cos(angles_TH2)[None, :, None, :]
+    angles_BTH2 = positions_BT[..., None].astype(jnp.float32) * freqs_H2
+    sin, cos = jnp.sin(angles_BTH2)[:, :, None, :], jnp.cos(angles_BTH2)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
@@ -267,7 +287,24 @@ _REMAT_POLICIES = {
 }
 
 
-def _block(c: TransformerConfig, x_BTD, w, positions_T):
+def _attention(c: TransformerConfig, q_BTNH, k_BTGH, v_BTGH, mask_B1TS):
+    if mask_B1TS is None:
+        return jax.nn.dot_product_attention(
+            q_BTNH, k_BTGH, v_BTGH, is_causal=True, implementation=c.attention
+        )
+    # Packed documents. XLA: the mask joins the causal mask on the scores. cuDNN: the public
+    # API turns the mask into a dense [B, 1, T, S] bias and stays fused, forward and backward
+    # (__cudnn$fmhaScaleBiasSoftmax). cuDNN's segment form (q/kv offsets, __cudnn$fmhaSoftmax,
+    # no T x S tensor: 25.5 against 32.2 MiB temp memory measured at B=4, T=1024 on an H200)
+    # is private API in jax 0.11 and refuses to lower where the local backend is not a Hopper
+    # GPU (compile-only runs on a CPU host), so it is not used. The mask stays bool: given a
+    # float bias instead, cuDNN's backward would compute the bias gradient too.
+    return jax.nn.dot_product_attention(
+        q_BTNH, k_BTGH, v_BTGH, mask=mask_B1TS, is_causal=True, implementation=c.attention
+    )
+
+
+def _block(c: TransformerConfig, x_BTD, w, positions_BT, mask_B1TS):
     # Expert weights stay as stored: jaxdist.parallel.experts gathers them inside its shard_map.
     w = {k: v if k in EXPERT_WEIGHTS else constrain(v, _LOGICAL[k][1:]) for k, v in w.items()}
     B, T, _ = x_BTD.shape
@@ -282,10 +319,8 @@ def _block(c: TransformerConfig, x_BTD, w, positions_T):
     k_BTGH = qkv_BTGQH[:, :, :, q_per_group]
     v_BTGH = qkv_BTGQH[:, :, :, q_per_group + 1]
     if c.style == "llama":
-        q_BTNH, k_BTGH = _rope(c, q_BTNH, positions_T), _rope(c, k_BTGH, positions_T)
-    attn_BTNH = jax.nn.dot_product_attention(
-        q_BTNH, k_BTGH, v_BTGH, is_causal=True, implementation=c.attention
-    )
+        q_BTNH, k_BTGH = _rope(c, q_BTNH, positions_BT), _rope(c, k_BTGH, positions_BT)
+    attn_BTNH = _attention(c, q_BTNH, k_BTGH, v_BTGH, mask_B1TS)
     attn_BTNH = constrain(attn_BTNH, ("batch", "seq", "heads", "head_dim"))
     x_BTD = x_BTD + constrain(
         jnp.einsum("btnh,nhd->btd", attn_BTNH, w["wo_LNHD"]), ("batch", "seq", "embed")

@@ -7,12 +7,15 @@ import math
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
 import jaxdist
+from jaxdist import documents
+from jaxdist.rules import activation_rules
 from meshes.presets import STANDARD_RULES
 from tests.helpers import mesh_for
 
@@ -88,3 +91,23 @@ def test_weights_are_sharded_by_the_rules(layout):
     if "tensor" in layout:
         head = params["head_DV"][...]
         assert head.addressable_shards[0].data.shape == (head.shape[0] // 2, head.shape[1] // 2)
+
+
+def test_packed_documents_mix_only_within_themselves():
+    # The step passes documents when document masking is on: b's logits ignore document a
+    # before it, and are b's own at the start of a row (positions restart), as without docs.
+    eos = 255
+    model = own_model.MixerLM(own_model.MixerConfig(seq_len=16), nnx.Rngs(0))
+    a, b, rest = [eos, 1, 2, 3, 4], [eos, 5, 6, 7], [eos, 8, 9, 10, 11, 12, 13]
+    rows_BT = jnp.array([a + b + rest, [eos, 9, 9, 9, 9] + b + rest, b + rest + a])
+    at_b = slice(len(a), len(a) + len(b))
+    with activation_rules(STANDARD_RULES, mesh_for("single")):
+        logits_BTV = np.asarray(model(rows_BT, documents.from_tokens(rows_BT, eos))[0])
+        plain_BTV = np.asarray(model(rows_BT)[0])
+        # 254 occurs nowhere: each row is one document, as in the plain call.
+        one_doc_BTV = np.asarray(model(rows_BT, documents.from_tokens(rows_BT, 254))[0])
+    assert np.abs(logits_BTV[0, : len(a)] - logits_BTV[1, : len(a)]).max() > 1e-4
+    np.testing.assert_array_equal(logits_BTV[1, at_b], logits_BTV[0, at_b])
+    np.testing.assert_allclose(logits_BTV[2, : len(b)], logits_BTV[0, at_b], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(plain_BTV[2, : len(b)], logits_BTV[0, at_b], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(one_doc_BTV, plain_BTV, rtol=0, atol=1e-6)

@@ -17,6 +17,9 @@ for the checkpoint layout staying one and the same.
 
 Pays in: the bubble (idle ticks), the recompute (one extra forward per stage), and the
 point-to-point bytes (one activation forward and one gradient back per microbatch and chunk).
+
+Packed documents (`eos_id`): every stage derives the microbatch's documents from its tokens,
+which every stage holds, so nothing more travels between stages.
 """
 
 from collections.abc import Callable
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxdist import documents
 from jaxdist.errors import ConfigError
 from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeline's public surface
     SCHEDULES,
@@ -51,8 +55,8 @@ class Stages(NamedTuple):
 
     weights: dict  # name -> array, as stored
     layer_keys: list[str]  # stacked per-layer weights, split over the pipeline axis
-    embed: Callable  # (weights, tokens_bT) -> x_bTD
-    body: Callable  # (layer weights, x_bTD) -> x_bTD
+    embed: Callable  # (weights, tokens_bT, docs: Documents | None) -> x_bTD
+    body: Callable  # (layer weights, x_bTD, docs: Documents | None) -> x_bTD
     head: Callable  # (weights, x_bTD) -> logits_bTV
 
 
@@ -129,8 +133,10 @@ def value_and_grad(
     schedule: Schedule,
     microbatches: int,
     axis: str = "pipeline",
+    eos_id: int | None = None,
 ):
-    """Mean loss over the microbatches and gradients for every weight, pipelined."""
+    """Mean loss over the microbatches and gradients for every weight, pipelined; with
+    `eos_id`, rows are packed documents (jaxdist.documents), each seen alone."""
     rules, mesh = active()
     p, v = mesh.shape[axis], schedule.virtual
     B = tokens_BT1.shape[0]
@@ -162,7 +168,12 @@ def value_and_grad(
         layers = jax.tree.map(lambda w: w.reshape(v, -1, *w.shape[1:]), layers)
         if v > 1:
             layers = _shuffle(layers, shuffle_plan(p, v), s, axis, p, v)
-        x0 = stages.embed(shared, micro_MbT1[0, :, :-1])
+
+        def inputs(i):  # microbatch i's input tokens and their documents (or None)
+            tokens_bT = micro_MbT1[i, :, :-1]
+            return tokens_bT, None if eos_id is None else documents.from_tokens(tokens_bT, eos_id)
+
+        x0 = stages.embed(shared, *inputs(0))
         zeros_x = jnp.zeros(x0.shape, x0.dtype)
         buf = jnp.zeros((slots, *x0.shape), x0.dtype)
         zero = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
@@ -190,11 +201,12 @@ def value_and_grad(
             def forward(state):
                 inbox_b, stash, g_layers, g_shared, loss = state
                 on = first.astype(inbox_f.dtype)
+                tokens_bT, docs = inputs(mb)
                 # Embedding and head run on every stage and are masked: a cond on the stage
                 # index inside the partially manual shard_map trips XLA's sharding verifier.
-                x = on * stages.embed(shared, micro_MbT1[mb, :, :-1]) + (1 - on) * inbox_f[slot]
+                x = on * stages.embed(shared, tokens_bT, docs) + (1 - on) * inbox_f[slot]
                 stash = stash.at[slot].set(x)
-                y = stages.body(chunk, x)
+                y = stages.body(chunk, x, docs)
                 val, (gs, dy) = jax.value_and_grad(head_loss, argnums=(0, 1))(shared, y, mb)
                 inbox_b = jnp.where(is_last, inbox_b.at[slot].set(dy), inbox_b)
                 g_shared = jax.tree.map(lambda g, d: g + d * is_last.astype(d.dtype), g_shared, gs)
@@ -203,10 +215,12 @@ def value_and_grad(
 
             def backward(state):
                 inbox_b, stash, g_layers, g_shared, loss = state
-                _, vjp = jax.vjp(stages.body, chunk, stash[slot])  # recompute the forward
+                tokens_bT, docs = inputs(mb)
+                # Recompute the forward; the documents are constants here, not differentiated.
+                _, vjp = jax.vjp(lambda w, x: stages.body(w, x, docs), chunk, stash[slot])
                 gl, dx = vjp(inbox_b[slot])
                 g_layers = jax.tree.map(lambda g, d: g.at[k].add(d), g_layers, gl)
-                _, vjp_e = jax.vjp(lambda w: stages.embed(w, micro_MbT1[mb, :, :-1]), shared)
+                _, vjp_e = jax.vjp(lambda w: stages.embed(w, tokens_bT, docs), shared)
                 ge = vjp_e(dx)[0]
                 g_shared = jax.tree.map(lambda g, d: g + d * first.astype(d.dtype), g_shared, ge)
                 return inbox_b, stash, g_layers, g_shared, loss, zeros_x, dx

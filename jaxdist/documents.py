@@ -1,0 +1,36 @@
+"""Packed documents: which document each token of a row belongs to, and its position in it.
+
+A row of tokenized data is a window of documents with EOS between them, and EOS opens each
+document (jaxdist.data.manifest). From the tokens alone, on device, the step derives per-token
+document ids and positions that restart at every document; the model turns them into a
+block-diagonal causal mask (attention never crosses a document boundary) and per-document
+positions (learned or RoPE). Nothing extra travels from the host: the batch stays [B, T+1].
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Documents(NamedTuple):
+    segment_ids_BT: jax.Array  # int32: equal within one document of a row, rising along it
+    positions_BT: jax.Array  # int32: 0 at each document's first token (its EOS)
+
+
+def from_tokens(tokens_BT: jax.Array, eos_id: int) -> Documents:
+    """The documents of each row; a row's leading partial document is segment 0 and its
+    positions start at 0 where the window starts (its beginning was cut off)."""
+    T = tokens_BT.shape[1]
+    starts_BT = tokens_BT == eos_id
+    segment_ids_BT = jnp.cumsum(starts_BT, axis=1, dtype=jnp.int32)
+    t_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BT.shape)
+    last_start_BT = jax.lax.cummax(jnp.where(starts_BT, t_BT, 0), axis=1)
+    return Documents(segment_ids_BT, t_BT - last_start_BT)
+
+
+def attention_mask(docs: Documents) -> jax.Array:
+    """[B, 1, T, T] bool: query t may see key u of the same document (causality is applied
+    by the attention call itself)."""
+    seg_BT = docs.segment_ids_BT
+    return seg_BT[:, None, :, None] == seg_BT[:, None, None, :]
