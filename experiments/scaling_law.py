@@ -14,7 +14,7 @@ held-out windows, the tail of the first epoch of the same shuffled stream, which
 setup on one device (jaxdist.train.prepare): jaxdist.optim's AdamW, clipping and decay mask,
 and its warmup-cosine schedule fitted to the run, warmed up over 10% of it and decaying to 10%
 at its last step (Chinchilla: a schedule longer than the run misstates the loss); the held-out
-loss is jaxdist.train.evaluate. make_optimizer bakes the run length into the schedule, so every
+loss is jaxdist.evaluation.evaluate. make_optimizer bakes the run length into the schedule, so every
 (size, budget) run builds and compiles its own step: these tiny models compile in seconds, but
 seconds per run add up (compile and first step: about 4 s a run on 2 idle cores, some 80 s of
 the default grid; recorded per run as compile_and_first_step_s). Every budget of a size starts
@@ -70,9 +70,10 @@ def main() -> None:
     import numpy as np
 
     from jaxdist.data import DataConfig, TokenBatches, load_corpus
+    from jaxdist.evaluation import evaluate
     from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig
-    from jaxdist.train import LoopConfig, RunConfig, evaluate, prepare
+    from jaxdist.train import LoopConfig, RunConfig, prepare
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config, model_spec
 

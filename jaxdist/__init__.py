@@ -41,7 +41,8 @@ _API = {
     # training and its pieces
     "fit": ("jaxdist.train", "run"),  # the loop; jaxdist.train is its module
     "prepare": "jaxdist.train",
-    "evaluate": "jaxdist.train",
+    "evaluate": "jaxdist.evaluation",
+    "EvalConfig": "jaxdist.evaluation",
     "build": "jaxdist.step",
     "make_optimizer": "jaxdist.optim",
     "TokenBatches": "jaxdist.data",

@@ -6,6 +6,8 @@ and batch shardings imply; jaxdist.planning.traffic reads them back out of the c
 """
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -15,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist import documents
 from jaxdist.errors import ConfigError
 from jaxdist.parallel import pipeline
 from jaxdist.rules import (
@@ -41,14 +44,43 @@ class StepConfig:
     """schedule over the pipeline mesh axis"""
     virtual_stages: int = 1
     """layer chunks per device for the interleaved schedule"""
+    document_mask: bool = True
+    """with tokenized data: attention stays inside each packed document and positions restart
+    at each (off: a row is one causal sequence)"""
     fault_nan_steps: tuple[int, ...] = ()
     """fault injection, for testing recovery: make these steps' loss and gradients NaN"""
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Mean next-token loss, in fp32 whatever the compute dtype."""
+class Vocab(NamedTuple):
+    """What the step must know of the data's tokens: the vocabulary it uses (the model's may be
+    padded past it, and a padded id is never predicted) and its EOS id (None: rows are not
+    packed documents, as for raw bytes)."""
+
+    size: int | None = None
+    eos_id: int | None = None
+
+
+def cross_entropy(
+    logits_BTV: jax.Array, targets_BT: jax.Array, vocab_size: int | None = None
+) -> jax.Array:
+    """Mean next-token loss, in fp32 whatever the compute dtype; ids >= vocab_size (padding of
+    the model's vocabulary) get no probability."""
     logits_BTV = logits_BTV.astype(jnp.float32)
+    V = logits_BTV.shape[-1]
+    if vocab_size is not None and vocab_size < V:
+        logits_BTV = jnp.where(jnp.arange(V) < vocab_size, logits_BTV, -jnp.inf)
     return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
+
+
+def forward_loss(model, tokens_BT1: jax.Array, vocab: Vocab, document_mask: bool):
+    """Cross-entropy of next-token prediction over a batch of [B, T+1] tokens, and the model's
+    auxiliary output. With packed documents the model gets their ids and positions."""
+    inputs_BT = tokens_BT1[:, :-1]
+    if document_mask and vocab.eos_id is not None:
+        logits_BTV, aux = model(inputs_BT, documents.from_tokens(inputs_BT, vocab.eos_id))
+    else:  # a model that knows nothing of documents is called as it always was
+        logits_BTV, aux = model(inputs_BT)
+    return cross_entropy(logits_BTV, tokens_BT1[:, 1:], vocab.size), aux
 
 
 def make_train_step(
@@ -57,14 +89,15 @@ def make_train_step(
     lr_schedule: optax.Schedule,
     config: StepConfig,
     schedule: pipeline.Schedule | None = None,
+    vocab: Vocab | None = None,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the pure step for one model structure, optimizer and accumulation setting;
     with a pipeline `schedule`, the model's stages run pipelined over the microbatches."""
+    vocab = vocab or Vocab()
 
     def loss_fn(params: nnx.State, tokens_BT1: jax.Array, scale: jax.Array):
         model = nnx.merge(graphdef, params)
-        logits_BTV, aux = model(tokens_BT1[:, :-1])
-        ce = cross_entropy(logits_BTV, tokens_BT1[:, 1:])
+        ce, aux = forward_loss(model, tokens_BT1, vocab, config.document_mask)
         # The model's auxiliary losses (MoE balance, router z) join the objective; the
         # reported loss stays the cross-entropy, comparable across models.
         return (ce + aux["loss"]) * scale, {
@@ -81,8 +114,15 @@ def make_train_step(
         M = config.microbatches
         if schedule is not None:
             stages = nnx.merge(graphdef, state.params).stages()
+            eos = vocab.eos_id if config.document_mask else None
             loss, by_name = pipeline.value_and_grad(
-                stages, tokens_BT1, cross_entropy, scale, schedule, M
+                stages,
+                tokens_BT1,
+                functools.partial(cross_entropy, vocab_size=vocab.size),
+                scale,
+                schedule,
+                M,
+                eos_id=eos,
             )
             grads = jax.tree_util.tree_map_with_path(
                 lambda path, _: by_name[path[0].key], state.params
@@ -151,8 +191,11 @@ def build(
     config: StepConfig,
     seed: int,
     batch_size: int,
+    vocab: Vocab | None = None,
 ) -> Compiled:
-    """Shapes, shardings and the jitted step, checked against the mesh before any compile."""
+    """Shapes, shardings and the jitted step, checked against the mesh before any compile.
+    `vocab`: the data's vocabulary and EOS (from the data; default: raw bytes, no packing)."""
+    vocab = vocab or Vocab()
     rules.validate(mesh.axis_names)
     if config.microbatches < 1 or batch_size % config.microbatches:
         raise ConfigError(
@@ -170,6 +213,15 @@ def build(
         )
 
     abstract_model = nnx.eval_shape(lambda: init_model(nnx.Rngs(seed)))
+    if config.document_mask and vocab.eos_id is not None:
+        params = inspect.signature(type(abstract_model).__call__).parameters
+        if "docs" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            raise ConfigError(
+                f"{type(abstract_model).__name__} is called without document masks (its "
+                "__call__ takes no `docs`), and this data packs documents; add "
+                "`docs: jaxdist.documents.Documents | None = None` to it, or pass "
+                "--no-document-mask (StepConfig(document_mask=False))"
+            )
     graphdef, abstract_params = nnx.split(abstract_model)
     param_sharding = state_shardings(abstract_params, rules, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -197,7 +249,7 @@ def build(
             config.virtual_stages,
         )
         pipeline.check_layers(abstract_params, schedule)
-    step = make_train_step(graphdef, tx, lr_schedule, config, schedule)
+    step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab)
 
     def traced_step(state, batch):
         with activation_rules(rules, mesh):
@@ -205,8 +257,8 @@ def build(
 
     def eval_loss(params: nnx.State, tokens_BT1: jax.Array) -> jax.Array:
         with activation_rules(rules, mesh):
-            logits_BTV, _ = nnx.merge(graphdef, params)(tokens_BT1[:, :-1])
-            return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
+            model = nnx.merge(graphdef, params)
+            return forward_loss(model, tokens_BT1, vocab, config.document_mask)[0]
 
     eval_fn = jax.jit(
         eval_loss, in_shardings=(param_sharding, tokens_sharding), out_shardings=replicated

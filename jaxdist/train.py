@@ -10,7 +10,6 @@ import dataclasses
 import json
 import pathlib
 import time
-from typing import Any
 
 import jax
 import numpy as np
@@ -30,12 +29,14 @@ from jaxdist.cluster.join import local_value, process_rows
 from jaxdist.cluster.watchdog import Watchdog
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
-from jaxdist.metrics import MetricsLog, distribution, print_summary, read_metrics, throughput
+from jaxdist.evaluation import EvalConfig, eval_batches, evaluate
+from jaxdist.metrics import MetricsLog, distribution, print_summary, throughput
 from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.profiling.capture import Capture, parse_range
+from jaxdist.resume import check_resume_data, restore_or_init, write_record
 from jaxdist.rules import AxisRules
-from jaxdist.step import Compiled, StepConfig, build
+from jaxdist.step import Compiled, StepConfig, Vocab, build
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,24 +99,28 @@ class RunConfig:
     step: StepConfig = StepConfig()
     loop: LoopConfig = LoopConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
 
     def validate(self) -> None:
         self.optim.validate()
         self.loop.validate()
         self.checkpoint.validate()
+        self.eval.validate()
 
 
 def prepare(
     model: ModelSpec, mesh: Mesh, rules: AxisRules, config: RunConfig
 ) -> tuple[Compiled, TokenBatches]:
-    """Everything that can fail on bad input, done before anything is compiled."""
+    """Everything that can fail on bad input, done before anything is compiled: the data
+    (opened, checksummed, its vocabulary checked against the model's), then the step."""
     config.validate()
     data, seed = config.data, config.loop.seed
+    batches = TokenBatches(data, model.seq_len, model.vocab_size)
     tx, lr = make_optimizer(config.optim, config.loop.steps)
-    compiled = build(model.init, tx, lr, rules, mesh, config.step, seed, data.batch_size)
+    vocab = Vocab(batches.vocab_size, batches.eos_id)
+    compiled = build(model.init, tx, lr, rules, mesh, config.step, seed, data.batch_size, vocab)
     rows = process_rows(compiled.batch_sharding, (data.batch_size, model.seq_len + 1))
-    batches = TokenBatches(data, model.seq_len, model.vocab_size, rows)
-    return compiled, batches
+    return compiled, batches.for_rows(rows)
 
 
 def run(
@@ -132,9 +137,26 @@ def run(
         console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
     compiled, batches = prepare(model, mesh, rules, config)
     loop, data, ckpt = config.loop, config.data, config.checkpoint
+    explicit_eval = bool(config.eval.eval_every) or config.eval.eval_data is not None
+    held_out = eval_batches(
+        config.eval, data, model.seq_len, model.vocab_size, compiled.batch_sharding, explicit_eval
+    )
+    if held_out is not None and held_out.vocab_size > batches.vocab_size:
+        raise ConfigError(
+            f"eval data {config.eval.eval_data} has a vocabulary of {held_out.vocab_size}, the "
+            f"training data {batches.vocab_size}; evaluate on data of the same tokenizer"
+        )
     run_dir = pathlib.Path(loop.run_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
-    record = write_record(run_dir, model, mesh, rules, config)
+    data_record = {
+        "fingerprint": batches.fingerprint,
+        "tokenizer": batches.tokenizer,
+        "vocab_size": batches.vocab_size,
+        "eos_id": batches.eos_id,
+        "sources": batches.names,
+    }
+    record = write_record(run_dir, model, mesh, rules, config, data_record)
     checkpointer = Checkpointer(run_dir / "checkpoints", ckpt.keep)
+    check_resume_data(checkpointer, data_record)
     shapes = param_shapes(compiled.abstract_state.params)
     ckpt_meta = {"config": record, "param_shapes": shapes, "mesh": dict(mesh.shape)}
     t_start = time.perf_counter()
@@ -149,6 +171,27 @@ def run(
     watchdog = Watchdog(Console(stderr=True), loop.slow_step_factor)
     timer = StepTimer(model, data, loop, start, capture, watchdog, log, console)
     saves: list[float] = []
+    mixture = np.zeros(len(batches.sources), np.int64)  # rows drawn per source, from step 0
+    for s in range(start) if len(mixture) > 1 else ():
+        mixture += np.bincount(batches.draw.sources(s), minlength=len(mixture))
+    eval_every = config.eval.eval_every or 0
+
+    def run_eval(s: int) -> None:
+        # The loop waits for it: its time is the run's, not the step's (excluded from it).
+        # Step s itself must finish first: that wait is step time, as before a save.
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        n = config.eval.eval_batches
+        loss = evaluate(compiled, state.params, held_out, range(n))
+        seconds = time.perf_counter() - t0
+        timer.exclude(seconds)
+        tokens = n * data.batch_size * model.seq_len
+        if log:
+            log.write({"step": s, "eval_loss": loss, "eval_tokens": tokens, "eval_s": seconds})
+        console.print(
+            f"step {s:5d}  eval_loss {loss:.4f} over {tokens:,} tokens ({seconds:.1f} s)",
+            highlight=False,
+        )
 
     def place(s: int) -> jax.Array:
         # Stage 1: each process hands over only its own rows; JAX assembles the global batch.
@@ -214,6 +257,15 @@ def run(
                         state, s, pending = rolled, rec["step"] + 1, None
                         continue
             pending = (s, metrics)
+            if len(mixture) > 1:
+                mixture += np.bincount(batches.draw.sources(s), minlength=len(mixture))
+                timer.extra = {
+                    "mixture": dict(
+                        zip(batches.names, (mixture / mixture.sum()).tolist(), strict=True)
+                    )
+                }
+            if held_out is not None and eval_every and (s + 1) % eval_every == 0:
+                run_eval(s)
             stop = signal_flag.stop_at(s)
             if stop or interval.due(s) or s == loop.steps - 1:
                 save(s)
@@ -226,6 +278,9 @@ def run(
             if not rec["finite"]:
                 policy = "skip" if loop.nonfinite == "rollback" else loop.nonfinite
                 apply_nonfinite_policy(policy, rec["step"], checkpointer, compiled, shapes, console)
+        last_eval = eval_every and loop.steps % eval_every == 0
+        if held_out is not None and not preempted and not last_eval and start < loop.steps:
+            run_eval(loop.steps - 1)
     capture.close()
     checkpointer.close()  # waits for the last save to commit
     if log:
@@ -244,53 +299,6 @@ def run(
     return summary
 
 
-def _as_record(obj) -> Any:
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
-
-
-def write_record(run_dir: pathlib.Path, model, mesh, rules, config: RunConfig) -> dict:
-    """The run's config.json: everything that decides what it computes, and where."""
-    record = {
-        "model": {"name": model.name, **(_as_record(model.config) or {})},
-        "mesh": dict(mesh.shape),
-        "rules": [list(r) for r in rules.rows],
-        **dataclasses.asdict(config),
-        "devices": {
-            "count": jax.device_count(),
-            "kind": jax.devices()[0].device_kind,
-            "processes": jax.process_count(),
-        },
-        "versions": {"jax": jax.__version__},
-    }
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if jax.process_index() == 0:
-            (run_dir / "config.json").write_text(json.dumps(record, indent=2))
-    except OSError as e:
-        raise ConfigError(
-            f"cannot write run directory {run_dir}: {e.strerror}; pass a writable --run-dir"
-        ) from None
-    return record
-
-
-def restore_or_init(checkpointer: Checkpointer, compiled: Compiled, shapes, run_dir, console):
-    """Stage 5, recover: the newest checkpoint that reads and verifies, resharded onto this
-    mesh, or a fresh state. Returns (state, first step to run, the restored checkpoint)."""
-    restored = checkpointer.restore_latest(compiled.abstract_state, shapes)
-    if restored is None:
-        return compiled.init_fn(), 0, None
-    start = int(restored.state.step)
-    logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
-    redo = (
-        f"; steps {start}..{max(logged)} are recomputed" if logged and max(logged) >= start else ""
-    )
-    console.print(
-        f"resuming from checkpoint step {restored.step} (written on mesh "
-        f"{restored.meta.get('mesh')}) at step {start}{redo}"
-    )
-    return restored.state, start, restored
-
-
 class StepTimer:
     """Times each step from one finished step to the next, logs it, and feeds the watchdog.
 
@@ -304,6 +312,7 @@ class StepTimer:
         self.peak = hardware.peak_flops(jax.devices()[0], loop.peak_tflops)
         self.step_times: list[float] = []  # steady-state steps only
         self.records: list[dict] = []
+        self.extra: dict = {}  # logged with each record (the mixture's realised proportions)
         self._t_prev = time.perf_counter()
 
     def exclude(self, seconds: float) -> None:
@@ -336,6 +345,7 @@ class StepTimer:
             "finite": bool(values["finite"]),
             "step_time_s": dt,
             **self.throughput(dt),
+            **self.extra,
         }
         self.records.append(rec)
         # The recent median: bounded work per step, and it follows a run whose speed drifts.
@@ -376,15 +386,3 @@ def summarize(model, compiled, mesh, loop, start, preempted, timer: StepTimer, s
         "wall_s": wall,
         **timer.throughput(steady),
     }
-
-
-def evaluate(compiled: Compiled, params, batches: TokenBatches, steps) -> float:
-    """Mean loss of `params` over the batches of these steps, no update: a held-out loss when
-    the batches come from data (or positions of the stream) the run never trains on."""
-    losses = []
-    for s in steps:
-        batch = jax.make_array_from_process_local_data(
-            compiled.batch_sharding, batches.batch(s), batches.global_shape
-        )
-        losses.append(compiled.eval_fn(params, batch))
-    return float(np.mean([local_value(x) for x in losses]))

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from jaxdist.data import padded_vocab
 from jaxdist.errors import ConfigError
 from jaxdist.model import ModelSpec
 from models.transformer import Transformer, TransformerConfig
@@ -36,6 +37,23 @@ def get_model_config(name: str, **overrides) -> TransformerConfig:
         return dataclasses.replace(PRESETS[name], **overrides)
     except ValueError as e:  # the config's own checks
         raise ConfigError(str(e)) from None
+
+
+def with_data_vocab(config: TransformerConfig, data_vocab: int) -> TransformerConfig:
+    """The preset with the data's vocabulary: raw bytes keep the preset's (256, or GPT-2's
+    padded 50304 for the large presets, trained on bytes); tokenized data replaces it, padded
+    up to a multiple of 128 for the matmul tiles (the loss never predicts a padded id)."""
+    if data_vocab == BYTE_VOCAB and data_vocab <= config.vocab_size:
+        return config
+    return dataclasses.replace(config, vocab_size=padded_vocab(data_vocab))
+
+
+def from_record(fields: dict) -> TransformerConfig:
+    """The model a run recorded in its config.json ("model")."""
+    try:
+        return TransformerConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"the run's recorded model is not one this version knows ({e})") from None
 
 
 def model_spec(config: TransformerConfig) -> ModelSpec:

@@ -9,6 +9,7 @@ import tyro
 from jaxdist.checkpoint.interval import CheckpointConfig
 from jaxdist.cli.options import Common, setup
 from jaxdist.cluster.join import DistributedConfig
+from jaxdist.evaluation import EvalConfig
 from jaxdist.optim import OptimConfig
 from jaxdist.train import LoopConfig
 
@@ -21,8 +22,10 @@ class Train(Common):
     optim: tyro.conf.OmitArgPrefixes[OptimConfig] = OptimConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     cluster: tyro.conf.OmitArgPrefixes[DistributedConfig] = DistributedConfig()
+    eval: tyro.conf.OmitArgPrefixes[EvalConfig] = EvalConfig()
     data: str | None = None
-    """a text or JSONL file (or directory of them); default: Python's stdlib sources"""
+    """a tokenized directory (jaxdist tokenize), a mixture NAME=DIR:WEIGHT,..., or a text or
+    JSONL file or directory read as bytes; default: Python's stdlib sources"""
     compile_only: bool = False
     """compile the step for abstract inputs and report per-device memory; no training"""
     target: str | None = None
@@ -37,6 +40,7 @@ def run(args: Train) -> int:
         raise ConfigError("--target compiles only; add --compile-only")
     args.loop.validate()
     args.checkpoint.validate()
+    args.eval.validate()
     mesh, rules, model_cfg, args = setup(
         args,
         profiling=bool(args.loop.profile or args.loop.watch_comm),
@@ -45,25 +49,31 @@ def run(args: Train) -> int:
     )
     from jaxdist import train as loop
     from jaxdist.data import DataConfig
-    from models.presets import model_spec
+    from jaxdist.data.batches import data_vocab
+    from models.presets import model_spec, with_data_vocab
 
-    model = model_spec(model_cfg)
+    # The data decides the vocabulary (the preset's is for bytes or GPT-2's tokens).
+    vocab_size, eos_id = data_vocab(args.data)
+    model = model_spec(with_data_vocab(model_cfg, vocab_size))
     if args.compile_only:
-        return _compile_only(args, model, mesh, rules)
+        return _compile_only(args, model, mesh, rules, vocab_size, eos_id)
     data = DataConfig(path=args.data, batch_size=args.batch_size, seed=args.loop.seed)
-    config = loop.RunConfig(args.optim, data, args.step, args.loop, args.checkpoint)
+    config = loop.RunConfig(args.optim, data, args.step, args.loop, args.checkpoint, args.eval)
     loop.run(model, mesh, rules, config)
     return 0
 
 
-def _compile_only(args: Train, model, mesh, rules) -> int:
+def _compile_only(args: Train, model, mesh, rules, vocab_size, eos_id) -> int:
     from jaxdist.optim import make_optimizer
     from jaxdist.planning.aot import compile_only, target_fit
-    from jaxdist.step import build
+    from jaxdist.step import Vocab, build
 
-    # No data: the batch is abstract (and a target's hosts are not this one).
+    # No data read: the batch is abstract (and a target's hosts are not this one).
     tx, lr = make_optimizer(args.optim, args.loop.steps)
-    compiled = build(model.init, tx, lr, rules, mesh, args.step, args.loop.seed, args.batch_size)
+    vocab = Vocab(vocab_size, eos_id)
+    compiled = build(
+        model.init, tx, lr, rules, mesh, args.step, args.loop.seed, args.batch_size, vocab
+    )
     report = compile_only(compiled, args.batch_size, model.seq_len)
     report |= {"model": model.name, "params": compiled.num_params, "mesh": dict(mesh.shape)}
     if args.target:

@@ -9,12 +9,14 @@ import sys
 
 import tyro
 
-from jaxdist.cli import cmd_bench, cmd_comm, cmd_plan, cmd_runs, cmd_train
+from jaxdist.cli import cmd_bench, cmd_comm, cmd_data, cmd_eval, cmd_plan, cmd_runs, cmd_train
 from jaxdist.cli.cmd_launch import passthrough
 from jaxdist.errors import ConfigError
 
 COMMANDS = {
     "train": (cmd_train.Train, cmd_train.run),
+    "tokenize": (cmd_data.Tokenize, cmd_data.tokenize),
+    "eval": (cmd_eval.Eval, cmd_eval.evaluate),
     "comm": (cmd_comm.Comm, cmd_comm.run),
     "bench": (cmd_bench.Bench, cmd_bench.run),
     "checkpoints": (cmd_runs.Checkpoints, cmd_runs.checkpoints),

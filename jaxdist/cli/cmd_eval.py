@@ -1,0 +1,104 @@
+"""`jaxdist eval RUN_DIR`: the held-out loss of a run's newest checkpoint, on any mesh, as one
+JSON object (loss, perplexity, tokens, bits per byte)."""
+
+import dataclasses
+import json
+import pathlib
+from typing import Annotated
+
+import tyro
+
+from jaxdist.cli.options import DEFAULT_CACHE, MESH_HELP, Common, setup
+from jaxdist.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Eval:
+    """Evaluate a run's newest checkpoint on held-out data."""
+
+    run_dir: tyro.conf.Positional[str]
+    data: str | None = None
+    """held-out data (a tokenized directory: its eval split, else all of it); default: the
+    eval split of the data the run trained on"""
+    batches: int = 50
+    """batches of the run's batch size to average over"""
+    mesh: Annotated[str, tyro.conf.arg(help=MESH_HELP)] = "auto"
+    devices: str = "auto"
+    """cpu:N for N fake CPU devices; auto uses the accelerators present, else cpu:8"""
+    batch_size: int | None = None
+    """default: the run's"""
+    compile_cache: str = DEFAULT_CACHE
+
+
+def evaluate(args: Eval) -> int:
+    run_dir = pathlib.Path(args.run_dir)
+    try:
+        record = json.loads((run_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(
+            f"{run_dir}/config.json is missing or unreadable ({e}); pass a run directory "
+            "made by jaxdist train"
+        ) from None
+    if args.batches < 1:
+        raise ConfigError(f"--batches {args.batches} must be at least 1")
+    batch_size = args.batch_size or record["data"]["batch_size"]
+    common = Common(
+        mesh=args.mesh,
+        devices=args.devices,
+        batch_size=batch_size,
+        compile_cache=args.compile_cache,
+    )
+    mesh, rules, platform_cfg, _ = setup(common)
+
+    import jax
+
+    from jaxdist.checkpoint.store import restore
+    from jaxdist.cluster.join import process_rows
+    from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.evaluation import evaluate, report
+    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.step import StepConfig, Vocab, build
+    from models.presets import from_record, model_spec
+
+    # The recorded model, computed as this platform computes (dtype, attention kernel).
+    model_cfg = dataclasses.replace(
+        from_record(record["model"]),
+        compute_dtype=platform_cfg.compute_dtype,
+        attention=platform_cfg.attention,
+    )
+    model = model_spec(model_cfg)
+    held = DataConfig(
+        path=args.data or record["data"]["path"],
+        batch_size=batch_size,
+        seed=record["data"]["seed"],
+    )
+    try:
+        batches = TokenBatches(held, model.seq_len, model.vocab_size, split="eval")
+    except ConfigError:
+        if args.data is None:
+            raise
+        batches = TokenBatches(held, model.seq_len, model.vocab_size, split="train")
+    trained = record.get("data_source", {})
+    if trained.get("tokenizer") not in (None, batches.tokenizer):
+        raise ConfigError(
+            f"the run was trained on tokenizer {trained['tokenizer']!r} data, --data holds "
+            f"{batches.tokenizer!r}; evaluate on data made with the run's tokenizer"
+        )
+    # The optimizer's structure must match the checkpoint's, though only parameters are used.
+    tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
+    step_cfg = StepConfig(document_mask=record["step"].get("document_mask", True))
+    vocab = Vocab(batches.vocab_size, batches.eos_id)
+    compiled = build(model.init, tx, lr, rules, mesh, step_cfg, 0, batch_size, vocab)
+    batches = batches.for_rows(
+        process_rows(compiled.batch_sharding, (batch_size, model.seq_len + 1))
+    )
+    restored = restore(run_dir, compiled.abstract_state)
+    if restored is None:
+        raise ConfigError(f"{run_dir} holds no valid checkpoint to evaluate")
+    loss = evaluate(compiled, restored.state.params, batches, range(args.batches))
+    out = {"run_dir": str(run_dir), "step": int(restored.state.step)}
+    out |= report(loss, batches, args.batches)
+    out |= {"mesh": dict(mesh.shape), "data": held.path or "embedded"}
+    if jax.process_index() == 0:
+        print(json.dumps(out))
+    return 0

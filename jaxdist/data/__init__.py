@@ -1,0 +1,29 @@
+"""Data: raw text as bytes, tokenized directories (flat token shards), mixtures of them, and
+the deterministic batches the loop reads (jaxdist.data.batches).
+
+Names load on first use: `jaxdist tokenize`'s worker processes import the tokenizer and the
+format alone, not grain and jax (a second and 170 MB per worker)."""
+
+import importlib
+
+_API = {
+    "DataConfig": "jaxdist.data.batches",
+    "TokenBatches": "jaxdist.data.batches",
+    "default_corpus": "jaxdist.data.corpus",
+    "load_corpus": "jaxdist.data.corpus",
+}
+__all__ = sorted([*_API, "padded_vocab"])
+
+
+def padded_vocab(vocab_size: int, multiple: int = 128) -> int:
+    """The model's vocabulary for data of `vocab_size` tokens: rounded up for the matmul tiles;
+    the padded ids are never predicted (the loss masks them)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module 'jaxdist.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_API[name]), name)
+    globals()[name] = value
+    return value

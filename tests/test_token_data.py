@@ -1,0 +1,341 @@
+"""Tokenized data in training: memory-mapped shards read by row, mixtures, padded vocabularies,
+evaluation on any mesh, and the checks that stop bad data before anything compiles."""
+
+import json
+import math
+import shutil
+import signal
+import time
+
+import jax
+import numpy as np
+import pytest
+from helpers import cli, cli_popen, losses, mesh_for
+from rich.console import Console
+
+from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.data.encode import TokenizeConfig, tokenize
+from jaxdist.data.tokenset import TokenSet
+from jaxdist.errors import ConfigError
+from jaxdist.evaluation import EvalConfig, evaluate
+from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.step import StepConfig, Vocab, build, cross_entropy
+from jaxdist.train import LoopConfig, RunConfig, run
+from meshes.presets import STANDARD_RULES
+from models.presets import get_model_config, model_spec, with_data_vocab
+
+QUIET = Console(quiet=True)
+
+
+def write_docs(path, docs):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(json.dumps({"text": t}) for t in docs))
+    return path
+
+
+def random_docs(n: int, seed: int, alphabet: str = "abcdefgh ") -> list[str]:
+    rng = np.random.default_rng(seed)
+    return ["".join(rng.choice(list(alphabet), rng.integers(5, 120))) for _ in range(n)]
+
+
+def make_data(root, name, docs, tokenizer="bytes", eval_fraction=0.2):
+    src = write_docs(root / f"{name}-src" / "docs.jsonl", docs)
+    out = root / name
+    tokenize(
+        TokenizeConfig(
+            inputs=(str(src),),
+            out=str(out),
+            tokenizer=tokenizer,
+            eval_fraction=eval_fraction,
+            workers=1,
+        ),
+        QUIET,
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_data(tmp_path_factory.mktemp("tok"), "main", random_docs(400, 0))
+
+
+def test_batch_is_the_same_for_1_2_and_4_processes(data_dir):
+    cfg = DataConfig(path=str(data_dir), batch_size=8, seed=3)
+    for step in (0, 7, 123):
+        whole = TokenBatches(cfg, 64, 384).batch(step)
+        assert whole.shape == (8, 65) and whole.dtype == np.int32
+        for procs in (2, 4):
+            n = 8 // procs
+            parts = [
+                TokenBatches(cfg, 64, 384, range(i * n, (i + 1) * n)).batch(step)
+                for i in range(procs)
+            ]
+            np.testing.assert_array_equal(np.concatenate(parts), whole)
+
+
+def test_rows_are_windows_of_the_documents_with_eos_between(data_dir):
+    batches = TokenBatches(DataConfig(path=str(data_dir), batch_size=4), 32, 384)
+    assert batches.vocab_size == 257 and batches.eos_id == 256
+    tokens = TokenSet(data_dir)
+    text = tokens.stream("train").read(0, tokens.split("train").num_tokens)
+    for row in batches.batch(5):
+        hits = np.flatnonzero(text[: len(text) - 32] == row[0])
+        assert any(np.array_equal(text[h : h + 33], row) for h in hits)
+
+
+def test_mixture_proportions_fall_in_a_binomial_interval(tmp_path):
+    a = make_data(tmp_path, "a", random_docs(200, 1, "ab"))
+    b = make_data(tmp_path, "b", random_docs(200, 2, "xy"))
+    spec = f"web={a}:0.7,code={b}:0.3"
+    batches = TokenBatches(DataConfig(path=spec, batch_size=16, seed=5), 32, 384)
+    rows = np.concatenate([batches.batch(s) for s in range(200)])
+    # Classify each row by its text: source a writes only a/b, source b only x/y.
+    from_a = np.isin(rows, [ord("a"), ord("b")]).any(1)
+    from_b = np.isin(rows, [ord("x"), ord("y")]).any(1)
+    assert not (from_a & from_b).any()
+    n, k = len(rows), int(from_a.sum())
+    half_width = 2.576 * math.sqrt(n * 0.7 * 0.3)  # 99% normal approximation
+    assert abs(k - 0.7 * n) <= half_width, (k, n)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("web={a}:0,code={a}:1", "must be > 0"),
+        ("web={a}:0.5,code={missing}:0.5", "not a tokenized directory"),
+        ("web={a}:0.5,code={bpe}:0.5", "another tokenizer"),
+        ("web={a}", "is not NAME=DATA_DIR:WEIGHT"),
+    ],
+)
+def test_bad_mixtures_are_refused(tmp_path_factory, data_dir, spec, message):
+    root = tmp_path_factory.getbasetemp()
+    bpe = root / "bpe-mix"
+    if not bpe.exists():
+        make_data(root, "bpe-mix", random_docs(60, 4), tokenizer="train:300")
+    path = spec.format(a=data_dir, missing=root / "nope", bpe=bpe)
+    with pytest.raises(ConfigError, match=message):
+        TokenBatches(DataConfig(path=path, batch_size=4), 32, 512)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "alter", "remove"])
+def test_damaged_shards_are_named_before_anything_runs(tmp_path, data_dir, damage):
+    copy = tmp_path / "copy"
+    shutil.copytree(data_dir, copy)
+    shard = copy / "train-00000.tokens"
+    raw = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        shard.write_bytes(raw[:-10])
+    elif damage == "alter":
+        raw[100] ^= 1
+        shard.write_bytes(raw)
+    else:
+        shard.unlink()
+    message = {"truncate": "truncated", "alter": "checksum", "remove": "missing"}[damage]
+    with pytest.raises(ConfigError, match=f"train-00000.tokens.*{message}"):
+        TokenBatches(DataConfig(path=str(copy), batch_size=4), 32, 384)
+
+
+def test_model_vocabulary_too_small_is_refused(data_dir):
+    with pytest.raises(ConfigError, match="vocabulary of at least 257"):
+        TokenBatches(DataConfig(path=str(data_dir), batch_size=4), 32, 256)
+
+
+def test_padded_ids_get_no_probability():
+    rng = np.random.default_rng(0)
+    logits = jax.numpy.asarray(rng.normal(size=(2, 5, 384)), jax.numpy.float32)
+    targets = jax.numpy.asarray(rng.integers(0, 257, (2, 5)))
+    masked = cross_entropy(logits, targets, vocab_size=257)
+    np.testing.assert_allclose(masked, cross_entropy(logits[..., :257], targets), rtol=1e-6)
+    grad = jax.grad(lambda x: cross_entropy(x, targets, vocab_size=257))(logits)
+    assert np.all(np.asarray(grad[..., 257:]) == 0) and np.isfinite(grad).all()
+
+
+def _compiled(layout, vocab, document_mask=True, microbatches=1, batch_size=16):
+    cfg = with_data_vocab(get_model_config("tiny", seq_len=64), vocab.size)
+    model = model_spec(cfg)
+    tx, lr = make_optimizer(OptimConfig(warmup_steps=2), 10)
+    step = StepConfig(microbatches=microbatches, document_mask=document_mask)
+    mesh = mesh_for(layout)
+    c = build(model.init, tx, lr, STANDARD_RULES, mesh, step, 0, batch_size, vocab)
+    return model, c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["data=8", "fsdp=8", "pipeline=2,data=4"])
+def test_eval_loss_on_any_mesh_equals_one_device(data_dir, layout):
+    vocab = Vocab(257, 256)
+    data = DataConfig(path=str(data_dir), batch_size=16)
+    values = {}
+    for name in ("single", layout):
+        model, c = _compiled(name, vocab, microbatches=2 if "pipeline" in name else 1)
+        assert model.vocab_size == 384
+        held = TokenBatches(data, model.seq_len, model.vocab_size, split="eval")
+        values[name] = evaluate(c, c.init_fn().params, held, range(3))
+    assert np.isfinite(values["single"])
+    np.testing.assert_allclose(values[layout], values["single"], rtol=1e-5)
+
+
+def _run(data_dir, run_dir, eval_cfg, steps=6, document_mask=True):
+    model = model_spec(with_data_vocab(get_model_config("tiny", seq_len=64), 257))
+    config = RunConfig(
+        OptimConfig(warmup_steps=2),
+        DataConfig(path=data_dir and str(data_dir), batch_size=16),
+        StepConfig(document_mask=document_mask),
+        LoopConfig(steps=steps, log_every=1, run_dir=str(run_dir)),
+        eval=eval_cfg,
+    )
+    run(model, mesh_for("data=2,fsdp=2,tensor=2"), STANDARD_RULES, config, QUIET)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return losses(run_dir), [r for r in records if "eval_loss" in r]
+
+
+@pytest.mark.slow
+def test_training_losses_with_eval_on_are_bitwise_those_with_eval_off(tmp_path, data_dir):
+    on, evals = _run(data_dir, tmp_path / "on", EvalConfig(eval_every=2, eval_batches=2))
+    off, none = _run(data_dir, tmp_path / "off", EvalConfig(eval_every=0))
+    assert on == off and len(on) == 6
+    assert not none
+    assert [r["step"] for r in evals] == [1, 3, 5]
+    assert all(np.isfinite(r["eval_loss"]) and r["eval_tokens"] == 2 * 16 * 64 for r in evals)
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # it learns the held-out text too
+    # The mask changes what the model computes (rows hold several documents).
+    unmasked, _ = _run(data_dir, tmp_path / "unmasked", EvalConfig(eval_every=0), 2, False)
+    assert unmasked[1] != on[1]
+
+
+@pytest.mark.slow
+def test_resume_on_other_data_is_refused_before_compiling(tmp_path, data_dir):
+    _run(data_dir, tmp_path / "run", EvalConfig(eval_every=0), steps=2)
+    other = make_data(tmp_path, "other", random_docs(300, 9))
+    with pytest.raises(ConfigError, match="trained on other data.*fingerprint"):
+        _run(other, tmp_path / "run", EvalConfig(eval_every=0), steps=4)
+
+
+def test_eval_with_raw_bytes_asks_for_held_out_data(tmp_path):
+    with pytest.raises(ConfigError, match="no eval split"):
+        _run(None, tmp_path / "r", EvalConfig(eval_every=2), steps=2)
+
+
+@pytest.mark.slow
+def test_tokenize_train_eval_from_the_command_line(tmp_path):
+    src = write_docs(tmp_path / "text" / "a.jsonl", random_docs(300, 7))
+    out = tmp_path / "data"
+    r = cli(
+        "tokenize",
+        "--input",
+        str(src.parent),
+        "--out",
+        str(out),
+        "--tokenizer",
+        "train:320",
+        "--eval-fraction",
+        "0.2",
+        "--workers",
+        "2",
+    )
+    assert r.returncode == 0, r.stderr
+    run_dir = tmp_path / "run"
+    r = cli(
+        "train",
+        "--data",
+        str(out),
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "2",
+        "--batch-size",
+        "16",
+        "--run-dir",
+        str(run_dir),
+        "--devices",
+        "cpu:8",
+    )
+    assert r.returncode == 0, r.stderr
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["model"]["vocab_size"] == 384 and config["data_source"]["vocab_size"] == 320
+    last_eval = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last_eval = [x for x in last_eval if "eval_loss" in x][-1]
+    r = cli("eval", str(run_dir), "--batches", "2", "--mesh", "fsdp=4", "--devices", "cpu:4")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["step"] == 4 and got["tokens"] == 2 * 16 * 128
+    np.testing.assert_allclose(got["loss"], last_eval["eval_loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["perplexity"], math.exp(got["loss"]), rtol=1e-9)
+    assert 0 < got["bits_per_byte"] < 8
+
+
+@pytest.mark.slow
+def test_kill9_and_resume_stays_bitwise_on_tokenized_data(tmp_path, data_dir):
+    args = [
+        "train",
+        "--data",
+        str(data_dir),
+        "--steps",
+        "24",
+        "--batch-size",
+        "16",
+        "--log-every",
+        "1",
+        "--checkpoint-every",
+        "3",
+        "--devices",
+        "cpu:8",
+    ]
+    reference = tmp_path / "reference"
+    r = cli(*args, "--run-dir", str(reference))
+    assert r.returncode == 0, r.stderr
+    run_dir = tmp_path / "killed"
+    p = cli_popen(*args, "--run-dir", str(run_dir))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(losses_or_empty(run_dir)) < 10:
+        time.sleep(0.05)
+    assert p.poll() is None, "finished before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert len(losses_or_empty(run_dir)) < 24
+    r = cli(*args, "--run-dir", str(run_dir))
+    assert r.returncode == 0, r.stderr
+    assert "resuming from checkpoint step" in r.stderr
+    assert losses(run_dir) == losses(reference)  # bitwise, every step
+
+
+def losses_or_empty(run_dir):
+    return losses(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
+
+
+def test_a_model_that_takes_no_documents_is_told_how_to_fix_it():
+    from flax import nnx
+
+    class NoDocs(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jax.numpy.zeros((4,)))
+
+        def __call__(self, tokens_BT):
+            return tokens_BT, {}
+
+    tx, lr = make_optimizer(OptimConfig(), 10)
+    mesh = mesh_for("single")
+    with pytest.raises(ConfigError, match="NoDocs is called without document masks"):
+        build(NoDocs, tx, lr, STANDARD_RULES, mesh, StepConfig(), 0, 16, Vocab(257, 256))
+
+
+@pytest.mark.slow
+def test_training_on_a_mixture_logs_its_realised_proportions(tmp_path):
+    a = make_data(tmp_path, "a", random_docs(200, 1, "ab"))
+    b = make_data(tmp_path, "b", random_docs(200, 2, "xy"))
+    spec = f"web={a}:0.7,code={b}:0.3"
+    _, _ = _run(spec, tmp_path / "run", EvalConfig(eval_every=0), steps=3)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    shares = [r["mixture"] for r in records if "loss" in r]
+    assert len(shares) == 3 and set(shares[-1]) == {"web", "code"}
+    counts = np.bincount(
+        np.concatenate(
+            [TokenBatches(DataConfig(spec, 16), 64, 384).draw.sources(s) for s in range(3)]
+        ),
+        minlength=2,
+    )
+    np.testing.assert_allclose(shares[-1]["web"], counts[0] / counts.sum())
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["data_source"]["sources"] == ["web", "code"]
