@@ -5,6 +5,7 @@ rule table can name any axis under any layout and a layout change is one flag.
 """
 
 import dataclasses
+import glob
 import math
 import os
 
@@ -82,6 +83,12 @@ def resolve_fill(config: MeshConfig, num_devices: int) -> MeshConfig:
     return dataclasses.replace(config, ici=tuple(ici.items()))
 
 
+def _accelerator_present() -> bool:
+    """A TPU (accel or vfio devices), NVIDIA or AMD GPU device file on this host."""
+    patterns = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+    return any(glob.glob(p) for p in patterns)
+
+
 def setup_devices(spec: str) -> None:
     """Makes `--devices` true before JAX starts its backends.
 
@@ -94,6 +101,10 @@ def setup_devices(spec: str) -> None:
         if not started:
             # Only the CPU backend reads this, so it is harmless where accelerators exist.
             jax.config.update("jax_num_cpu_devices", 8)
+            if not os.environ.get("JAX_PLATFORMS") and not _accelerator_present():
+                # A plugin installed beside jax (libtpu, CUDA) would start, fail to find its
+                # device and print pages of warnings on every CPU run: do not start it.
+                jax.config.update("jax_platforms", "cpu")
         return
     platform, _, count = spec.partition(":")
     if platform != "cpu" or not count.isdigit() or int(count) < 1:

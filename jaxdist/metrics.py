@@ -3,6 +3,7 @@
 import json
 import pathlib
 import time
+from collections.abc import Callable
 
 import numpy as np
 from rich.console import Console
@@ -44,10 +45,19 @@ class MetricsLog:
     A run killed mid-write leaves a partial last line; it is cut off before appending, so the
     file stays one valid object per line. A resumed run appends: where it recomputes steps,
     the later line for a step is the one that counts.
+
+    `tensorboard`: a sink that gets every record too (jaxdist.tensorboard_log.TensorBoardLog,
+    which writes off the loop's path). `stamp`: fields added to every record as it is written
+    (the goodput ledger's running totals, so that a killed run's accounting survives).
     """
 
-    def __init__(self, path: pathlib.Path):
-        self.path = path
+    def __init__(
+        self,
+        path: pathlib.Path,
+        tensorboard=None,
+        stamp: Callable[[], dict] | None = None,
+    ):
+        self.path, self.tensorboard, self.stamp = path, tensorboard, stamp
         if path.exists():
             data = path.read_bytes()
             if data and not data.endswith(b"\n"):
@@ -57,11 +67,16 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         """One record, stamped with the wall-clock time it was written (Unix seconds)."""
-        self._file.write(json.dumps({**record, "time": time.time()}) + "\n")
+        record = {**record, **(self.stamp() if self.stamp else {}), "time": time.time()}
+        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
 
     def close(self) -> None:
         self._file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def read_metrics(path: pathlib.Path) -> list[dict]:
@@ -101,8 +116,17 @@ def print_summary(console: Console, s: dict) -> None:
         ("checkpoint share of wall", f"{s['checkpoint_fraction_of_wall']:.2%}"),
         ("skipped (non-finite) steps", str(len(s["skipped_steps"]))),
         ("wall", f"{s['wall_s']:.1f} s"),
+        *_goodput_row(s.get("goodput")),
         ("run dir", s["run_dir"]),
     ]
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
+
+
+def _goodput_row(g: dict | None) -> list[tuple[str, str]]:
+    if not g or g.get("goodput") is None:
+        return []
+    n = g["attempts"]
+    text = f"{g['goodput']:.1%} of {g['wall_s']:.1f} s, {n} attempt{'s' if n > 1 else ''}"
+    return [("goodput (productive / all attempts' wall)", text)]

@@ -18,10 +18,95 @@ def _as_record(obj) -> Any:
     return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
 
 
+# What the model is and what the data stream is: a resume must keep these, or the checkpoint's
+# weights would meet another model, or step s would read another batch than it did.
+FIXED = (
+    "model.name",
+    "model.style",
+    "model.num_layers",
+    "model.d_model",
+    "model.num_heads",
+    "model.num_kv_heads",
+    "model.d_mlp",
+    "model.vocab_size",
+    "model.seq_len",
+    "model.rope_theta",
+    "model.norm_eps",
+    "model.num_experts",
+    "model.top_k",
+    "data.batch_size",
+    "data.seed",
+    "loop.seed",
+    "data_source.fingerprint",  # the data itself, wherever it lies (data.path may move)
+    "data_source.tokenizer",
+    "data_source.sources",
+)
+# Bookkeeping, not configuration: never reported as changed.
+_UNREPORTED = ("versions", "cli", "loop.run_dir", "data_source.eos_id", "rules")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _checkpointed_record(run_dir: pathlib.Path) -> tuple[int, dict] | None:
+    """The newest checkpoint's record of its run's config (what a resume restores)."""
+    directory = run_dir / "checkpoints"
+    steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+    for step in reversed(steps):
+        try:
+            meta = json.loads((directory / str(step) / "meta" / "metadata").read_text())
+            return step, meta["config"]
+        except (OSError, KeyError, ValueError):
+            continue  # restore_latest sets an unreadable checkpoint aside
+    return None
+
+
+def compare_with_checkpoint(run_dir: pathlib.Path, record: dict) -> list[str]:
+    """Stops a resume whose model or data stream differs from the checkpoint's, naming each
+    field (old -> new) and the way out; returns the other fields that changed, for the log."""
+    found = _checkpointed_record(run_dir)
+    if found is None:
+        return []
+    step, old_record = found
+    old, new = _flat(old_record), _flat(record)
+    fixed = [
+        f"{k} {old[k]!r} -> {new.get(k)!r}" for k in FIXED if k in old and old[k] != new.get(k)
+    ]
+    if fixed:
+        raise ConfigError(
+            f"{run_dir} holds a checkpoint (step {step}) of another model or data stream: "
+            f"{'; '.join(fixed)}. These decide what the model is and which batch each step "
+            "reads, so the run cannot resume with them changed: use a new --run-dir for a new "
+            "run, or give the old values to resume this one"
+        )
+    return [
+        f"{k} {old.get(k)!r} -> {new[k]!r}"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k) and not k.startswith(_UNREPORTED)
+    ]
+
+
 def write_record(
-    run_dir: pathlib.Path, model, mesh, rules, config, data: dict | None = None
+    run_dir: pathlib.Path,
+    model,
+    mesh,
+    rules,
+    config,
+    data: dict | None = None,
+    extra: dict | None = None,
+    console=None,
 ) -> dict:
-    """The run's config.json: everything that decides what it computes, and where."""
+    """The run's config.json: everything that decides what it computes, and where; `extra`
+    joins it (the command line's config tree, under `cli`). A resume is checked against the
+    checkpoint's record first (`compare_with_checkpoint`), before anything is written; every
+    attempt's record is kept in attempts/, config.json is the latest."""
     record = {
         "model": {"name": model.name, **(_as_record(model.config) or {})},
         "data_source": data or {},
@@ -34,42 +119,26 @@ def write_record(
             "processes": jax.process_count(),
         },
         "versions": {"jax": jax.__version__},
+        **(extra or {}),
     }
+    record = json.loads(json.dumps(record))  # as it reads back: tuples become lists
+    changed = compare_with_checkpoint(run_dir, record)
+    if changed and console is not None:
+        console.print(f"changed on resume: {'; '.join(changed)}", highlight=False)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         if jax.process_index() == 0:
+            attempts = run_dir / "attempts"
+            attempts.mkdir(exist_ok=True)
+            n = len(list(attempts.glob("*.json")))
+            text = json.dumps({**record, "changed_on_resume": changed}, indent=2)
+            (attempts / f"{n:03d}.json").write_text(text)
             (run_dir / "config.json").write_text(json.dumps(record, indent=2))
     except OSError as e:
         raise ConfigError(
             f"cannot write run directory {run_dir}: {e.strerror}; pass a writable --run-dir"
         ) from None
     return record
-
-
-def check_resume_data(checkpointer: Checkpointer, data: dict) -> None:
-    """A resume must read the data it was trained on: another dataset or tokenizer would give
-    other batches under the same step numbers. Checked on the newest checkpoint's record,
-    before anything is compiled or restored."""
-    steps = checkpointer.steps()
-    if not steps:
-        return
-    try:
-        old = checkpointer.read_meta(steps[-1])["config"].get("data_source")
-    except (OSError, KeyError, ValueError):
-        return  # an unreadable record: restore_latest sets that checkpoint aside
-    if not old:
-        return
-    changed = [
-        f"{k} {old.get(k)!r} -> {data.get(k)!r}"
-        for k in ("tokenizer", "vocab_size", "eos_id", "fingerprint", "sources")
-        if old.get(k) != data.get(k)
-    ]
-    if changed:
-        raise ConfigError(
-            f"the run in {checkpointer.directory.parent} was trained on other data than "
-            f"--data gives ({'; '.join(changed)}); pass the data it was trained on, or "
-            "start a new run (another --run-dir)"
-        )
 
 
 def restore_or_init(checkpointer: Checkpointer, compiled: Compiled, shapes, run_dir, console):

@@ -50,6 +50,17 @@ class StepConfig:
     fault_nan_steps: tuple[int, ...] = ()
     """fault injection, for testing recovery: make these steps' loss and gradients NaN"""
 
+    def validate(self) -> None:
+        if self.microbatches < 1:
+            raise ConfigError(f"--microbatches {self.microbatches} must be at least 1")
+        if self.virtual_stages < 1:
+            raise ConfigError(f"--virtual-stages {self.virtual_stages} must be at least 1")
+        if self.virtual_stages > 1 and self.pipeline_schedule != "interleaved":
+            raise ConfigError(
+                f"--virtual-stages {self.virtual_stages} applies to the interleaved schedule; "
+                "add --pipeline-schedule interleaved"
+            )
+
 
 class Vocab(NamedTuple):
     """What the step must know of the data's tokens: the vocabulary it uses (the model's may be

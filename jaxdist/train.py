@@ -19,24 +19,28 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from jaxdist import hardware
 from jaxdist.checkpoint.interval import CheckpointConfig, Interval
+from jaxdist.checkpoint.lock import RunLock
 from jaxdist.checkpoint.recovery import (
     NonFinitePolicy,
     PreemptionSignal,
     apply_nonfinite_policy,
 )
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
-from jaxdist.cluster.join import local_value, process_rows
+from jaxdist.cluster.join import process_rows
 from jaxdist.cluster.watchdog import Watchdog
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.evaluation import EvalConfig, eval_batches, evaluate
-from jaxdist.metrics import MetricsLog, distribution, print_summary, throughput
+from jaxdist.goodput import Ledger, read_report, totals
+from jaxdist.metrics import MetricsLog, print_summary
 from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.profiling.capture import Capture, parse_range
-from jaxdist.resume import check_resume_data, restore_or_init, write_record
+from jaxdist.resume import restore_or_init, write_record
 from jaxdist.rules import AxisRules
 from jaxdist.step import Compiled, StepConfig, Vocab, build
+from jaxdist.steptimer import StepTimer, summarize
+from jaxdist.tensorboard_log import TensorBoardLog
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,14 @@ class LoopConfig:
             raise ConfigError(f"--log-every {self.log_every} must be at least 1")
         if self.nonfinite not in ("skip", "rollback", "stop"):
             raise ConfigError(f"--nonfinite {self.nonfinite!r}: use skip, rollback or stop")
+        if self.watch_every < 1:
+            raise ConfigError(f"--watch-every {self.watch_every} must be at least 1")
+        if self.watch_comm is not None and not 0 < self.watch_comm < 1:
+            raise ConfigError(f"--watch-comm {self.watch_comm} is a fraction of a step: (0, 1)")
+        if not self.slow_step_factor > 1:
+            raise ConfigError(f"--slow-step-factor {self.slow_step_factor} must be > 1")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"--peak-tflops {self.peak_tflops} must be > 0")
         if self.profile:
             parse_range(self.profile)
         self.stall()
@@ -103,6 +115,8 @@ class RunConfig:
 
     def validate(self) -> None:
         self.optim.validate()
+        self.data.validate()
+        self.step.validate()
         self.loop.validate()
         self.checkpoint.validate()
         self.eval.validate()
@@ -129,14 +143,14 @@ def run(
     rules: AxisRules,
     config: RunConfig,
     console: Console | None = None,
+    record: dict | None = None,
 ) -> dict:
     """Trains to config.loop.steps, resuming from the run directory if it holds a checkpoint;
-    returns the summary (also written to summary.json)."""
-    console = console or Console(stderr=True)
-    if jax.process_index() != 0:
-        console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
+    returns the summary (also written to summary.json). `record` joins config.json (the
+    command line's config tree, under `cli`)."""
+    # Bad input ends here, before the run directory is created or anything compiles.
     compiled, batches = prepare(model, mesh, rules, config)
-    loop, data, ckpt = config.loop, config.data, config.checkpoint
+    data = config.data
     explicit_eval = bool(config.eval.eval_every) or config.eval.eval_data is not None
     held_out = eval_batches(
         config.eval, data, model.seq_len, model.vocab_size, compiled.batch_sharding, explicit_eval
@@ -146,7 +160,19 @@ def run(
             f"eval data {config.eval.eval_data} has a vocabulary of {held_out.vocab_size}, the "
             f"training data {batches.vocab_size}; evaluate on data of the same tokenizer"
         )
-    run_dir = pathlib.Path(loop.run_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
+    prepared = compiled, batches, held_out
+    run_dir = pathlib.Path(config.loop.run_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
+    # One trainer per run directory: a second is refused here, before anything compiles.
+    with RunLock(run_dir, jax.process_index()):
+        return _run(model, mesh, rules, config, prepared, run_dir, console, record)
+
+
+def _run(model, mesh, rules, config: RunConfig, prepared, run_dir, console, extra) -> dict:
+    console = console or Console(stderr=True)
+    if jax.process_index() != 0:
+        console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
+    compiled, batches, held_out = prepared
+    loop, data, ckpt = config.loop, config.data, config.checkpoint
     data_record = {
         "fingerprint": batches.fingerprint,
         "tokenizer": batches.tokenizer,
@@ -154,14 +180,19 @@ def run(
         "eos_id": batches.eos_id,
         "sources": batches.names,
     }
-    record = write_record(run_dir, model, mesh, rules, config, data_record)
+    # Checked against the checkpoint's record before anything is written or compiled.
+    record = write_record(run_dir, model, mesh, rules, config, data_record, extra, console)
     checkpointer = Checkpointer(run_dir / "checkpoints", ckpt.keep)
-    check_resume_data(checkpointer, data_record)
     shapes = param_shapes(compiled.abstract_state.params)
     ckpt_meta = {"config": record, "param_shapes": shapes, "mesh": dict(mesh.shape)}
     t_start = time.perf_counter()
+    ledger = Ledger()  # goodput: every second of this attempt, from its process's start
     state, start, restored = restore_or_init(checkpointer, compiled, shapes, run_dir, console)
-    log = MetricsLog(run_dir / "metrics.jsonl") if jax.process_index() == 0 else None
+    ledger.begin(start, run_dir / "metrics.jsonl")
+    log = None
+    if jax.process_index() == 0:
+        tb = TensorBoardLog(run_dir / "tb", first_step=start)
+        log = MetricsLog(run_dir / "metrics.jsonl", tb, stamp=ledger.fields)
     interval = Interval(ckpt, jax.device_count())
     if restored is not None:
         interval.last_saved = restored.step
@@ -169,7 +200,7 @@ def run(
     hw = loop.hardware if loop.hardware != "auto" else hardware.preset_name(jax.devices()[0])
     capture = Capture(run_dir, loop, compiled, global_shape, mesh, hw, console, log)
     watchdog = Watchdog(Console(stderr=True), loop.slow_step_factor)
-    timer = StepTimer(model, data, loop, start, capture, watchdog, log, console)
+    timer = StepTimer(model, data, loop, start, capture, watchdog, log, console, ledger)
     saves: list[float] = []
     mixture = np.zeros(len(batches.sources), np.int64)  # rows drawn per source, from step 0
     for s in range(start) if len(mixture) > 1 else ():
@@ -182,7 +213,8 @@ def run(
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         n = config.eval.eval_batches
-        loss = evaluate(compiled, state.params, held_out, range(n))
+        with ledger.part("eval"):
+            loss = evaluate(compiled, state.params, held_out, range(n))
         seconds = time.perf_counter() - t0
         timer.exclude(seconds)
         tokens = n * data.batch_size * model.seq_len
@@ -195,14 +227,16 @@ def run(
 
     def place(s: int) -> jax.Array:
         # Stage 1: each process hands over only its own rows; JAX assembles the global batch.
-        return jax.make_array_from_process_local_data(
-            compiled.batch_sharding, batches.batch(s), global_shape
-        )
+        with ledger.part("data"):
+            return jax.make_array_from_process_local_data(
+                compiled.batch_sharding, batches.batch(s), global_shape
+            )
 
     def save(s: int) -> None:
         # Stage 5. Wait for step s itself first: that wait is step time; the rest is the save's.
         jax.block_until_ready(state)
-        blocked = checkpointer.save(s, state, ckpt_meta)
+        with ledger.part("checkpoint"):
+            blocked = checkpointer.save(s, state, ckpt_meta)
         timer.exclude(blocked)  # the device idles while the loop is blocked: reported apart
         saves.append(blocked)
         if log:  # per save, so a run that is killed still leaves its save costs behind
@@ -235,6 +269,7 @@ def run(
     preempted = None
     pending: tuple[int, dict] | None = None
     stall = loop.stall()
+    ledger.mark("startup")
     with progress, PreemptionSignal() as signal_flag, watchdog:
         task = progress.add_task("compiling", total=loop.steps, completed=start)
         s = start
@@ -282,8 +317,10 @@ def run(
         if held_out is not None and not preempted and not last_eval and start < loop.steps:
             run_eval(loop.steps - 1)
     capture.close()
-    checkpointer.close()  # waits for the last save to commit
+    with ledger.part("checkpoint"):
+        checkpointer.close()  # waits for the last save to commit
     if log:
+        log.write({"event": "end"})  # the attempt's final accounting
         log.close()
     if preempted:
         console.print(
@@ -294,95 +331,7 @@ def run(
     summary = summarize(model, compiled, mesh, loop, start, preempted, timer, saves, wall)
     summary["run_dir"] = str(run_dir)
     if jax.process_index() == 0:
+        summary["goodput"] = totals(read_report(run_dir))  # over every attempt of the run
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print_summary(console, summary)
     return summary
-
-
-class StepTimer:
-    """Times each step from one finished step to the next, logs it, and feeds the watchdog.
-
-    Step s's interval ends when its scalars arrive, which blocks only until s is done: s+1 is
-    already queued. Time the loop spent blocked in a save is excluded (`exclude`)."""
-
-    def __init__(self, model, data, loop, start, capture, watchdog, log, console):
-        self.model, self.loop, self.start = model, loop, start
-        self.capture, self.watchdog, self.log, self.console = capture, watchdog, log, console
-        self.tokens_per_step = data.batch_size * model.seq_len
-        self.peak = hardware.peak_flops(jax.devices()[0], loop.peak_tflops)
-        self.step_times: list[float] = []  # steady-state steps only
-        self.records: list[dict] = []
-        self.extra: dict = {}  # logged with each record (the mixture's realised proportions)
-        self._t_prev = time.perf_counter()
-
-    def exclude(self, seconds: float) -> None:
-        self._t_prev += seconds
-
-    def p50(self) -> float | None:
-        return float(np.median(self.step_times)) if self.step_times else None
-
-    def throughput(self, step_time_s: float) -> dict:
-        return throughput(
-            step_time_s,
-            self.tokens_per_step,
-            self.model.flops_per_token,
-            jax.device_count(),
-            self.peak,
-        )
-
-    def finish(self, s: int, metrics: dict) -> dict:
-        values = {k: float(local_value(v)) for k, v in metrics.items()}
-        now = time.perf_counter()
-        dt, self._t_prev = now - self._t_prev, now
-        # The first step compiles, the second's interval holds warm-up, traced steps run
-        # synchronously: none of them is a steady-state step time.
-        traced = self.capture.traced(s) or self.capture.traced(s - 1)
-        if s >= self.start + 2 and not traced:
-            self.step_times.append(dt)
-        rec = {
-            "step": s,
-            **values,
-            "finite": bool(values["finite"]),
-            "step_time_s": dt,
-            **self.throughput(dt),
-            **self.extra,
-        }
-        self.records.append(rec)
-        # The recent median: bounded work per step, and it follows a run whose speed drifts.
-        recent = self.step_times[-100:]
-        self.watchdog.finished(s, float(np.median(recent)) if len(recent) >= 3 else None)
-        last = s == self.loop.steps - 1
-        if self.log and (s % self.loop.log_every == 0 or last or not rec["finite"]):
-            self.log.write(rec)
-            mfu = f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
-            self.console.print(
-                f"step {s:5d}  loss {rec['loss']:.4f}  grad_norm {rec['grad_norm']:.3f}  "
-                f"{dt * 1e3:7.1f} ms  {rec['tokens_per_s']:,.0f} tok/s{mfu}",
-                highlight=False,
-            )
-        return rec
-
-
-def summarize(model, compiled, mesh, loop, start, preempted, timer: StepTimer, saves, wall):
-    """summary.json: losses, step-time and save-cost distributions, throughput."""
-    records = timer.records
-    stats = distribution(timer.step_times)
-    steady = stats.get("p50") or (records[-1]["step_time_s"] if records else float("nan"))
-    return {
-        "model": model.name,
-        "params": compiled.num_params,
-        "mesh": dict(mesh.shape),
-        "steps": loop.steps,
-        "start_step": start,
-        "preempted_at": preempted and preempted[0],
-        "final_loss": records[-1]["loss"] if records else None,
-        "first_loss": records[0]["loss"] if records else None,
-        "skipped_steps": [r["step"] for r in records if not r["finite"]],
-        "step_time_s": stats,
-        "compile_and_first_step_s": records[0]["step_time_s"] if records else None,
-        "checkpoint_blocked_s": distribution(saves),
-        "checkpoint_blocked_total_s": sum(saves),
-        "checkpoint_fraction_of_wall": sum(saves) / wall,
-        "wall_s": wall,
-        **timer.throughput(steady),
-    }

@@ -31,6 +31,12 @@ PRESETS: dict[str, TransformerConfig] = {
 
 
 def get_model_config(name: str, **overrides) -> TransformerConfig:
+    """A preset with overrides, or `custom`: every size given in `overrides`."""
+    if name == "custom":
+        try:
+            return TransformerConfig(name="custom", **overrides)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"--model custom: {e}") from None
     if name not in PRESETS:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
     try:

@@ -207,7 +207,7 @@ def test_training_losses_with_eval_on_are_bitwise_those_with_eval_off(tmp_path, 
 def test_resume_on_other_data_is_refused_before_compiling(tmp_path, data_dir):
     _run(data_dir, tmp_path / "run", EvalConfig(eval_every=0), steps=2)
     other = make_data(tmp_path, "other", random_docs(300, 9))
-    with pytest.raises(ConfigError, match="trained on other data.*fingerprint"):
+    with pytest.raises(ConfigError, match="another model or data stream.*fingerprint"):
         _run(other, tmp_path / "run", EvalConfig(eval_every=0), steps=4)
 
 

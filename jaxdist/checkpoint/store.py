@@ -9,13 +9,23 @@ previous checkpoint, and the damaged one is renamed aside (`<step>.damaged`), ne
 
 Orbax commits atomically (write to a temporary directory, then rename), so a save cut short by
 a crash is never listed as a checkpoint.
+
+A full disk: before each save the free space is compared with the size of a checkpoint (the
+last one committed, or the state's bytes before there is one) and a warning given while there
+is still room. A save that fails for want of space (or another file-system error), whether at
+once or in Orbax's background thread (surfacing at the next save or wait), stops the run with
+one message (CheckpointWriteFailed): its partial directory is removed, and every checkpoint
+committed before stays for the rerun to resume from.
 """
 
 import concurrent.futures
 import dataclasses
+import errno
 import json
 import logging
+import os
 import pathlib
+import re
 import shutil
 import time
 from typing import Any, NamedTuple
@@ -26,10 +36,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxdist.checkpoint.recovery import TrainingStopped
 from jaxdist.cluster.join import local_value
 from jaxdist.errors import ConfigError
 
 log = logging.getLogger("jaxdist.checkpoint")
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's in-progress directories: <step>.orbax-checkpoint-tmp
 
 
 @jax.jit
@@ -43,6 +55,69 @@ def fingerprint(state) -> np.ndarray:
 
 class NonFiniteState(ValueError):
     """Raised inside a save's commit: a state holding NaN/Inf is never committed."""
+
+
+class CheckpointWriteFailed(TrainingStopped):
+    """A checkpoint could not be written (a full disk, mostly); the message says what to do.
+
+    Its partial directory is removed and the checkpoints committed before stay; the CLI prints
+    the message as one line and exits 1.
+    """
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+# TensorStore reports OS errors in its own exceptions' text, e.g. "[os_error_code='28']".
+_OS_ERROR_CODE = re.compile(r"os_error_code\W{0,3}(\d+)")
+
+
+def _write_errno(exc: BaseException | None) -> int | None:
+    """The OS error behind a failed write (errno), looked up along the exception's causes;
+    None when it is not a file-system error (a bug stays a bug, with its traceback)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno:
+            return exc.errno
+        code = _write_errno_in(str(exc))
+        if code is not None:
+            return code
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _write_errno_in(text: str) -> int | None:
+    match = _OS_ERROR_CODE.search(text)
+    if match:
+        return int(match.group(1))
+    for code in _FULL:
+        if os.strerror(code) in text:
+            return code
+    return None
+
+
+class _QuietWriteErrors(logging.Filter):
+    """Drops Orbax's own reports (each with a traceback) of a save that failed on a file-system
+    error: Checkpointer turns that error into one CheckpointWriteFailed message instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return _write_errno(exc) is None and _write_errno_in(record.getMessage()) is None
+
+
+_quiet_write_errors = _QuietWriteErrors()
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _dir_bytes(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 class _RecordHandler(ocp.JsonCheckpointHandler):
@@ -78,7 +153,11 @@ class Restored(NamedTuple):
 
 
 class Checkpointer:
-    """Async saves into `directory`, keeping the newest `keep`; restores with fallback."""
+    """Async saves into `directory`, keeping the newest `keep`; restores with fallback.
+
+    A save that cannot be written raises CheckpointWriteFailed, from save() when the write
+    fails at once, else from the next save(), wait() or close(), which wait for it.
+    """
 
     def __init__(self, directory: pathlib.Path, keep: int = 3):
         self.directory = directory.absolute()
@@ -91,6 +170,17 @@ class Checkpointer:
             ) from None
         self._manager = self._open(keep)
         self.keep = keep
+        self._pending: int | None = None  # the step of the save in flight, not yet committed
+        self._failed: CheckpointWriteFailed | None = None
+        self._size: int | None = None  # bytes of one committed checkpoint, measured once
+        self._estimate: int | None = None  # the state's bytes, until a checkpoint is measured
+        self._space_warned = 0  # the worst free-space condition warned of (0: none)
+        steps = self.steps()
+        if steps:
+            self._size = _dir_bytes(self.directory / str(steps[-1])) or None
+        # Orbax logs a failed background write from its threads, traceback and all, before
+        # save() or wait() here can turn it into one message.
+        logging.getLogger("absl").addFilter(_quiet_write_errors)
 
     def _open(self, keep: int) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(
@@ -113,34 +203,142 @@ class Checkpointer:
         for its cores) while the loop waits; it runs beside the next step instead.
         """
         t0 = time.perf_counter()
+        self.wait()  # the previous save: committed, refused as non-finite, or failed (raises)
+        self._check_space(state)
         fingerprint = concurrent.futures.Future()
         record = {**meta, "step": step, "fingerprint": fingerprint, "saved_at": time.time()}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=_RecordSave(record))
         try:
-            try:
-                self._manager.save(step, args=args, force=True)
-            except NonFiniteState as e:  # raised by the previous save's commit, not this one
-                log.warning("%s", e)
-                self._manager.reload()
-                self._manager.save(step, args=args, force=True)
+            self._manager.save(step, args=args, force=True)
+            self._pending = step
+        except Exception as e:
+            if _write_errno(e) is None:
+                raise
+            raise self._fail(step, e) from e
         finally:
             # Dispatched before the caller's next step can donate the state's buffers.
             fingerprint.set_result(_fingerprint(state))
         return time.perf_counter() - t0
 
     def wait(self) -> bool:
-        """Waits for the last save to commit; False if it was refused as non-finite."""
+        """Waits for the last save to commit; False if it was refused as non-finite.
+
+        Raises CheckpointWriteFailed if it could not be written (and again on every later
+        call: the run cannot go on saving)."""
+        if self._failed is not None:
+            raise self._failed
         try:
             self._manager.wait_until_finished()
         except NonFiniteState as e:
             log.warning("%s", e)
             self._manager.reload()
+            self._pending = None
             return False
+        except Exception as e:
+            if _write_errno(e) is None or self._pending is None:
+                raise
+            raise self._fail(self._pending, e) from e
+        if self._pending is not None and self._size is None:
+            self._size = _dir_bytes(self.directory / str(self._pending)) or None
+        self._pending = None
         return True
 
     def close(self) -> None:
-        self.wait()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()  # Orbax raises a failed save once per thread: not again here
+
+    def _needed(self, state=None) -> int | None:
+        """Bytes the next checkpoint takes: the last one's, or else the state's (the last
+        state given, when none is)."""
+        if self._size is not None:
+            return self._size
+        if state is not None:
+            self._estimate = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state))
+        return self._estimate
+
+    def _check_space(self, state) -> None:
+        """Warns, once per condition, while the next checkpoints still fit but not for long."""
+        needed = self._needed(state)
+        if not needed or jax.process_index() != 0:
+            return
+        free = shutil.disk_usage(self.directory).free
+        level = 2 if free < needed else 1 if free < 2 * needed else 0
+        if level > self._space_warned:
+            peak = (self.keep + 1) * needed
+            if level == 2:
+                log.warning(
+                    "only %s free in %s, less than the %s the next checkpoint needs: it will "
+                    "likely fail and stop the run (the checkpoints already written stay). Free "
+                    "space there now",
+                    _bytes(free),
+                    self.directory,
+                    _bytes(needed),
+                )
+            else:
+                log.warning(
+                    "only %s free in %s: room for one more checkpoint of %s; a save that does "
+                    "not fit stops the run. With --checkpoint-keep %d the run needs up to %s "
+                    "there (%d checkpoints during a save); free space there, or lower "
+                    "--checkpoint-keep",
+                    _bytes(free),
+                    self.directory,
+                    _bytes(needed),
+                    self.keep,
+                    _bytes(peak),
+                    self.keep + 1,
+                )
+        self._space_warned = level if level == 0 else max(level, self._space_warned)
+
+    def _fail(self, step: int, exc: BaseException) -> CheckpointWriteFailed:
+        """The one message for a save that could not be written, after removing its partial
+        directory (every process raises it; process 0 cleans up)."""
+        code = _write_errno(exc)
+        self._pending = None
+        if jax.process_index() == 0:
+            _remove_partial(self.directory, step)
+        self._manager.reload()
+        intact = self.steps()
+        free = shutil.disk_usage(self.directory).free
+        needed = self._needed()
+        kept = (
+            f"checkpoint{'s' * (len(intact) > 1)} {', '.join(map(str, intact))} "
+            f"{'are' if len(intact) > 1 else 'is'} intact; a rerun resumes from checkpoint "
+            f"{intact[-1]}"
+            if intact
+            else "no checkpoint was committed before it; a rerun starts from step 0"
+        )
+        if code in _FULL:
+            size = f", a checkpoint needs about {_bytes(needed)}" if needed else ""
+            short = f"at least {_bytes(needed - free)}" if needed and needed > free else "space"
+            oldest = (
+                f" (deleting the oldest checkpoint, {self.directory / str(intact[0])}, frees "
+                f"{_bytes(needed)})"
+                if len(intact) > 1 and needed
+                else ""
+            )
+            peak = (
+                f"; with --checkpoint-keep {self.keep} the run needs up to "
+                f"{_bytes((self.keep + 1) * needed)} there ({self.keep + 1} checkpoints during a "
+                "save), so lower --checkpoint-keep if that does not fit"
+                if needed
+                else ""
+            )
+            cause = f"{os.strerror(code).lower()} ({_bytes(free)} free there now{size})"
+            fix = f"Free {short} there{oldest}{peak}; then rerun the same command"
+        else:
+            first = str(exc).partition("\n")[0][:300]
+            cause = f"{os.strerror(code).lower()} ({first})"
+            fix = (
+                "Fix the file system that holds it (permissions, mount, hardware), then rerun "
+                "the same command"
+            )
+        self._failed = CheckpointWriteFailed(
+            f"checkpoint step {step} could not be written to {self.directory}: {cause}. Its "
+            f"partial directory was removed and {kept}. {fix}"
+        )
+        return self._failed
 
     def read_meta(self, step: int) -> dict:
         return json.loads((self.directory / str(step) / "meta" / "metadata").read_text())
@@ -190,6 +388,19 @@ class Checkpointer:
         self._manager.reload()
 
 
+def _remove_partial(directory: pathlib.Path, step: int) -> None:
+    """Removes what a failed save of `step` left. Its writer threads may still be ending, and
+    one can recreate a file just removed: retried for a moment."""
+    for _ in range(20):
+        partial = [p for p in directory.glob(f"{step}{TMP_SUFFIX}*") if p.is_dir()]
+        if not partial:
+            return
+        for p in partial:
+            shutil.rmtree(p, ignore_errors=True)
+        time.sleep(0.05)
+    log.warning("could not remove %s; the next run removes it", partial[0])
+
+
 def restore(run_dir: str | pathlib.Path, abstract_state) -> Restored | None:
     """The newest good checkpoint of a run, laid out as `abstract_state` says (the state of a
     step built for any mesh: `Compiled.abstract_state`), or None if the run has none."""
@@ -215,7 +426,7 @@ def list_checkpoints(directory: pathlib.Path) -> list[dict]:
     for path in sorted(directory.iterdir(), key=lambda p: (len(p.name), p.name)):
         if not path.is_dir():
             continue
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        size = _dir_bytes(path)
         row = {
             "name": path.name,
             "step": None,

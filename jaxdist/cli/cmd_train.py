@@ -18,6 +18,10 @@ from jaxdist.train import LoopConfig
 class Train(Common):
     """Train a model (the default: tiny on 8 fake CPU devices, embedded corpus)."""
 
+    config: str | None = None
+    """a YAML, TOML or JSON file holding this config tree (a run's config.json replays the
+    run); flags given beside it override it"""
+
     loop: tyro.conf.OmitArgPrefixes[LoopConfig] = LoopConfig()
     optim: tyro.conf.OmitArgPrefixes[OptimConfig] = OptimConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -59,7 +63,7 @@ def run(args: Train) -> int:
         return _compile_only(args, model, mesh, rules, vocab_size, eos_id)
     data = DataConfig(path=args.data, batch_size=args.batch_size, seed=args.loop.seed)
     config = loop.RunConfig(args.optim, data, args.step, args.loop, args.checkpoint, args.eval)
-    loop.run(model, mesh, rules, config)
+    loop.run(model, mesh, rules, config, record={"cli": dataclasses.asdict(args)})
     return 0
 
 

@@ -9,7 +9,17 @@ import sys
 
 import tyro
 
-from jaxdist.cli import cmd_bench, cmd_comm, cmd_data, cmd_eval, cmd_plan, cmd_runs, cmd_train
+from jaxdist.cli import (
+    cmd_bench,
+    cmd_comm,
+    cmd_data,
+    cmd_eval,
+    cmd_goodput,
+    cmd_plan,
+    cmd_runs,
+    cmd_train,
+    config_file,
+)
 from jaxdist.cli.cmd_launch import passthrough
 from jaxdist.errors import ConfigError
 
@@ -20,6 +30,7 @@ COMMANDS = {
     "comm": (cmd_comm.Comm, cmd_comm.run),
     "bench": (cmd_bench.Bench, cmd_bench.run),
     "checkpoints": (cmd_runs.Checkpoints, cmd_runs.checkpoints),
+    "goodput": (cmd_goodput.Goodput, cmd_goodput.goodput),
     "profile": (cmd_runs.Profile, cmd_runs.profile),
     "plan": (cmd_plan.Plan, cmd_plan.run),
 }
@@ -36,13 +47,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jaxdist: error: {e}", file=sys.stderr)
             return 2
 
-    args = tyro.extras.subcommand_cli_from_dict(
-        {name: kind for name, (kind, _) in COMMANDS.items()},
-        args=argv,
-        prog="jaxdist",
-        description="Also: jaxdist launch|slurm|k8s [options] -- train [train options] "
-        "(several processes on this host; a Slurm script; a Kubernetes JobSet).",
-    )
+    defaults = None
+    if argv and argv[0] == "train":
+        # --config FILE gives the defaults; the flags given beside it override them.
+        try:
+            path, _ = config_file.split_argv(argv[1:])
+            if path:
+                defaults = config_file.build(cmd_train.Train, config_file.read(path))
+        except ConfigError as e:
+            print(f"jaxdist: error: {e}", file=sys.stderr)
+            return 2
+    if defaults is not None:
+        args = tyro.cli(cmd_train.Train, default=defaults, args=argv[1:], prog="jaxdist train")
+    else:
+        args = tyro.extras.subcommand_cli_from_dict(
+            {name: kind for name, (kind, _) in COMMANDS.items()},
+            args=argv,
+            prog="jaxdist",
+            description="Also: jaxdist launch|slurm|k8s [options] -- train [train options] "
+            "(several processes on this host; a Slurm script; a Kubernetes JobSet).",
+        )
     command = next(fn for kind, fn in COMMANDS.values() if type(args) is kind)
     try:
         return command(args)

@@ -20,7 +20,10 @@ from models.presets import PRESETS as MODEL_PRESETS
 DEFAULT_CACHE = os.environ.get(
     "JAXDIST_COMPILE_CACHE", str(pathlib.Path.home() / ".cache" / "jaxdist" / "xla")
 )
-MODEL_HELP = f"model preset: {', '.join(MODEL_PRESETS)}"
+MODEL_HELP = (
+    f"model preset ({', '.join(MODEL_PRESETS)}), or custom (then give --style, --layers, "
+    "--d-model, --heads, --d-mlp, --seq-len, --vocab; --kv-heads defaults to --heads)"
+)
 MESH_HELP = (
     f"mesh preset ({', '.join(MESH_PRESETS)}) or inline axis=size list (data=2,fsdp=4); "
     "auto: cpu8 on CPU, fsdp over all devices on an accelerator"
@@ -31,8 +34,17 @@ HARDWARE_HELP = f"hardware preset: {', '.join(hardware.PRESETS)}; a TPU slice si
 @dataclasses.dataclass(frozen=True)
 class Common:
     model: Annotated[str, tyro.conf.arg(help=MODEL_HELP)] = "tiny"
+    style: Literal["gpt2", "llama"] | None = None
+    """model family: gpt2 (LayerNorm, GELU, learned positions) or llama (RMSNorm, SwiGLU,
+    RoPE); these size flags override a preset's, and define --model custom"""
     layers: int | None = None
-    """override the preset's layer count (e.g. to give a pipeline more layers to cut)"""
+    d_model: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    d_mlp: int | None = None
+    seq_len: int | None = None
+    vocab: int | None = None
+    """vocabulary (tokenized data replaces it with its own, padded to a multiple of 128)"""
     mesh: Annotated[str, tyro.conf.arg(help=MESH_HELP)] = "auto"
     devices: str = "auto"
     """cpu:N for N fake CPU devices; auto uses the accelerators present, else cpu:8"""
@@ -50,6 +62,56 @@ class Common:
     compile_cache: str = DEFAULT_CACHE
     """persistent XLA compilation cache directory, or off"""
 
+    def validate(self) -> None:
+        """Every field that can be wrong, before any device or compile: one message each."""
+        for attr, _ in (*_SIZES, ("batch_size", None)):
+            value = getattr(self, attr)
+            if value is not None and value < 1:
+                raise ConfigError(f"{_flag(attr)} {value} must be at least 1")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(
+                f"--capacity-factor: capacity factor {self.capacity_factor} must be > 0"
+            )
+        self.step.validate()
+        if self.model == "custom":
+            needed = ["style", *(a for a, _ in _SIZES if a != "kv_heads")]
+            missing = [_flag(a) for a in needed if getattr(self, a) is None]
+            if missing:
+                raise ConfigError(
+                    f"--model custom needs {', '.join(missing)}; e.g. --model custom --style "
+                    "llama --layers 24 --d-model 1024 --heads 16 --kv-heads 8 --d-mlp 4096 "
+                    "--seq-len 2048 --vocab 32000"
+                )
+        elif self.model not in MODEL_PRESETS:
+            raise ConfigError(
+                f"unknown model {self.model!r}; choose one of: {', '.join(MODEL_PRESETS)}, "
+                "or custom"
+            )
+
+    def model_overrides(self) -> dict:
+        """The style and size flags given, as TransformerConfig fields (a custom model's
+        kv heads default to its heads)."""
+        fields = {field: getattr(self, attr) for attr, field in (("style", "style"), *_SIZES)}
+        if self.model == "custom" and self.kv_heads is None:
+            fields["num_kv_heads"] = self.heads
+        return {k: v for k, v in fields.items() if v is not None}
+
+
+# The model-size flags: Common's field, and the TransformerConfig field it sets.
+_SIZES = (
+    ("layers", "num_layers"),
+    ("d_model", "d_model"),
+    ("heads", "num_heads"),
+    ("kv_heads", "num_kv_heads"),
+    ("d_mlp", "d_mlp"),
+    ("seq_len", "seq_len"),
+    ("vocab", "vocab_size"),
+)
+
+
+def _flag(attr: str) -> str:
+    return "--" + attr.replace("_", "-")
+
 
 def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | None = None):
     """Devices, mesh, rules and model config, all checked before anything compiles.
@@ -60,6 +122,8 @@ def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | 
     from jaxdist.mesh import build_mesh, parse_mesh, setup_devices
     from meshes.presets import STANDARD_RULES, get_mesh_preset
     from models.presets import get_model_config
+
+    args.validate()
 
     if profiling:
         # Op-level events in traces: XLA:CPU emits them only with this flag; on GPU, command
@@ -90,7 +154,7 @@ def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | 
         dtype = "float32" if platform == "cpu" else "bfloat16"
     moe = {}
     if args.capacity_factor is not None or args.dropless:
-        if not get_model_config(args.model).num_experts:
+        if args.model == "custom" or not get_model_config(args.model).num_experts:
             raise ConfigError(
                 f"--capacity-factor/--dropless apply to MoE models; {args.model} "
                 "has no experts (try --model tiny-moe)"
@@ -101,9 +165,9 @@ def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | 
     model_cfg = get_model_config(
         args.model,
         **moe,
+        **args.model_overrides(),
         compute_dtype=dtype,
         remat=args.remat,
-        **({"num_layers": args.layers} if args.layers else {}),
         # cuDNN's fused attention takes 16-bit inputs only.
         attention="cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla",
     )

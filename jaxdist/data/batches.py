@@ -10,6 +10,7 @@ stream. Sources: raw text as bytes (jaxdist.data.corpus), a tokenized directory 
 
 import copy
 import dataclasses
+import hashlib
 import pathlib
 from typing import NamedTuple
 
@@ -31,6 +32,12 @@ class DataConfig:
     JSONL file or directory read as bytes; default: the embedded corpus (Python's stdlib)"""
     batch_size: int = 16
     seed: int = 0
+
+    def validate(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size {self.batch_size} must be at least 1")
+        if self.seed < 0:
+            raise ConfigError(f"--seed {self.seed} must be >= 0")
 
 
 class Source(NamedTuple):
@@ -116,7 +123,8 @@ class TokenBatches:
             text = corpus.load_corpus(path)
             self.vocab_size, self.eos_id, self.tokenizer = BYTE_VOCAB, None, "raw-bytes"
             self.tokens_per_byte = 1.0
-            self.fingerprint = f"raw-bytes:{len(text)}"
+            # The text's own hash: the same text under another path is the same stream.
+            self.fingerprint = f"raw-bytes:{hashlib.sha256(text).hexdigest()[:16]}"
             data = np.frombuffer(text, np.uint8)
             raw = [("data", 1.0, corpus.ByteWindows(data, length))]
         if vocab_size < self.vocab_size:

@@ -1,0 +1,33 @@
+"""`jaxdist goodput`: where a run's wall-clock went, over every attempt (jaxdist.goodput)."""
+
+import dataclasses
+import json
+import pathlib
+
+import tyro
+
+
+@dataclasses.dataclass(frozen=True)
+class Goodput:
+    """Account for a run's time from its first start to its last record: productive steps,
+    compile, restore, checkpoints, recomputed steps, data, eval, startup, time between
+    attempts; goodput = productive / wall-clock."""
+
+    run_dir: tyro.conf.Positional[str]
+    json: bool = False
+    """print the accounting as JSON instead of a table"""
+    plot: str | None = None
+    """write a stacked bar per attempt to this PNG"""
+
+
+def goodput(args: Goodput) -> int:
+    from jaxdist import goodput as accounting
+
+    rep = accounting.read_report(pathlib.Path(args.run_dir))
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        accounting.print_report(rep)
+    if args.plot:
+        accounting.plot(rep, pathlib.Path(args.plot))
+    return 0

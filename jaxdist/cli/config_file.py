@@ -1,0 +1,130 @@
+"""`--config FILE`: a command's whole config tree from YAML, TOML or JSON, flags on top.
+
+The tree is the command's own dataclasses, nested as on the command line: top-level fields
+(`model`, `mesh`, `batch_size`, `data`, ...) and one table per component (`loop`, `optim`,
+`step`, `checkpoint`, `eval`, `cluster`), each key a field name:
+
+    model: tiny-llama
+    mesh: data=2,fsdp=2,tensor=2
+    batch_size: 16
+    data: data/mine
+    loop: {steps: 300, log_every: 10, seed: 0}
+    optim: {learning_rate: 0.003, schedule: cosine, weight_decay: 0.1}
+
+A run's `config.json` holds the tree it was started with under `cli`, so it is such a file:
+`jaxdist train --config runs/X/config.json` replays the run. Unknown keys and values of the
+wrong type are errors that name the key, never silently dropped.
+"""
+
+import dataclasses
+import difflib
+import json
+import pathlib
+import tomllib
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+from jaxdist.errors import ConfigError
+
+
+def read(path: str) -> dict:
+    """The tree in a config file (a run's config.json: the tree it was started with)."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass a .yaml, .toml or .json file")
+    text = p.read_text()
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            tree = yaml.safe_load(text)
+        elif p.suffix == ".toml":
+            tree = tomllib.loads(text)
+        elif p.suffix == ".json":
+            tree = json.loads(text)
+        else:
+            raise ConfigError(f"config file {path}: use a .yaml, .yml, .toml or .json name")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config file {path} does not parse: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {path} must hold a table of settings at the top")
+    if "cli" in tree and "versions" in tree:  # a run's config.json
+        if not isinstance(tree["cli"], dict):
+            raise ConfigError(f"{path} is a run record without a `cli` tree to replay")
+        return tree["cli"]
+    if "versions" in tree:
+        raise ConfigError(
+            f"{path} is a run record written by a script (jaxdist.fit), not by `jaxdist train`; "
+            "replay it with that script"
+        )
+    return tree
+
+
+def build(cls: type, tree: dict, where: str = "") -> Any:
+    """An instance of dataclass `cls` from `tree`, recursively; missing keys keep defaults."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    values = {}
+    for key, value in tree.items():
+        name = key.replace("-", "_")
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"config key {where}{key!r} is not a setting{hint}; known: {', '.join(fields)}"
+            )
+        values[name] = _value(hints[name], value, f"{where}{name}.")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config {where or 'file'}: {e}") from None
+
+
+def _value(kind, value, where: str):
+    key = where.rstrip(".")
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {key!r} must be a table of {kind.__name__} settings")
+        return build(kind, value, where)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _value(option, value, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"config key {key!r}: {value!r} is not a {kind}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"config key {key!r}: {value!r} is not one of {list(args)}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"config key {key!r} must be a list")
+        return tuple(_value(args[0], v, where) for v in value)
+    if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if kind in (int, str, bool) and type(value) is kind:
+        return value
+    if kind is typing.Any:
+        return value
+    raise ConfigError(f"config key {key!r}: {value!r} is not a {getattr(kind, '__name__', kind)}")
+
+
+def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
+    """`--config FILE` (or `--config=FILE`) taken out of a command line."""
+    rest, path = [], None
+    it = iter(argv)
+    for arg in it:
+        if arg == "--config":
+            path = next(it, None)
+            if path is None:
+                raise ConfigError("--config needs a file: --config run.yaml")
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return path, rest

@@ -1,0 +1,101 @@
+"""Step time as the loop sees it, without stalling the device: each step's interval, its
+throughput and MFU, the log line, the watchdog's feed, and the run's summary.json."""
+
+import time
+
+import jax
+import numpy as np
+
+from jaxdist import hardware
+from jaxdist.cluster.join import local_value
+from jaxdist.metrics import distribution, throughput
+
+
+class StepTimer:
+    """Times each step from one finished step to the next, logs it, and feeds the watchdog.
+
+    Step s's interval ends when its scalars arrive, which blocks only until s is done: s+1 is
+    already queued. Time the loop spent blocked in a save is excluded (`exclude`)."""
+
+    def __init__(self, model, data, loop, start, capture, watchdog, log, console, ledger):
+        self.model, self.loop, self.start, self.ledger = model, loop, start, ledger
+        self.capture, self.watchdog, self.log, self.console = capture, watchdog, log, console
+        self.tokens_per_step = data.batch_size * model.seq_len
+        self.peak = hardware.peak_flops(jax.devices()[0], loop.peak_tflops)
+        self.step_times: list[float] = []  # steady-state steps only
+        self.records: list[dict] = []
+        self.extra: dict = {}  # logged with each record (the mixture's realised proportions)
+        self._t_prev = time.perf_counter()
+
+    def exclude(self, seconds: float) -> None:
+        self._t_prev += seconds
+
+    def p50(self) -> float | None:
+        return float(np.median(self.step_times)) if self.step_times else None
+
+    def throughput(self, step_time_s: float) -> dict:
+        return throughput(
+            step_time_s,
+            self.tokens_per_step,
+            self.model.flops_per_token,
+            jax.device_count(),
+            self.peak,
+        )
+
+    def finish(self, s: int, metrics: dict) -> dict:
+        values = {k: float(local_value(v)) for k, v in metrics.items()}
+        now = time.perf_counter()
+        dt, self._t_prev = now - self._t_prev, now
+        self.ledger.step(s)
+        # The first step compiles, the second's interval holds warm-up, traced steps run
+        # synchronously: none of them is a steady-state step time.
+        traced = self.capture.traced(s) or self.capture.traced(s - 1)
+        if s >= self.start + 2 and not traced:
+            self.step_times.append(dt)
+        rec = {
+            "step": s,
+            **values,
+            "finite": bool(values["finite"]),
+            "step_time_s": dt,
+            **self.throughput(dt),
+            **self.extra,
+        }
+        self.records.append(rec)
+        # The recent median: bounded work per step, and it follows a run whose speed drifts.
+        recent = self.step_times[-100:]
+        self.watchdog.finished(s, float(np.median(recent)) if len(recent) >= 3 else None)
+        last = s == self.loop.steps - 1
+        if self.log and (s % self.loop.log_every == 0 or last or not rec["finite"]):
+            self.log.write(rec)
+            mfu = f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
+            self.console.print(
+                f"step {s:5d}  loss {rec['loss']:.4f}  grad_norm {rec['grad_norm']:.3f}  "
+                f"{dt * 1e3:7.1f} ms  {rec['tokens_per_s']:,.0f} tok/s{mfu}",
+                highlight=False,
+            )
+        return rec
+
+
+def summarize(model, compiled, mesh, loop, start, preempted, timer: StepTimer, saves, wall):
+    """summary.json: losses, step-time and save-cost distributions, throughput."""
+    records = timer.records
+    stats = distribution(timer.step_times)
+    steady = stats.get("p50") or (records[-1]["step_time_s"] if records else float("nan"))
+    return {
+        "model": model.name,
+        "params": compiled.num_params,
+        "mesh": dict(mesh.shape),
+        "steps": loop.steps,
+        "start_step": start,
+        "preempted_at": preempted and preempted[0],
+        "final_loss": records[-1]["loss"] if records else None,
+        "first_loss": records[0]["loss"] if records else None,
+        "skipped_steps": [r["step"] for r in records if not r["finite"]],
+        "step_time_s": stats,
+        "compile_and_first_step_s": records[0]["step_time_s"] if records else None,
+        "checkpoint_blocked_s": distribution(saves),
+        "checkpoint_blocked_total_s": sum(saves),
+        "checkpoint_fraction_of_wall": sum(saves) / wall,
+        "wall_s": wall,
+        **timer.throughput(steady),
+    }
