@@ -21,12 +21,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxdist.checkpoint.lock import RunLock
-from jaxdist.checkpoint.store import (
-    Checkpointer,
-    CheckpointWriteFailed,
-    _QuietWriteErrors,
-    _write_errno,
-)
+from jaxdist.checkpoint.store import Checkpointer
+from jaxdist.checkpoint.writefail import CheckpointWriteFailed, QuietWriteErrors, write_errno
 from jaxdist.errors import ConfigError
 from jaxdist.metrics import read_metrics
 from tests.helpers import cli, cli_popen, losses, tiny_train
@@ -149,18 +145,18 @@ def test_write_errors_are_recognised_and_only_theirs_are_silenced():
         'RESOURCE_EXHAUSTED: Error writing "x" in OCDBT database: Failed to write 1289424 '
         "bytes to file 5: No space left on device [os_error_code='28']"
     )
-    assert _write_errno(ts) == errno.ENOSPC
+    assert write_errno(ts) == errno.ENOSPC
     wrapped = RuntimeError("commit failed")
     wrapped.__cause__ = ts
-    assert _write_errno(wrapped) == errno.ENOSPC
-    assert _write_errno(OSError(errno.EDQUOT, "quota")) == errno.EDQUOT
-    assert _write_errno(TypeError("a bug")) is None
+    assert write_errno(wrapped) == errno.ENOSPC
+    assert write_errno(OSError(errno.EDQUOT, "quota")) == errno.EDQUOT
+    assert write_errno(TypeError("a bug")) is None
 
     def record(msg, exc, path="/site-packages/orbax/checkpoint/x.py"):
         info = (type(exc), exc, None) if exc else None
         return logging.LogRecord("absl", logging.ERROR, path, 1, msg, (), info)
 
-    quiet = _QuietWriteErrors()
+    quiet = QuietWriteErrors()
     assert not quiet.filter(record("Save Finalize thread failed.", ts))
     assert not quiet.filter(record(f"raised an exception: {ts}", None))
     assert quiet.filter(record("Save Finalize thread failed.", TypeError("a bug")))

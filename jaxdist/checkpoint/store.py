@@ -20,12 +20,10 @@ committed before stays for the rerun to resume from.
 
 import concurrent.futures
 import dataclasses
-import errno
 import json
 import logging
 import os
 import pathlib
-import re
 import shutil
 import time
 from typing import Any, NamedTuple
@@ -36,12 +34,19 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxdist.checkpoint.recovery import TrainingStopped
+from jaxdist.checkpoint.writefail import (
+    FULL,
+    CheckpointWriteFailed,
+    dir_bytes,
+    human_bytes,
+    quiet_write_errors,
+    remove_partial,
+    write_errno,
+)
 from jaxdist.cluster.join import local_value
 from jaxdist.errors import ConfigError
 
 log = logging.getLogger("jaxdist.checkpoint")
-TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's in-progress directories: <step>.orbax-checkpoint-tmp
 
 
 @jax.jit
@@ -55,69 +60,6 @@ def fingerprint(state) -> np.ndarray:
 
 class NonFiniteState(ValueError):
     """Raised inside a save's commit: a state holding NaN/Inf is never committed."""
-
-
-class CheckpointWriteFailed(TrainingStopped):
-    """A checkpoint could not be written (a full disk, mostly); the message says what to do.
-
-    Its partial directory is removed and the checkpoints committed before stay; the CLI prints
-    the message as one line and exits 1.
-    """
-
-
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-# TensorStore reports OS errors in its own exceptions' text, e.g. "[os_error_code='28']".
-_OS_ERROR_CODE = re.compile(r"os_error_code\W{0,3}(\d+)")
-
-
-def _write_errno(exc: BaseException | None) -> int | None:
-    """The OS error behind a failed write (errno), looked up along the exception's causes;
-    None when it is not a file-system error (a bug stays a bug, with its traceback)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno:
-            return exc.errno
-        code = _write_errno_in(str(exc))
-        if code is not None:
-            return code
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def _write_errno_in(text: str) -> int | None:
-    match = _OS_ERROR_CODE.search(text)
-    if match:
-        return int(match.group(1))
-    for code in _FULL:
-        if os.strerror(code) in text:
-            return code
-    return None
-
-
-class _QuietWriteErrors(logging.Filter):
-    """Drops Orbax's own reports (each with a traceback) of a save that failed on a file-system
-    error: Checkpointer turns that error into one CheckpointWriteFailed message instead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
-            return True
-        exc = record.exc_info[1] if record.exc_info else None
-        return _write_errno(exc) is None and _write_errno_in(record.getMessage()) is None
-
-
-_quiet_write_errors = _QuietWriteErrors()
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _dir_bytes(path: pathlib.Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 class _RecordHandler(ocp.JsonCheckpointHandler):
@@ -177,10 +119,10 @@ class Checkpointer:
         self._space_warned = 0  # the worst free-space condition warned of (0: none)
         steps = self.steps()
         if steps:
-            self._size = _dir_bytes(self.directory / str(steps[-1])) or None
+            self._size = dir_bytes(self.directory / str(steps[-1])) or None
         # Orbax logs a failed background write from its threads, traceback and all, before
         # save() or wait() here can turn it into one message.
-        logging.getLogger("absl").addFilter(_quiet_write_errors)
+        logging.getLogger("absl").addFilter(quiet_write_errors)
 
     def _open(self, keep: int) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(
@@ -212,7 +154,7 @@ class Checkpointer:
             self._manager.save(step, args=args, force=True)
             self._pending = step
         except Exception as e:
-            if _write_errno(e) is None:
+            if write_errno(e) is None:
                 raise
             raise self._fail(step, e) from e
         finally:
@@ -235,11 +177,11 @@ class Checkpointer:
             self._pending = None
             return False
         except Exception as e:
-            if _write_errno(e) is None or self._pending is None:
+            if write_errno(e) is None or self._pending is None:
                 raise
             raise self._fail(self._pending, e) from e
         if self._pending is not None and self._size is None:
-            self._size = _dir_bytes(self.directory / str(self._pending)) or None
+            self._size = dir_bytes(self.directory / str(self._pending)) or None
         self._pending = None
         return True
 
@@ -272,9 +214,9 @@ class Checkpointer:
                     "only %s free in %s, less than the %s the next checkpoint needs: it will "
                     "likely fail and stop the run (the checkpoints already written stay). Free "
                     "space there now",
-                    _bytes(free),
+                    human_bytes(free),
                     self.directory,
-                    _bytes(needed),
+                    human_bytes(needed),
                 )
             else:
                 log.warning(
@@ -282,11 +224,11 @@ class Checkpointer:
                     "not fit stops the run. With --checkpoint-keep %d the run needs up to %s "
                     "there (%d checkpoints during a save); free space there, or lower "
                     "--checkpoint-keep",
-                    _bytes(free),
+                    human_bytes(free),
                     self.directory,
-                    _bytes(needed),
+                    human_bytes(needed),
                     self.keep,
-                    _bytes(peak),
+                    human_bytes(peak),
                     self.keep + 1,
                 )
         self._space_warned = level if level == 0 else max(level, self._space_warned)
@@ -294,10 +236,10 @@ class Checkpointer:
     def _fail(self, step: int, exc: BaseException) -> CheckpointWriteFailed:
         """The one message for a save that could not be written, after removing its partial
         directory (every process raises it; process 0 cleans up)."""
-        code = _write_errno(exc)
+        code = write_errno(exc)
         self._pending = None
         if jax.process_index() == 0:
-            _remove_partial(self.directory, step)
+            remove_partial(self.directory, step)
         self._manager.reload()
         intact = self.steps()
         free = shutil.disk_usage(self.directory).free
@@ -309,23 +251,25 @@ class Checkpointer:
             if intact
             else "no checkpoint was committed before it; a rerun starts from step 0"
         )
-        if code in _FULL:
-            size = f", a checkpoint needs about {_bytes(needed)}" if needed else ""
-            short = f"at least {_bytes(needed - free)}" if needed and needed > free else "space"
+        if code in FULL:
+            size = f", a checkpoint needs about {human_bytes(needed)}" if needed else ""
+            short = (
+                f"at least {human_bytes(needed - free)}" if needed and needed > free else "space"
+            )
             oldest = (
                 f" (deleting the oldest checkpoint, {self.directory / str(intact[0])}, frees "
-                f"{_bytes(needed)})"
+                f"{human_bytes(needed)})"
                 if len(intact) > 1 and needed
                 else ""
             )
             peak = (
                 f"; with --checkpoint-keep {self.keep} the run needs up to "
-                f"{_bytes((self.keep + 1) * needed)} there ({self.keep + 1} checkpoints during a "
-                "save), so lower --checkpoint-keep if that does not fit"
+                f"{human_bytes((self.keep + 1) * needed)} there ({self.keep + 1} checkpoints "
+                "during a save), so lower --checkpoint-keep if that does not fit"
                 if needed
                 else ""
             )
-            cause = f"{os.strerror(code).lower()} ({_bytes(free)} free there now{size})"
+            cause = f"{os.strerror(code).lower()} ({human_bytes(free)} free there now{size})"
             fix = f"Free {short} there{oldest}{peak}; then rerun the same command"
         else:
             first = str(exc).partition("\n")[0][:300]
@@ -388,19 +332,6 @@ class Checkpointer:
         self._manager.reload()
 
 
-def _remove_partial(directory: pathlib.Path, step: int) -> None:
-    """Removes what a failed save of `step` left. Its writer threads may still be ending, and
-    one can recreate a file just removed: retried for a moment."""
-    for _ in range(20):
-        partial = [p for p in directory.glob(f"{step}{TMP_SUFFIX}*") if p.is_dir()]
-        if not partial:
-            return
-        for p in partial:
-            shutil.rmtree(p, ignore_errors=True)
-        time.sleep(0.05)
-    log.warning("could not remove %s; the next run removes it", partial[0])
-
-
 def restore(run_dir: str | pathlib.Path, abstract_state) -> Restored | None:
     """The newest good checkpoint of a run, laid out as `abstract_state` says (the state of a
     step built for any mesh: `Compiled.abstract_state`), or None if the run has none."""
@@ -426,7 +357,7 @@ def list_checkpoints(directory: pathlib.Path) -> list[dict]:
     for path in sorted(directory.iterdir(), key=lambda p: (len(p.name), p.name)):
         if not path.is_dir():
             continue
-        size = _dir_bytes(path)
+        size = dir_bytes(path)
         row = {
             "name": path.name,
             "step": None,

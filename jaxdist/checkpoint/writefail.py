@@ -1,0 +1,92 @@
+"""A checkpoint that cannot be written (a full disk, mostly): telling a file-system failure from
+a bug, keeping Orbax's threads from printing it as tracebacks, and removing what it left.
+Checkpointer (jaxdist.checkpoint.store) turns such a failure into one CheckpointWriteFailed."""
+
+import errno
+import logging
+import os
+import pathlib
+import re
+import shutil
+import time
+
+from jaxdist.checkpoint.recovery import TrainingStopped
+
+log = logging.getLogger("jaxdist.checkpoint")
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's in-progress directories: <step>.orbax-checkpoint-tmp
+
+
+class CheckpointWriteFailed(TrainingStopped):
+    """A checkpoint could not be written (a full disk, mostly); the message says what to do.
+
+    Its partial directory is removed and the checkpoints committed before stay; the CLI prints
+    the message as one line and exits 1.
+    """
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+# TensorStore reports OS errors in its own exceptions' text, e.g. "[os_error_code='28']".
+_OS_ERROR_CODE = re.compile(r"os_error_code\W{0,3}(\d+)")
+
+
+def write_errno(exc: BaseException | None) -> int | None:
+    """The OS error behind a failed write (errno), looked up along the exception's causes;
+    None when it is not a file-system error (a bug stays a bug, with its traceback)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno:
+            return exc.errno
+        code = _write_errno_in(str(exc))
+        if code is not None:
+            return code
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _write_errno_in(text: str) -> int | None:
+    match = _OS_ERROR_CODE.search(text)
+    if match:
+        return int(match.group(1))
+    for code in FULL:
+        if os.strerror(code) in text:
+            return code
+    return None
+
+
+class QuietWriteErrors(logging.Filter):
+    """Drops Orbax's own reports (each with a traceback) of a save that failed on a file-system
+    error: Checkpointer turns that error into one CheckpointWriteFailed message instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return write_errno(exc) is None and _write_errno_in(record.getMessage()) is None
+
+
+quiet_write_errors = QuietWriteErrors()
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def dir_bytes(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def remove_partial(directory: pathlib.Path, step: int) -> None:
+    """Removes what a failed save of `step` left. Its writer threads may still be ending, and
+    one can recreate a file just removed: retried for a moment."""
+    for _ in range(20):
+        partial = [p for p in directory.glob(f"{step}{TMP_SUFFIX}*") if p.is_dir()]
+        if not partial:
+            return
+        for p in partial:
+            shutil.rmtree(p, ignore_errors=True)
+        time.sleep(0.05)
+    log.warning("could not remove %s; the next run removes it", partial[0])
