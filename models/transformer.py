@@ -8,6 +8,10 @@ Attention weights are fused per kv group, Megatron's GQA layout: wqkv is [D, G, 
 (each group's query heads, then its key and its value head), so splitting G over devices keeps
 every group whole, and the input gradient of Q, K and V is one partial sum, not three.
 
+Options Hugging Face's GPT-2 and Llama checkpoints need (models/hf.py), off in the presets:
+biases on every attention and MLP linear layer (bias_*), and a head tied to the token embedding
+(no head_DV: the logits use tok_embed_VD transposed, so its gradient sums both uses).
+
 Layers are stored stacked along L and run with `lax.scan`, so compile time does not grow with
 depth and every per-layer weight carries the `layers` logical axis.
 
@@ -45,6 +49,12 @@ class TransformerConfig:
     seq_len: int
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
+    # Biases on the attention (QKV, output) and MLP linear layers: GPT-2 has both, Llama
+    # neither by default (its attention_bias / mlp_bias). The presets keep them off.
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    # The output head is the token embedding transposed (GPT-2, small Llamas): no head_DV.
+    tie_embeddings: bool = False
     compute_dtype: str = "float32"
     # none: keep all activations; full: recompute each layer in backward; dots: keep matmuls.
     remat: Literal["none", "full", "dots"] = "none"
@@ -64,6 +74,8 @@ class TransformerConfig:
                 raise ConfigError(f"top-k {self.top_k} must lie in [1, {self.num_experts} experts]")
             if self.capacity_factor <= 0:
                 raise ConfigError(f"capacity factor {self.capacity_factor} must be > 0")
+            if self.mlp_bias:
+                raise ConfigError("MLP biases with MoE layers are not supported; drop mlp_bias")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model {self.d_model} not divisible by heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
@@ -95,6 +107,8 @@ class TransformerConfig:
             for k, s in shapes.items()
             if len(s) >= 3 or k == "head_DV"
         )
+        if self.tie_embeddings:  # the head's matmul is there, its weight is the embedding's
+            n += self.d_model * self.vocab_size
         return 6 * n + 12 * self.num_layers * self.d_model * self.seq_len
 
 
@@ -119,6 +133,14 @@ def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
         "w_up_LDF": (L, D, F),
         "w_down_LFD": (L, F, D),
     }
+    if c.tie_embeddings:
+        del shapes["head_DV"]
+    if c.attention_bias:
+        shapes |= {"bias_qkv_LGQH": (L, G, N // G + 2, H), "bias_o_LD": (L, D)}
+    if c.mlp_bias:
+        shapes |= {"bias_up_LF": (L, F), "bias_down_LD": (L, D)}
+        if c.style == "llama":
+            shapes["bias_gate_LF"] = (L, F)
     if c.num_experts:
         for k in ("w_up_LDF", "w_down_LFD"):
             del shapes[k]
@@ -150,6 +172,11 @@ _LOGICAL = {
     "w_up_LDF": ("layers", "embed", "mlp"),
     "w_gate_LDF": ("layers", "embed", "mlp"),
     "w_down_LFD": ("layers", "mlp", "embed"),
+    "bias_qkv_LGQH": ("layers", "kv_heads", "qkv", "head_dim"),
+    "bias_o_LD": ("layers", "embed"),
+    "bias_up_LF": ("layers", "mlp"),
+    "bias_gate_LF": ("layers", "mlp"),
+    "bias_down_LD": ("layers", "embed"),
     **MOE_LOGICAL,
 }
 
@@ -246,8 +273,15 @@ def logits(c: TransformerConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
         _cast(c, "norm_f_scale_D", p["norm_f_scale_D"]),
         _cast(c, "norm_f_bias_D", p["norm_f_bias_D"]) if "norm_f_bias_D" in p else None,
     )
-    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, _cast(c, "head_DV", p["head_DV"]))
+    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_weight(c, p))
     return constrain(logits_BTV, ("batch", "seq", "vocab"))
+
+
+def head_weight(c: TransformerConfig, p: dict) -> jax.Array:
+    """The output head [D, V] in the compute dtype: its own weight, or the embedding's."""
+    if c.tie_embeddings:
+        return constrain(_cast(c, "tok_embed_VD", p["tok_embed_VD"]).T, _LOGICAL["head_DV"])
+    return _cast(c, "head_DV", p["head_DV"])
 
 
 def _norm(c: TransformerConfig, x_BTD, scale_D, bias_D):
@@ -309,10 +343,10 @@ def _block(c: TransformerConfig, x_BTD, w, positions_BT, mask_B1TS):
     w = {k: v if k in EXPERT_WEIGHTS else constrain(v, _LOGICAL[k][1:]) for k, v in w.items()}
     B, T, _ = x_BTD.shape
     h_BTD = _norm(c, x_BTD, w["norm1_scale_LD"], w.get("norm1_bias_LD"))
-    qkv_BTGQH = constrain(
-        jnp.einsum("btd,dgqh->btgqh", h_BTD, w["wqkv_LDGQH"]),
-        ("batch", "seq", "kv_heads", "qkv", "head_dim"),
-    )
+    qkv_BTGQH = jnp.einsum("btd,dgqh->btgqh", h_BTD, w["wqkv_LDGQH"])
+    if c.attention_bias:
+        qkv_BTGQH = qkv_BTGQH + w["bias_qkv_LGQH"]
+    qkv_BTGQH = constrain(qkv_BTGQH, ("batch", "seq", "kv_heads", "qkv", "head_dim"))
     q_per_group = c.num_heads // c.num_kv_heads
     # Head n of the query is head n % (N/G) of group n // (N/G), as jax's GQA expects.
     q_BTNH = qkv_BTGQH[:, :, :, :q_per_group].reshape(B, T, c.num_heads, c.head_dim)
@@ -322,22 +356,21 @@ def _block(c: TransformerConfig, x_BTD, w, positions_BT, mask_B1TS):
         q_BTNH, k_BTGH = _rope(c, q_BTNH, positions_BT), _rope(c, k_BTGH, positions_BT)
     attn_BTNH = _attention(c, q_BTNH, k_BTGH, v_BTGH, mask_B1TS)
     attn_BTNH = constrain(attn_BTNH, ("batch", "seq", "heads", "head_dim"))
-    x_BTD = x_BTD + constrain(
-        jnp.einsum("btnh,nhd->btd", attn_BTNH, w["wo_LNHD"]), ("batch", "seq", "embed")
-    )
+    out_BTD = jnp.einsum("btnh,nhd->btd", attn_BTNH, w["wo_LNHD"])
+    if c.attention_bias:
+        out_BTD = out_BTD + w["bias_o_LD"]
+    x_BTD = x_BTD + constrain(out_BTD, ("batch", "seq", "embed"))
 
     h_BTD = _norm(c, x_BTD, w["norm2_scale_LD"], w.get("norm2_bias_LD"))
     if c.num_experts:
         y_BTD, aux = moe.moe_mlp(c, h_BTD, w)
         return x_BTD + constrain(y_BTD, ("batch", "seq", "embed")), aux
-    up_BTF = jnp.einsum("btd,df->btf", h_BTD, w["w_up_LDF"])
+    up_BTF = jnp.einsum("btd,df->btf", h_BTD, w["w_up_LDF"]) + w.get("bias_up_LF", 0)
     if c.style == "llama":
-        gate_BTF = jnp.einsum("btd,df->btf", h_BTD, w["w_gate_LDF"])
+        gate_BTF = jnp.einsum("btd,df->btf", h_BTD, w["w_gate_LDF"]) + w.get("bias_gate_LF", 0)
         up_BTF = jax.nn.silu(gate_BTF) * up_BTF
     else:
         up_BTF = jax.nn.gelu(up_BTF, approximate=True)
     up_BTF = constrain(up_BTF, ("batch", "seq", "mlp"))
-    x_BTD = x_BTD + constrain(
-        jnp.einsum("btf,fd->btd", up_BTF, w["w_down_LFD"]), ("batch", "seq", "embed")
-    )
-    return x_BTD, {}
+    down_BTD = jnp.einsum("btf,fd->btd", up_BTF, w["w_down_LFD"]) + w.get("bias_down_LD", 0)
+    return x_BTD + constrain(down_BTD, ("batch", "seq", "embed")), {}

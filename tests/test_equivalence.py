@@ -37,8 +37,10 @@ def _grads(compiled, mesh, graphdef, state, batch):
     return jax.device_get(grads(state.params, batch))
 
 
-def _run(layout, model="tiny", microbatches=1):
-    mc, mesh, compiled = compiled_for(layout, model, microbatches=microbatches, steps=STEPS)
+def _run(layout, model="tiny", microbatches=1, overrides=()):
+    mc, mesh, compiled = compiled_for(
+        layout, model, microbatches=microbatches, steps=STEPS, **dict(overrides)
+    )
     data = TokenBatches(DataConfig(batch_size=16), mc.seq_len, mc.vocab_size)
     from models.transformer import Transformer
 
@@ -55,8 +57,8 @@ def _run(layout, model="tiny", microbatches=1):
 
 
 @functools.cache
-def _reference(model, microbatches=1):
-    _, _, _, state, losses, grads0 = (None, *_run("single", model, microbatches))
+def _reference(model, microbatches=1, overrides=()):
+    _, _, _, state, losses, grads0 = (None, *_run("single", model, microbatches, overrides))
     return jax.device_get(state.params), losses, grads0
 
 
@@ -80,6 +82,21 @@ def test_llama_variant_and_accumulation_match_single_device():
     ref_params, ref_losses, ref_grads = _reference("tiny-llama", microbatches=2)
     _, _, state, losses, grads0 = _run("fsdp=4,tensor=2", "tiny-llama", microbatches=2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _assert_close(grads0, ref_grads, rtol=1e-4, atol=1e-6)
+    _assert_close(jax.device_get(state.params), ref_params, rtol=1e-4, atol=1e-5)
+
+
+# What Hugging Face's GPT-2 and Llama variants need (models/hf.py): linear biases, a head tied
+# to the embedding. The tied weight's gradient is the sum of its two uses, on every layout.
+@pytest.mark.parametrize("model", ["tiny", pytest.param("tiny-llama", marks=SLOW)])
+def test_biases_and_tied_embeddings_match_single_device(model):
+    overrides = (("attention_bias", True), ("mlp_bias", True), ("tie_embeddings", True))
+    ref_params, ref_losses, ref_grads = _reference(model, overrides=overrides)
+    _, _, state, losses, grads0 = _run("data=2,fsdp=2,tensor=2", model, overrides=overrides)
+    assert "head_DV" not in ref_params and "bias_qkv_LGQH" in ref_params
+    assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(ref_grads["bias_o_LD"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[-1] < losses[0]
     _assert_close(grads0, ref_grads, rtol=1e-4, atol=1e-6)
     _assert_close(jax.device_get(state.params), ref_params, rtol=1e-4, atol=1e-5)
 
