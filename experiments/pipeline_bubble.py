@@ -1,7 +1,7 @@
 """Pipeline bubble and activation memory, measured against theory.
 
     python experiments/pipeline_bubble.py    # tiny, 8 layers, pipeline=4,data=2; ~5 min on 2 cores
-    python experiments/pipeline_bubble.py --multiples 1,2 --out /tmp/bubble   # m = p, 2p only
+    python experiments/pipeline_bubble.py --multiples 1,2 --out bubble-results   # m = p, 2p only
 
 For p = 4 stages and m in {p, 2p, 4p, 8p} microbatches, for GPipe, 1F1B and interleaved 1F1B
 with v = 2 virtual stages: the bubble the textbook predicts, (p-1)/(vm+p-1) of the ticks (v = 1
@@ -10,6 +10,10 @@ the profile parser measures it (per device, averaged); and the temporary memory 
 analysis reports for the compiled step. 1F1B should hold its memory flat as m grows (at most p
 microbatch inputs per stage) while GPipe's grows with m; interleaved should halve the bubble
 for more buffered inputs. Ticks are v times shorter when interleaved (a chunk, not a stage).
+Beside the bubble, the communication of the compiled step (its HLO, each branch of the tick
+counted on the ticks that run it): the pipeline's permutes per tick, both ways, idle ticks
+included, and the bytes the stage's weights move over the batch axes, once per step (the
+gradient reduction of jaxdist.parallel.stage_weights), with the count of those collectives.
 Writes experiments/results/pipeline_bubble.json and .png.
 """
 
@@ -40,7 +44,9 @@ def main() -> None:
     from jaxdist.data import DataConfig, TokenBatches
     from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.parallel.pipeline import branch_share
     from jaxdist.parallel.schedules import make_schedule
+    from jaxdist.planning import hlo
     from jaxdist.profiling.breakdown import breakdown
     from jaxdist.profiling.xplane import load
     from jaxdist.step import StepConfig, build
@@ -86,6 +92,9 @@ def main() -> None:
                 np.mean([(r["idle_s"] + r["comm_exposed_s"]) / r["step_s"] for r in rep["steps"]])
             )
             sched = make_schedule(schedule, p, m, v)
+            found = hlo.collectives(exe.as_text(), dict(mesh.shape), branch_share(sched))
+            permutes = [x for x in found if x.kind == "collective-permute"]
+            weights = [x for x in found if "data" in x.axes and x.bytes > 64]  # not scalars
             rows.append(
                 {
                     "schedule": schedule,
@@ -100,6 +109,11 @@ def main() -> None:
                     # buffer slots per stage (stash): v chunks x capacity each
                     "inputs_held": v * sched.capacity,
                     "step_s": rep["summary"]["mean_per_device"]["step_s"],
+                    "ticks": sched.ticks,
+                    "permute_bytes_per_tick": sum(x.bytes * x.executions for x in permutes)
+                    / sched.ticks,
+                    "weight_bytes_per_step": sum(x.bytes * x.executions for x in weights),
+                    "weight_collectives_per_step": sum(x.executions for x in weights),
                 }
             )
             print(json.dumps(rows[-1]))

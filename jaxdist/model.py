@@ -8,6 +8,12 @@ positions) only when rows are packed documents and document masking is on; the m
 keeps every document to itself (no attention or mixing across a boundary, positions restarting
 at each). Otherwise it calls `model(tokens_BT)`: one causal sequence per row. models/ supplies
 specs for its presets; a script may supply its own (see experiments/own_model.py).
+
+Optional, for memory: `model.features(tokens_BT, docs=None) -> (h_BTD, head_DV, aux)`, the last
+hidden state and the output head (logits = h_BTD @ head_DV). A model that has it gets the fused
+cross-entropy (jaxdist.fused_loss: the logits computed chunk by chunk, never whole in memory);
+one that has not is called for its logits. Optional, for pipeline parallelism:
+`model.stages()` (jaxdist.parallel.pipeline.Stages).
 """
 
 from collections.abc import Callable

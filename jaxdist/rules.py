@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -205,4 +206,45 @@ def active() -> tuple[AxisRules, Mesh]:
 def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     rules, mesh = active()
     spec = rules.spec(logical, "activation", f"activation {logical}")
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if manual:  # inside a shard_map: its manual axes are already split, per device
+        spec = PartitionSpec(*(_without(entry, manual) for entry in spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _without(entry: MeshAxes, axes: set[str]) -> MeshAxes:
+    kept = tuple(a for a in _as_tuple(entry) if a not in axes)
+    return kept[0] if len(kept) == 1 else (kept or None)
+
+
+def batch_mean(x: jax.Array, axis: tuple[int, ...]) -> jax.Array:
+    """The mean of an activation over dims `axis` (the batch's among them) taken over the
+    whole batch, also where the batch's mesh axes are manual (inside the pipeline's shard_map
+    each device holds its own rows: the local means, of equal row counts, are averaged)."""
+    rules, _ = active()
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    axes = tuple(a for a in rules.mesh_axes("batch", "activation") if a in manual)
+    mean = jnp.mean(x, axis)
+    return jax.lax.pmean(mean, axes) if axes else mean
+
+
+def shard_map_here(f, in_specs: tuple, out_specs):
+    """`jax.shard_map(f)` over the active mesh, or, inside another shard_map (the pipeline's),
+    over the axes it left automatic: the specs' already-manual axes are dropped, since each
+    device holds its own slice of them already."""
+    _, mesh = active()
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if not manual:
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def strip(spec):
+        return PartitionSpec(*(_without(entry, manual) for entry in spec))
+
+    free = {a for a in mesh.axis_names if a not in manual}
+    return jax.shard_map(
+        f,
+        in_specs=jax.tree.map(strip, in_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)),
+        out_specs=jax.tree.map(strip, out_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)),
+        axis_names=free,
+        check_vma=False,
+    )

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist import documents
 from jaxdist.errors import ConfigError
+from jaxdist.fused_loss import fused_cross_entropy
 from jaxdist.parallel import pipeline
 from jaxdist.rules import (
     AxisRules,
@@ -47,6 +48,10 @@ class StepConfig:
     document_mask: bool = True
     """with tokenized data: attention stays inside each packed document and positions restart
     at each (off: a row is one causal sequence)"""
+    loss_chunk_tokens: int = 8192
+    """fused cross-entropy: the sequence is cut into chunks of at most this many tokens per
+    device, whose fp32 logits (tokens x vocab x 4 bytes) are the most held at once; 0: the
+    whole logits, as the model returns them"""
     fault_nan_steps: tuple[int, ...] = ()
     """fault injection, for testing recovery: make these steps' loss and gradients NaN"""
 
@@ -55,6 +60,10 @@ class StepConfig:
             raise ConfigError(f"--microbatches {self.microbatches} must be at least 1")
         if self.virtual_stages < 1:
             raise ConfigError(f"--virtual-stages {self.virtual_stages} must be at least 1")
+        if self.loss_chunk_tokens < 0:
+            raise ConfigError(
+                f"--loss-chunk-tokens {self.loss_chunk_tokens} must be >= 0 (0: unfused)"
+            )
         if self.virtual_stages > 1 and self.pipeline_schedule != "interleaved":
             raise ConfigError(
                 f"--virtual-stages {self.virtual_stages} applies to the interleaved schedule; "
@@ -83,15 +92,25 @@ def cross_entropy(
     return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
 
 
-def forward_loss(model, tokens_BT1: jax.Array, vocab: Vocab, document_mask: bool):
+def forward_loss(
+    model, tokens_BT1: jax.Array, vocab: Vocab, document_mask: bool, chunk_tokens: int = 0
+):
     """Cross-entropy of next-token prediction over a batch of [B, T+1] tokens, and the model's
-    auxiliary output. With packed documents the model gets their ids and positions."""
-    inputs_BT = tokens_BT1[:, :-1]
+    auxiliary output. With packed documents the model gets their ids and positions.
+
+    A model with `features(tokens_BT, docs=None) -> (h_BTD, head_DV, aux)` (the last hidden
+    state and the output head, logits = h @ head) gets the fused loss (`chunk_tokens` > 0):
+    its logits are never whole in memory; any other model is called for its logits."""
+    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    docs = ()
     if document_mask and vocab.eos_id is not None:
-        logits_BTV, aux = model(inputs_BT, documents.from_tokens(inputs_BT, vocab.eos_id))
-    else:  # a model that knows nothing of documents is called as it always was
-        logits_BTV, aux = model(inputs_BT)
-    return cross_entropy(logits_BTV, tokens_BT1[:, 1:], vocab.size), aux
+        docs = (documents.from_tokens(inputs_BT, vocab.eos_id),)
+    # (without docs, a model that knows nothing of documents is called as it always was)
+    if chunk_tokens and hasattr(model, "features"):
+        h_BTD, head_DV, aux = model.features(inputs_BT, *docs)
+        return fused_cross_entropy(h_BTD, head_DV, targets_BT, vocab.size, chunk_tokens), aux
+    logits_BTV, aux = model(inputs_BT, *docs)
+    return cross_entropy(logits_BTV, targets_BT, vocab.size), aux
 
 
 def make_train_step(
@@ -108,7 +127,9 @@ def make_train_step(
 
     def loss_fn(params: nnx.State, tokens_BT1: jax.Array, scale: jax.Array):
         model = nnx.merge(graphdef, params)
-        ce, aux = forward_loss(model, tokens_BT1, vocab, config.document_mask)
+        ce, aux = forward_loss(
+            model, tokens_BT1, vocab, config.document_mask, config.loss_chunk_tokens
+        )
         # The model's auxiliary losses (MoE balance, router z) join the objective; the
         # reported loss stays the cross-entropy, comparable across models.
         return (ce + aux["loss"]) * scale, {
@@ -126,7 +147,7 @@ def make_train_step(
         if schedule is not None:
             stages = nnx.merge(graphdef, state.params).stages()
             eos = vocab.eos_id if config.document_mask else None
-            loss, by_name = pipeline.value_and_grad(
+            loss, by_name, aux_loss = pipeline.value_and_grad(
                 stages,
                 tokens_BT1,
                 functools.partial(cross_entropy, vocab_size=vocab.size),
@@ -138,7 +159,7 @@ def make_train_step(
             grads = jax.tree_util.tree_map_with_path(
                 lambda path, _: by_name[path[0].key], state.params
             )
-            extra = {"loss": loss, "aux_loss": jnp.float32(0)}
+            extra = {"loss": loss, "aux_loss": aux_loss}
         elif M == 1:
             (_, extra), grads = value_and_grad(state.params, tokens_BT1, scale)
         else:
@@ -269,7 +290,9 @@ def build(
     def eval_loss(params: nnx.State, tokens_BT1: jax.Array) -> jax.Array:
         with activation_rules(rules, mesh):
             model = nnx.merge(graphdef, params)
-            return forward_loss(model, tokens_BT1, vocab, config.document_mask)[0]
+            return forward_loss(
+                model, tokens_BT1, vocab, config.document_mask, config.loss_chunk_tokens
+            )[0]
 
     eval_fn = jax.jit(
         eval_loss, in_shardings=(param_sharding, tokens_sharding), out_shardings=replicated

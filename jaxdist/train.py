@@ -144,10 +144,12 @@ def run(
     config: RunConfig,
     console: Console | None = None,
     record: dict | None = None,
+    init_state=None,
 ) -> dict:
     """Trains to config.loop.steps, resuming from the run directory if it holds a checkpoint;
     returns the summary (also written to summary.json). `record` joins config.json (the
-    command line's config tree, under `cli`)."""
+    command line's config tree, under `cli`). `init_state(compiled) -> TrainState`: the first
+    state of a new run (e.g. pretrained weights) instead of the model's random init."""
     # Bad input ends here, before the run directory is created or anything compiles.
     compiled, batches = prepare(model, mesh, rules, config)
     data = config.data
@@ -164,10 +166,12 @@ def run(
     run_dir = pathlib.Path(config.loop.run_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
     # One trainer per run directory: a second is refused here, before anything compiles.
     with RunLock(run_dir, jax.process_index()):
-        return _run(model, mesh, rules, config, prepared, run_dir, console, record)
+        return _run(model, mesh, rules, config, prepared, run_dir, console, record, init_state)
 
 
-def _run(model, mesh, rules, config: RunConfig, prepared, run_dir, console, extra) -> dict:
+def _run(
+    model, mesh, rules, config: RunConfig, prepared, run_dir, console, extra, init_state=None
+) -> dict:
     console = console or Console(stderr=True)
     if jax.process_index() != 0:
         console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
@@ -187,7 +191,9 @@ def _run(model, mesh, rules, config: RunConfig, prepared, run_dir, console, extr
     ckpt_meta = {"config": record, "param_shapes": shapes, "mesh": dict(mesh.shape)}
     t_start = time.perf_counter()
     ledger = Ledger()  # goodput: every second of this attempt, from its process's start
-    state, start, restored = restore_or_init(checkpointer, compiled, shapes, run_dir, console)
+    state, start, restored = restore_or_init(
+        checkpointer, compiled, shapes, run_dir, console, init_state
+    )
     ledger.begin(start, run_dir / "metrics.jsonl")
     log = None
     if jax.process_index() == 0:

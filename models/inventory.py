@@ -36,14 +36,23 @@ def plan_model(config: TransformerConfig) -> PlanModel:
 
 
 def partial_sums(
-    c: TransformerConfig, batch_size: int, microbatches: int = 1, batch_ways: int = 1
+    c: TransformerConfig,
+    batch_size: int,
+    microbatches: int = 1,
+    batch_ways: int = 1,
+    stages: int = 1,
+    virtual: int = 1,
 ) -> list[PartialSum]:
     """Where this model's matmuls leave partial sums when their split dims are sharded,
-    and (MoE) the buffers its experts exchange. `batch_ways`: devices sharing the batch."""
-    B, T, D, L = batch_size // microbatches, c.seq_len, c.d_model, c.num_layers
+    and (MoE) the buffers its experts exchange. `batch_ways`: devices sharing the batch.
+    Pipelined (`stages` > 1, `virtual` chunks each): a device runs its L / stages layers,
+    replays their forward in the backward tick, and runs the embedding and head (masked) in
+    each of its forward ticks (jaxdist.parallel.pipeline)."""
+    B, T, D, L = batch_size // microbatches, c.seq_len, c.d_model, c.num_layers // stages
     nbytes = jnp.dtype(c.compute_dtype).itemsize
     x, btd = ("batch", "seq", "embed"), (B, T, D)
-    fwd = 2 if c.remat == "full" else 1  # full remat replays the forward in backward
+    # Full remat, or a pipeline's backward tick, replays the forward.
+    fwd = 2 if c.remat == "full" or stages > 1 else 1
     per_layer = [
         PartialSum(fwd, x, btd, "heads", nbytes),  # attention output projection
         PartialSum(1, x, btd, "kv_heads", nbytes),  # backward: input grad of fused QKV
@@ -67,11 +76,15 @@ def partial_sums(
         if c.style == "llama":
             per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))  # ... and of the gate
     sums = [dataclasses.replace(p, count=p.count * L) for p in per_layer]
+    if stages > 1 and not c.num_experts:
+        # The backward tick's replay needs each layer's output only as the next layer's input:
+        # the last layer's MLP output, and so its all-reduce, is dead code, once per chunk.
+        sums.append(PartialSum(-virtual, x, btd, "mlp", nbytes))
     sums += [
-        PartialSum(1, x, btd, "vocab", nbytes),  # embedding lookup in a vocab-split table
-        PartialSum(1, x, btd, "vocab", nbytes),  # backward: input grad of the output head
+        PartialSum(virtual, x, btd, "vocab", nbytes),  # embedding lookup in a vocab-split table
+        PartialSum(virtual, x, btd, "vocab", nbytes),  # backward: input grad of the output head
         # Cross-entropy over split logits: the max, the sum of exponentials, the target.
-        PartialSum(3, ("batch", "seq"), (B, T), "vocab", 4),
+        PartialSum(3 * virtual, ("batch", "seq"), (B, T), "vocab", 4),
     ]
     return [dataclasses.replace(p, count=p.count * microbatches) for p in sums]
 
@@ -102,6 +115,7 @@ def activations(c: TransformerConfig, batch_size: int) -> Inventory:
     )
     n = dataclasses.replace
     llama = c.style == "llama"
+    fused = c.attention in ("cudnn", "splash")
     # Without remat: residual stream, norms and projections (8 of [B,T,D]), norm statistics,
     # q/k/v and the attention output, the scores and softmax, and the MLP's hidden layer
     # with its activation function's intermediates (tanh GELU: 5; SwiGLU: 6).
@@ -110,16 +124,19 @@ def activations(c: TransformerConfig, batch_size: int) -> Inventory:
         n(stat, count=4),
         n(btnh, count=2 if llama else 3),
         n(btgh, count=2 if llama else 1),
-        # XLA's attention materializes scores and softmax; cuDNN's fused kernel keeps only
-        # the log-sum-exp per row and recomputes the rest in its backward.
-        n(scores, count=0 if c.attention == "cudnn" else 2),
-        n(score_stat, count=1 if c.attention == "cudnn" else 2),
+        # XLA's attention materializes scores and softmax; the fused kernels (cuDNN's, splash)
+        # keep only the log-sum-exp per row and recompute the rest in their backward.
+        n(scores, count=0 if fused else 2),
+        n(score_stat, count=1 if fused else 2),
         n(btf, count=6 if llama else 5),
     )
     saved = {
         "none": everything,
-        # Matmul outputs: fused QKV, the two output projections, the MLP's up (and gate).
-        "dots": (qkv, n(btd, count=2), n(btf, count=2 if llama else 1)),
+        # Matmul outputs: fused QKV, the two output projections, the MLP's up (and gate); and
+        # the fused attention kernel's output and row statistics (models/transformer.py's
+        # policy keeps them so the backward never reruns the kernel).
+        "dots": (qkv, n(btd, count=2), n(btf, count=2 if llama else 1))
+        + ((btnh, score_stat) if fused else ()),
         "full": (btd,),  # the layer's input only
     }[c.remat]
     # The backward of one layer: with remat it rebuilds what was not saved, and XLA reuses

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist.parallel.experts import moe_ffn
+from jaxdist.rules import batch_mean
 
 EXPERT_WEIGHTS = ("w_up_LEDF", "w_gate_LEDF", "w_down_LEFD")
 MOE_LOGICAL = {
@@ -42,9 +43,10 @@ def moe_mlp(c, h_BTD, w) -> tuple[jax.Array, dict]:
     top_BTK, expert_BTK = _top_k(logits_BTE, K)
     weight_BTK = jax.nn.softmax(top_BTK, axis=-1)  # renormalised over the chosen experts
     chosen_BTE = jnp.sum(jax.nn.one_hot(expert_BTK, E), axis=2)
-    # Load balancing (Switch Transformer, over top-k assignments): E * sum_e f_e * p_e.
-    balance = E * jnp.sum(jnp.mean(chosen_BTE, (0, 1)) / K * jnp.mean(probs_BTE, (0, 1)))
-    z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
+    # Load balancing (Switch Transformer, over top-k assignments): E * sum_e f_e * p_e, with
+    # f and p means over the whole batch, wherever its rows are.
+    balance = E * jnp.sum(batch_mean(chosen_BTE, (0, 1)) / K * batch_mean(probs_BTE, (0, 1)))
+    z_loss = batch_mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)), (0, 1))
     if c.moe_impl == "dense":
         gate_BTEF = jnp.einsum("btd,edf->btef", h_BTD, w["w_gate_LEDF"])
         up_BTEF = jnp.einsum("btd,edf->btef", h_BTD, w["w_up_LEDF"])

@@ -10,28 +10,54 @@ from models.transformer import Transformer, TransformerConfig
 BYTE_VOCAB = 256  # the embedded default corpus is read as bytes
 GPT_VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 128 for tiling
 
+# The accelerator-sized presets save matmul and attention-kernel outputs and recompute the
+# element-wise rest in the backward pass (remat "dots", torch.compile's choice): on one H200 this
+# fits where the torch.compile peer fits (gpt2-124m at batch 32, 1b at batch 8), where keeping
+# everything would need twice its memory; the recomputed work is memory-bound element-wise
+# kernels, not matmuls. The tiny presets (tests, CPU) keep everything.
+_DOTS = {"remat": "dots"}
+
 PRESETS: dict[str, TransformerConfig] = {
     c.name: c
     for c in [
         TransformerConfig("tiny", "gpt2", 2, 128, 4, 4, 512, BYTE_VOCAB, 128),
         TransformerConfig("tiny-llama", "llama", 2, 128, 4, 2, 384, BYTE_VOCAB, 128),
-        TransformerConfig("gpt2-124m", "gpt2", 12, 768, 12, 12, 3072, GPT_VOCAB, 1024),
-        TransformerConfig("llama-124m", "llama", 12, 768, 12, 4, 2048, GPT_VOCAB, 1024),
-        TransformerConfig("1b", "gpt2", 16, 2048, 16, 16, 8192, GPT_VOCAB, 2048),
-        TransformerConfig("llama-1b", "llama", 16, 2048, 16, 8, 5632, GPT_VOCAB, 2048),
+        TransformerConfig("gpt2-124m", "gpt2", 12, 768, 12, 12, 3072, GPT_VOCAB, 1024, **_DOTS),
+        TransformerConfig("llama-124m", "llama", 12, 768, 12, 4, 2048, GPT_VOCAB, 1024, **_DOTS),
+        TransformerConfig("1b", "gpt2", 16, 2048, 16, 16, 8192, GPT_VOCAB, 2048, **_DOTS),
+        TransformerConfig("llama-1b", "llama", 16, 2048, 16, 8, 5632, GPT_VOCAB, 2048, **_DOTS),
         # Mixtral-style: 8 SwiGLU experts, top-2, every layer.
         TransformerConfig(
             "tiny-moe", "llama", 2, 128, 4, 2, 256, BYTE_VOCAB, 128, num_experts=8, top_k=2
         ),
         TransformerConfig(
-            "moe-1b", "llama", 16, 2048, 16, 8, 4096, GPT_VOCAB, 2048, num_experts=8, top_k=2
+            "moe-1b",
+            "llama",
+            16,
+            2048,
+            16,
+            8,
+            4096,
+            GPT_VOCAB,
+            2048,
+            num_experts=8,
+            top_k=2,
+            **_DOTS,
         ),
     ]
 }
 
 
 def get_model_config(name: str, **overrides) -> TransformerConfig:
-    """A preset with overrides, or `custom`: every size given in `overrides`."""
+    """A preset with overrides, or `custom`: every size given in `overrides`; or hf:PATH, a
+    local Hugging Face model directory's architecture (its config.json; models/hf.py)."""
+    if name.startswith("hf:"):
+        from models.hf import open_model
+
+        try:
+            return dataclasses.replace(open_model(name).config, **overrides)
+        except ValueError as e:
+            raise ConfigError(f"--model {name}: {e}") from None
     if name == "custom":
         try:
             return TransformerConfig(name="custom", **overrides)

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.documents import Documents, attention_mask
+from jaxdist.attention import attention, document_mask
+from jaxdist.documents import Documents
 from jaxdist.errors import ConfigError
 from jaxdist.parallel.pipeline import Stages
 from jaxdist.rules import constrain
@@ -56,9 +57,11 @@ class TransformerConfig:
     # The output head is the token embedding transposed (GPT-2, small Llamas): no head_DV.
     tie_embeddings: bool = False
     compute_dtype: str = "float32"
-    # none: keep all activations; full: recompute each layer in backward; dots: keep matmuls.
+    # none: keep all activations; full: recompute each layer in backward; dots: keep matmul and
+    # attention-kernel outputs.
     remat: Literal["none", "full", "dots"] = "none"
-    attention: Literal["xla", "cudnn"] = "xla"
+    # The attention kernel (jaxdist.attention): cudnn on GPUs, splash on TPUs, xla anywhere.
+    attention: Literal["xla", "cudnn", "splash"] = "xla"
     # Mixture of experts (every layer's MLP) when num_experts > 0; d_mlp is each expert's.
     num_experts: int = 0
     top_k: int = 2
@@ -212,20 +215,26 @@ class Transformer(nnx.Module):
         aux = moe.summarize(c, aux) if c.num_experts else {"loss": 0.0, "metrics": {}}
         return logits(c, p, x_BTD), aux
 
+    def features(self, tokens_BT: jax.Array, docs: Documents | None = None):
+        """The last hidden state (final norm applied) and the output head, logits = h @ head,
+        for a loss that never holds all logits at once (jaxdist.fused_loss)."""
+        c, p = self.config, self.weights()
+        x_BTD = embed(c, p, tokens_BT, docs)
+        x_BTD, aux = run_layers(c, {k: v for k, v in p.items() if "_L" in k}, x_BTD, docs)
+        aux = moe.summarize(c, aux) if c.num_experts else {"loss": 0.0, "metrics": {}}
+        return final_norm(c, p, x_BTD), head_weight(c, p), aux
+
     def stages(self) -> Stages:
         """The model cut into pipeline pieces: embed, a run of layers, the head."""
-        if self.config.num_experts:
-            raise ConfigError(
-                "pipeline parallelism with MoE layers is not supported yet; "
-                "use the expert axis without pipeline"
-            )
         c = self.config
         return Stages(
             self.weights(),
             [k for k in _param_shapes(c) if "_L" in k],
             lambda p, t, docs: embed(c, p, t, docs),
-            lambda w, x, docs: run_layers(c, w, x, docs)[0],
+            lambda w, x, docs: _stage_body(c, w, x, docs),
             lambda p, x: logits(c, p, x),
+            {k: _LOGICAL[k] for k in _param_shapes(c)},
+            c.compute_dtype,
         )
 
 
@@ -256,8 +265,9 @@ def run_layers(c: TransformerConfig, layers: dict, x_BTD: jax.Array, docs: Docum
     if docs is None:
         positions_BT, mask_B1TS = jnp.arange(x_BTD.shape[1])[None], None  # B of 1: broadcast
     else:
-        # Built once for all layers; a bool mask (see _attention).
-        positions_BT, mask_B1TS = docs.positions_BT, attention_mask(docs)
+        # Built once for all layers, in the form the attention kernel takes (a bool mask, or
+        # segment ids for splash attention).
+        positions_BT, mask_B1TS = docs.positions_BT, document_mask(c.attention, docs)
 
     def block(x_BTD, w):
         return _block(c, x_BTD, w, positions_BT, mask_B1TS)
@@ -266,15 +276,28 @@ def run_layers(c: TransformerConfig, layers: dict, x_BTD: jax.Array, docs: Docum
     return jax.lax.scan(block, x_BTD, layers)
 
 
+def _stage_body(c: TransformerConfig, layers: dict, x_BTD: jax.Array, docs: Documents | None):
+    """A pipeline stage's run of layers: its output and its share of the auxiliary loss (MoE:
+    these layers' terms of moe.summarize's mean over all layers; else 0)."""
+    x_BTD, aux = run_layers(c, layers, x_BTD, docs)
+    if not c.num_experts:
+        return x_BTD, jnp.float32(0)
+    share = c.balance_coef * jnp.sum(aux["balance_loss"]) + c.z_loss_coef * jnp.sum(aux["z_loss"])
+    return x_BTD, share / c.num_layers
+
+
 def logits(c: TransformerConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
-    x_BTD = _norm(
+    logits_BTV = jnp.einsum("btd,dv->btv", final_norm(c, p, x_BTD), head_weight(c, p))
+    return constrain(logits_BTV, ("batch", "seq", "vocab"))
+
+
+def final_norm(c: TransformerConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
+    return _norm(
         c,
         x_BTD,
         _cast(c, "norm_f_scale_D", p["norm_f_scale_D"]),
         _cast(c, "norm_f_bias_D", p["norm_f_bias_D"]) if "norm_f_bias_D" in p else None,
     )
-    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_weight(c, p))
-    return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
 def head_weight(c: TransformerConfig, p: dict) -> jax.Array:
@@ -314,33 +337,36 @@ def _save_all_but_gathered(prim, *_, **params) -> bool:
     return prim.name not in ("sharding_constraint", "all_gather")
 
 
+def _save_dots_and_attention(prim, *args, **params) -> bool:
+    # Matmul outputs and the fused attention kernel's (its output and softmax statistics): the
+    # backward pass recomputes only element-wise work (norms, activations, casts), as
+    # torch.compile's partitioner does, and never reruns the attention kernel.
+    if prim.name.startswith("dot_product_attention_fwd") or prim.name == "pallas_call":
+        return True  # cuDNN's kernel, or splash attention's (the model's only Pallas call)
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+
+
 _REMAT_POLICIES = {
     "none": _save_all_but_gathered,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": _save_dots_and_attention,
 }
 
 
 def _attention(c: TransformerConfig, q_BTNH, k_BTGH, v_BTGH, mask_B1TS):
-    if mask_B1TS is None:
-        return jax.nn.dot_product_attention(
-            q_BTNH, k_BTGH, v_BTGH, is_causal=True, implementation=c.attention
-        )
-    # Packed documents. XLA: the mask joins the causal mask on the scores. cuDNN: the public
-    # API turns the mask into a dense [B, 1, T, S] bias and stays fused, forward and backward
-    # (__cudnn$fmhaScaleBiasSoftmax). cuDNN's segment form (q/kv offsets, __cudnn$fmhaSoftmax,
-    # no T x S tensor: 25.5 against 32.2 MiB temp memory measured at B=4, T=1024 on an H200)
-    # is private API in jax 0.11 and refuses to lower where the local backend is not a Hopper
-    # GPU (compile-only runs on a CPU host), so it is not used. The mask stays bool: given a
-    # float bias instead, cuDNN's backward would compute the bias gradient too.
-    return jax.nn.dot_product_attention(
-        q_BTNH, k_BTGH, v_BTGH, mask=mask_B1TS, is_causal=True, implementation=c.attention
-    )
+    return attention(q_BTNH, k_BTGH, v_BTGH, mask_B1TS, c.attention)
 
 
 def _block(c: TransformerConfig, x_BTD, w, positions_BT, mask_B1TS):
     # Expert weights stay as stored: jaxdist.parallel.experts gathers them inside its shard_map.
     w = {k: v if k in EXPERT_WEIGHTS else constrain(v, _LOGICAL[k][1:]) for k, v in w.items()}
+    q_BTNH, k_BTGH, v_BTGH = qkv(c, x_BTD, w, positions_BT)
+    return after_attention(c, x_BTD, _attention(c, q_BTNH, k_BTGH, v_BTGH, mask_B1TS), w)
+
+
+def qkv(c: TransformerConfig, x_BTD, w, positions_BT):
+    """A layer's queries [B, T, N, H], keys and values [B, T, G, H] (RoPE applied, Llama)
+    from its input; models/decode.py shares it with the training layer."""
     B, T, _ = x_BTD.shape
     h_BTD = _norm(c, x_BTD, w["norm1_scale_LD"], w.get("norm1_bias_LD"))
     qkv_BTGQH = jnp.einsum("btd,dgqh->btgqh", h_BTD, w["wqkv_LDGQH"])
@@ -354,7 +380,12 @@ def _block(c: TransformerConfig, x_BTD, w, positions_BT, mask_B1TS):
     v_BTGH = qkv_BTGQH[:, :, :, q_per_group + 1]
     if c.style == "llama":
         q_BTNH, k_BTGH = _rope(c, q_BTNH, positions_BT), _rope(c, k_BTGH, positions_BT)
-    attn_BTNH = _attention(c, q_BTNH, k_BTGH, v_BTGH, mask_B1TS)
+    return q_BTNH, k_BTGH, v_BTGH
+
+
+def after_attention(c: TransformerConfig, x_BTD, attn_BTNH, w):
+    """The rest of the layer from its attention output: output projection, residual, MLP (or
+    MoE); returns the layer's output and its MoE statistics ({} for a dense MLP)."""
     attn_BTNH = constrain(attn_BTNH, ("batch", "seq", "heads", "head_dim"))
     out_BTD = jnp.einsum("btnh,nhd->btd", attn_BTNH, w["wo_LNHD"])
     if c.attention_bias:

@@ -131,3 +131,30 @@ ENTRY %main (i: s32[], x: f32[8]) -> f32[8] {
 def test_hlo_parser_reads_every_branch_of_a_conditional():
     found = {c.name: c for c in hlo.collectives(COND, MESH)}
     assert found["l"].axes == ("tensor",) and found["r"].axes == ("fsdp", "tensor")
+    # Where the caller knows how often each branch runs (the pipeline's tick switch), its
+    # collectives count that share of the executions.
+    shared = {c.name: c for c in hlo.collectives(COND, MESH, {2: (0.25, 0.75)})}
+    assert shared["l"].executions == 0.25 and shared["r"].executions == 0.75
+
+
+def test_hlo_parser_reads_a_trip_count_from_the_loop_condition():
+    # The TPU compiler prints no known_trip_count: a scan's condition compares its counter
+    # against the trip count.
+    cond = """%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  %n = s32[]{:T(128)} constant(7)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}"""
+    text = SNIPPET.replace(
+        """%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}""",
+        cond,
+    ).replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
+    found = {c.name: c for c in hlo.collectives(text, MESH)}
+    assert found["ar"].executions == 7
+    # A condition of another form: counted once, as before.
+    plain = SNIPPET.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
+    assert {c.name: c for c in hlo.collectives(plain, MESH)}["ar"].executions == 1

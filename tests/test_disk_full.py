@@ -161,6 +161,14 @@ def test_write_errors_are_recognised_and_only_theirs_are_silenced():
     assert not quiet.filter(record(f"raised an exception: {ts}", None))
     assert quiet.filter(record("Save Finalize thread failed.", TypeError("a bug")))
     assert quiet.filter(record(f"raised an exception: {ts}", None, path="/elsewhere.py"))
+    # asyncio's report of an Orbax writer task that ended on the full disk after the save was
+    # abandoned (seen under load); other asyncio errors still show.
+    task = logging.LogRecord(
+        "asyncio", logging.ERROR, "/lib/asyncio/base_events.py", 1, f"task: {ts!r}", (), None
+    )
+    assert not quiet.filter(task)
+    task.msg = "task: ValueError('a bug')"
+    assert quiet.filter(task)
 
 
 # --- one writer per run directory ---

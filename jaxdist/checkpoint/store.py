@@ -123,6 +123,7 @@ class Checkpointer:
         # Orbax logs a failed background write from its threads, traceback and all, before
         # save() or wait() here can turn it into one message.
         logging.getLogger("absl").addFilter(quiet_write_errors)
+        logging.getLogger("asyncio").addFilter(quiet_write_errors)
 
     def _open(self, keep: int) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(

@@ -56,10 +56,13 @@ def _write_errno_in(text: str) -> int | None:
 
 class QuietWriteErrors(logging.Filter):
     """Drops Orbax's own reports (each with a traceback) of a save that failed on a file-system
-    error: Checkpointer turns that error into one CheckpointWriteFailed message instead."""
+    error: Checkpointer turns that error into one CheckpointWriteFailed message instead. Also
+    asyncio's report of an Orbax writer task that ended on that error after the save was
+    abandoned (seen under load, at the event loop's shutdown)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+        ours = "orbax" in record.pathname or record.name == "asyncio"
+        if record.levelno < logging.ERROR or not ours:
             return True
         exc = record.exc_info[1] if record.exc_info else None
         return write_errno(exc) is None and _write_errno_in(record.getMessage()) is None

@@ -34,8 +34,8 @@ def run(args: Comm) -> int:
     compiled = build(model.init, tx, lr, rules, mesh, args.step, args.seed, args.batch_size)
     ways = batch_ways(compiled.batch_sharding)
     dtype_bytes = jnp.dtype(model_cfg.compute_dtype).itemsize
-    extra = {}
-    if mesh.shape["pipeline"] > 1:
+    extra, share, stages, virtual = {}, None, mesh.shape["pipeline"], 1
+    if stages > 1:
         step = args.step
         schedule = pipeline.make_schedule(
             step.pipeline_schedule, mesh.shape["pipeline"], step.microbatches, step.virtual_stages
@@ -49,18 +49,20 @@ def run(args: Comm) -> int:
             dtype_bytes,
         )
         extra[("pipeline", "collective-permute")] = pipeline.send_bytes(
-            schedule, compiled.abstract_state.params, rules, dict(mesh.shape), act
+            schedule, compiled.abstract_state.params, rules, dict(mesh.shape), act, dtype_bytes
         )
+        share, virtual = pipeline.branch_share(schedule), schedule.virtual
     report = traffic.report(
         compiled,
         mesh,
         rules,
         args.batch_size,
         model_cfg.seq_len,
-        partial_sums(model_cfg, args.batch_size, args.step.microbatches, ways),
+        partial_sums(model_cfg, args.batch_size, args.step.microbatches, ways, stages, virtual),
         compute_bytes=dtype_bytes,
         microbatches=args.step.microbatches,
         extra_expected=extra,
+        branch_share=share,
     )
     if args.json:
         print(json.dumps(report))

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import sys
 from typing import Annotated, Literal
 
 import tyro
@@ -9,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxdist.cli.options import HARDWARE_HELP, MODEL_HELP
+from jaxdist.errors import ConfigError
 from jaxdist.planning.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
 
 
@@ -28,19 +30,41 @@ class Plan:
     """pipeline schedule priced for layouts with a pipeline axis"""
     virtual_stages: int = 2
     """layer chunks per device, for the interleaved schedule"""
-    remat: str = "none"
+    remat: Literal["preset", "none", "full", "dots"] = "preset"
+    """rematerialization: preset (the model preset's own), none, full or dots"""
     compute_efficiency: float = 0.5
     """share of peak FLOP/s the matmuls reach (0.4-0.6 on well-tuned GPUs and TPUs)"""
     top: int = 10
     verify: int = 0
-    """compile the top K layouts ahead of time (fake CPU devices, or a TPU topology for TPU
-    hardware) and set XLA's memory and collective bytes beside the predictions"""
+    """compile the top K layouts ahead of time (for TPU hardware a TPU topology, for H100/H200
+    the GPU compiler (jaxdist[gpu-aot]), else fake CPU devices) and set XLA's memory and
+    collective bytes beside the predictions"""
     json: str | None = None
     """also write the plan as JSON to this file"""
 
 
 def _tpu_generation(hardware: str) -> str | None:
     return hardware.removeprefix("tpu-").split("-")[0] if hardware.startswith("tpu-") else None
+
+
+def _gpu_target(hw, devices: int):
+    """The GPU target `--verify` compiles for (hosts of the preset's size), or None where this
+    host cannot (no CUDA plugin: fake CPU devices stand in, as they always did) or the GPU has
+    no target config."""
+    from jaxdist.planning import gpu
+
+    if hw.platform != "gpu" or hw.name not in gpu.KINDS:
+        return None
+    if gpu.missing():
+        print(f"note: verifying on fake CPU devices; {gpu.missing()}", file=sys.stderr)
+        return None
+    per_host = min(devices, hw.devices_per_host)
+    if devices % per_host:
+        raise ConfigError(
+            f"--devices {devices}: {hw.name} hosts hold {per_host} GPUs; use a multiple of it"
+        )
+    gpu.prepare()
+    return gpu.GpuTarget(hw.name, devices // per_host, per_host)
 
 
 def run(args: Plan) -> int:
@@ -53,9 +77,10 @@ def run(args: Plan) -> int:
         from jaxdist.planning.tpu import topology_name
 
         topology_name(generation, args.devices)  # a bad slice size fails before any work
+    gpu_target = _gpu_target(hw, args.devices) if args.verify else None
     import jax
 
-    if args.verify and not generation:
+    if args.verify and not generation and not gpu_target:
         # Fake CPU devices, one per planned device, for the ahead-of-time compiles.
         from jaxdist.mesh import setup_devices
 
@@ -65,11 +90,10 @@ def run(args: Plan) -> int:
     from models.presets import get_model_config, model_spec
 
     dtype = "float32" if hw.platform == "cpu" else "bfloat16"
-    # As `jaxdist train` runs it there: cuDNN's fused attention on GPUs, XLA's elsewhere.
-    attention = "cudnn" if hw.platform == "gpu" else "xla"
-    model_cfg = get_model_config(
-        args.model, compute_dtype=dtype, remat=args.remat, attention=attention
-    )
+    # As `jaxdist train` runs it there: cuDNN's fused attention on GPUs, splash on TPUs.
+    attention = {"gpu": "cudnn", "tpu": "splash"}.get(hw.platform, "xla")
+    remat = {} if args.remat == "preset" else {"remat": args.remat}
+    model_cfg = get_model_config(args.model, compute_dtype=dtype, attention=attention, **remat)
     cfg = PlanConfig(
         devices=args.devices,
         hardware=args.hardware,
@@ -90,6 +114,10 @@ def run(args: Plan) -> int:
             from jaxdist.planning.tpu import topology_name, tpu_devices
 
             devices = tpu_devices(topology_name(generation, args.devices))
+        elif gpu_target:
+            from jaxdist.planning.gpu import gpu_devices
+
+            devices = gpu_devices(gpu_target)
         else:
             devices = jax.devices()
         from jaxdist.planning.aot import verify

@@ -30,11 +30,15 @@ class Train(Common):
     data: str | None = None
     """a tokenized directory (jaxdist tokenize), a mixture NAME=DIR:WEIGHT,..., or a text or
     JSONL file or directory read as bytes; default: Python's stdlib sources"""
+    init_from: str | None = None
+    """hf:PATH: start from a local Hugging Face model's weights (its architecture, a fresh
+    optimizer, step 0); train data tokenized with its tokenizer.json"""
     compile_only: bool = False
     """compile the step for abstract inputs and report per-device memory; no training"""
     target: str | None = None
-    """with --compile-only: compile for a TPU slice this host does not have, e.g.
-    tpu-v5p:4x4x4 (needs the libtpu package: pip install 'jaxdist[tpu]')"""
+    """with --compile-only: compile for hardware this host does not have: a TPU slice, e.g.
+    tpu-v5p:4x4x4 (pip install 'jaxdist[tpu]'), or GPUs, h100:8, h200:1, h100:2x8 (hosts x
+    GPUs; pip install 'jaxdist[gpu-aot]')"""
 
 
 def run(args: Train) -> int:
@@ -45,6 +49,11 @@ def run(args: Train) -> int:
     args.loop.validate()
     args.checkpoint.validate()
     args.eval.validate()
+    init = None
+    if args.init_from:
+        from jaxdist.cli.hf_source import init_from
+
+        args, init = init_from(args)
     mesh, rules, model_cfg, args = setup(
         args,
         profiling=bool(args.loop.profile or args.loop.watch_comm),
@@ -58,12 +67,26 @@ def run(args: Train) -> int:
 
     # The data decides the vocabulary (the preset's is for bytes or GPT-2's tokens).
     vocab_size, eos_id = data_vocab(args.data)
-    model = model_spec(with_data_vocab(model_cfg, vocab_size))
+    if args.model.startswith("hf:"):  # a pretrained architecture keeps its vocabulary
+        from jaxdist.cli.hf_source import hf_vocab
+
+        checked = hf_vocab(model_cfg, args.model, args.data, vocab_size, init is not None)
+        model = model_spec(checked)
+    else:
+        model = model_spec(with_data_vocab(model_cfg, vocab_size))
     if args.compile_only:
         return _compile_only(args, model, mesh, rules, vocab_size, eos_id)
     data = DataConfig(path=args.data, batch_size=args.batch_size, seed=args.loop.seed)
     config = loop.RunConfig(args.optim, data, args.step, args.loop, args.checkpoint, args.eval)
-    loop.run(model, mesh, rules, config, record={"cli": dataclasses.asdict(args)})
+    record = {"cli": dataclasses.asdict(args)}
+    first = None
+    if init is not None:  # the run's record names the weights it started from
+        from jaxdist.checkpoint.safetensors_io import SafetensorsDir
+        from jaxdist.cli.hf_source import initial_state
+
+        record["init_from"] = {**init.record(), "dtype": SafetensorsDir(init.path).dtype()}
+        first = initial_state(init, args.optim, args.loop.steps)
+    loop.run(model, mesh, rules, config, record=record, init_state=first)
     return 0
 
 

@@ -15,6 +15,7 @@ from jaxdist.cli import (
     cmd_data,
     cmd_eval,
     cmd_goodput,
+    cmd_hf,
     cmd_plan,
     cmd_runs,
     cmd_train,
@@ -33,6 +34,8 @@ COMMANDS = {
     "goodput": (cmd_goodput.Goodput, cmd_goodput.goodput),
     "profile": (cmd_runs.Profile, cmd_runs.profile),
     "plan": (cmd_plan.Plan, cmd_plan.run),
+    "export-hf": (cmd_hf.ExportHF, cmd_hf.export_hf),
+    "generate": (cmd_hf.Generate, cmd_hf.generate),
 }
 
 

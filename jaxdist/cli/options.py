@@ -22,7 +22,8 @@ DEFAULT_CACHE = os.environ.get(
 )
 MODEL_HELP = (
     f"model preset ({', '.join(MODEL_PRESETS)}), or custom (then give --style, --layers, "
-    "--d-model, --heads, --d-mlp, --seq-len, --vocab; --kv-heads defaults to --heads)"
+    "--d-model, --heads, --d-mlp, --seq-len, --vocab; --kv-heads defaults to --heads), or "
+    "hf:PATH (a local Hugging Face model directory's architecture, randomly initialized)"
 )
 MESH_HELP = (
     f"mesh preset ({', '.join(MESH_PRESETS)}) or inline axis=size list (data=2,fsdp=4); "
@@ -53,8 +54,10 @@ class Common:
     step: tyro.conf.OmitArgPrefixes[StepConfig] = StepConfig()
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto: bfloat16 on GPU/TPU, float32 on CPU; parameters stay float32"""
-    remat: Literal["none", "full", "dots"] = "none"
-    """rematerialization: none, full (recompute each layer), dots (save matmul outputs)"""
+    remat: Literal["preset", "none", "full", "dots"] = "preset"
+    """rematerialization: preset (the model preset's own: dots for the large ones, none for
+    tiny and custom), none, full (recompute each layer), dots (save matmul and attention
+    outputs, recompute element-wise work)"""
     capacity_factor: float | None = None
     """MoE: expert capacity = factor x tokens x top-k / experts (tokens past it are dropped)"""
     dropless: bool = False
@@ -82,10 +85,10 @@ class Common:
                     "llama --layers 24 --d-model 1024 --heads 16 --kv-heads 8 --d-mlp 4096 "
                     "--seq-len 2048 --vocab 32000"
                 )
-        elif self.model not in MODEL_PRESETS:
+        elif self.model not in MODEL_PRESETS and not self.model.startswith("hf:"):
             raise ConfigError(
                 f"unknown model {self.model!r}; choose one of: {', '.join(MODEL_PRESETS)}, "
-                "or custom"
+                "custom, or hf:PATH"
             )
 
     def model_overrides(self) -> dict:
@@ -113,6 +116,13 @@ def _flag(attr: str) -> str:
     return "--" + attr.replace("_", "-")
 
 
+def _attention(platform: str, dtype: str) -> str:
+    """The fused kernel of the platform (jaxdist.attention); cuDNN's takes 16-bit inputs only."""
+    if platform == "tpu":
+        return "splash"
+    return "cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla"
+
+
 def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | None = None):
     """Devices, mesh, rules and model config, all checked before anything compiles.
 
@@ -130,6 +140,13 @@ def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | 
         # buffers (CUDA graphs) would hide the ops behind one launch.
         flags = "--xla_cpu_enable_xprof_traceme=true --xla_gpu_enable_command_buffer="
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+    gpu_target = None
+    if target:
+        from jaxdist.planning import gpu
+
+        if gpu.is_gpu_target(target):
+            gpu_target = gpu.parse_target(target)
+            gpu.prepare()  # compiler flags, read when JAX starts
     setup_devices(args.devices)
     if cluster is not None:
         from jaxdist.cluster.join import initialize
@@ -145,7 +162,9 @@ def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | 
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     platform, target_devices = jax.default_backend(), None
-    if target:
+    if gpu_target:
+        platform, target_devices = "gpu", gpu.gpu_devices(gpu_target)
+    elif target:
         from jaxdist.planning.tpu import parse_target, tpu_devices
 
         platform, target_devices = "tpu", tpu_devices(parse_target(target))
@@ -167,9 +186,8 @@ def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | 
         **moe,
         **args.model_overrides(),
         compute_dtype=dtype,
-        remat=args.remat,
-        # cuDNN's fused attention takes 16-bit inputs only.
-        attention="cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla",
+        **({} if args.remat == "preset" else {"remat": args.remat}),
+        attention=_attention(platform, dtype),
     )
     if args.mesh == "auto":
         rules = STANDARD_RULES
@@ -177,6 +195,10 @@ def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | 
     else:
         preset = get_mesh_preset(args.mesh)
         mesh_cfg, rules = preset.mesh, preset.rules
+    if gpu_target and mesh_cfg.dcn:
+        # The target's devices come host-major, so the outer axes (the preset's across-host
+        # part) land across hosts without a hybrid mesh, which needs real slice indices.
+        mesh_cfg = dataclasses.replace(mesh_cfg, ici=tuple(mesh_cfg.sizes().items()), dcn=())
     mesh = build_mesh(mesh_cfg, target_devices)
     if args.batch_size is None:
         batch_ways = ways(mesh.shape, rules.mesh_axes("batch", "activation"))

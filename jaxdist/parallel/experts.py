@@ -42,23 +42,30 @@ def moe_ffn(
 ):
     """Returns (y_BTD, stats) with stats = {dropped, assigned, load_E} summed over devices."""
     rules, mesh = active()
+    # Axes already manual here (inside the pipeline's shard_map: `pipeline` and the batch axes)
+    # hold local tokens and local expert weights, gathered over FSDP by the pipeline.
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
 
     def used(axes):  # collectives over size-1 axes move nothing; leave them out
         return tuple(a for a in axes if mesh.shape[a] > 1)
 
+    def free(axes):  # the axes this shard_map makes manual
+        return tuple(a for a in axes if a not in manual)
+
     batch = rules.mesh_axes("batch", "activation")
     expert = used(rules.mesh_axes("expert", "param"))
-    embed = used(rules.mesh_axes("embed", "param"))  # FSDP: gathered here, where used
+    embed = used(free(rules.mesh_axes("embed", "param")))  # FSDP: gathered here, where used
     mlp = used(rules.mesh_axes("mlp", "param"))
-    E = w_up_EDF.shape[0]
+    # All experts (the weights given are this device's only where `expert` is manual).
+    E = w_up_EDF.shape[0] * math.prod(mesh.shape[a] for a in expert if a in manual)
     n_ep = math.prod(mesh.shape[a] for a in expert)
     B, T, _ = x_BTD.shape
-    tokens = B // math.prod(mesh.shape[a] for a in batch) * T
+    tokens = B // math.prod(mesh.shape[a] for a in free(batch)) * T
     K = expert_BTK.shape[-1]
     C = capacity(tokens, E, K, capacity_factor, dropless)
-    tok = P(batch or None, None, None)
-    w_in = P(expert or None, embed or None, mlp or None)
-    w_out = P(expert or None, mlp or None, embed or None)
+    tok = P(free(batch) or None, None, None)
+    w_in = P(free(expert) or None, embed or None, free(mlp) or None)
+    w_out = P(free(expert) or None, free(mlp) or None, embed or None)
 
     def local(x_btD, e_btK, g_btK, up_eDF, gate_eDF, down_eFD):
         b, t, D = x_btD.shape
@@ -100,10 +107,11 @@ def moe_ffn(
         return y_nD.reshape(b, t, D), stats
 
     stats_spec = {"dropped": P(), "assigned": P(), "load_E": P()}
+    where = {"axis_names": set(free(mesh.axis_names))} if manual else {"mesh": mesh}
     return jax.shard_map(
         local,
-        mesh=mesh,
         in_specs=(tok, tok, tok, w_in, w_in, w_out),
         out_specs=(tok, stats_spec),
         check_vma=False,
+        **where,
     )(x_BTD, expert_BTK, weight_BTK, w_up_EDF, w_gate_EDF, w_down_EFD)

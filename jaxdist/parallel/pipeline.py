@@ -15,23 +15,31 @@ moves the chunks there by ring permutes inside the shard_map, and the gradients 
 That costs about the stage's layer bytes each way per step (`schedules.permute_bytes`), paid
 for the checkpoint layout staying one and the same.
 
-Pays in: the bubble (idle ticks), the recompute (one extra forward per stage), and the
-point-to-point bytes (one activation forward and one gradient back per microbatch and chunk).
+Weights move once per step: the batch axes are manual inside the shard_map too, so each stage
+gathers its weights over them before the first tick and reduces their gradients after the last
+(jaxdist.parallel.stage_weights), instead of the partitioner doing both on every tick.
+
+Pays in: the bubble (idle ticks), the recompute (one extra forward per stage), the
+point-to-point bytes (one activation forward and one gradient back per tick and chunk), and
+memory: a stage's weights gathered, and their gradients accumulated, for the whole step.
 
 Packed documents (`eos_id`): every stage derives the microbatch's documents from its tokens,
 which every stage holds, so nothing more travels between stages.
 """
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import documents
 from jaxdist.errors import ConfigError
+from jaxdist.parallel import stage_weights
 from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeline's public surface
     SCHEDULES,
     Schedule,
@@ -42,7 +50,6 @@ from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeli
 )
 from jaxdist.rules import (
     AxisRules,
-    activation_rules,
     active,
     local_elements,
     logical_axes,
@@ -56,8 +63,10 @@ class Stages(NamedTuple):
     weights: dict  # name -> array, as stored
     layer_keys: list[str]  # stacked per-layer weights, split over the pipeline axis
     embed: Callable  # (weights, tokens_bT, docs: Documents | None) -> x_bTD
-    body: Callable  # (layer weights, x_bTD, docs: Documents | None) -> x_bTD
+    body: Callable  # (layer weights, x_bTD, docs) -> (x_bTD, auxiliary loss share)
     head: Callable  # (weights, x_bTD) -> logits_bTV
+    axes: dict  # name -> the weight's logical axes (jaxdist.axes)
+    compute_dtype: str = "float32"  # weights are gathered in it
 
 
 def _layer_vars(abstract_params) -> list[nnx.Variable]:
@@ -82,17 +91,28 @@ def send_bytes(
     rules: AxisRules,
     mesh_shape: dict[str, int],
     activation_bytes: float,
+    compute_bytes: int | None = None,
 ) -> float:
     """Bytes each device sends over the pipeline axis per step (`jaxdist comm` checks them
     against the compiled HLO): activations and their gradients every tick, and, interleaved,
-    the stage's stored layer shard moved into place and its gradients back."""
-    layers = 0.0
+    the stage's stored layer shard moved into place (in the compute dtype, `compute_bytes`;
+    stored dtype if None) and its gradients back (stored dtype)."""
+    layers = grads = 0.0
     if schedule.virtual > 1:
         for var in _layer_vars(abstract_params):
             value = var.get_value()
             local = local_elements(value.shape, logical_axes(var), rules, mesh_shape, "param")
-            layers += local * value.dtype.itemsize
-    return permute_bytes(schedule, activation_bytes, layers)
+            layers += local * (compute_bytes or value.dtype.itemsize)
+            grads += local * value.dtype.itemsize
+    return permute_bytes(schedule, activation_bytes, layers, grads)
+
+
+def branch_share(schedule: Schedule) -> dict[int, tuple[float, ...]]:
+    """How often each branch of the tick's switch (idle, forward, backward) runs per tick, for
+    reading the compiled step's collectives (jaxdist.planning.hlo): a branch's collectives run
+    only on its ticks. Averaged over the stages (each runs the same count of each)."""
+    ops = np.asarray(schedule.ops)
+    return {3: tuple(float((ops == op).mean()) for op in range(3))}
 
 
 def check_layers(abstract_params, schedule: Schedule) -> None:
@@ -135,10 +155,20 @@ def value_and_grad(
     axis: str = "pipeline",
     eos_id: int | None = None,
 ):
-    """Mean loss over the microbatches and gradients for every weight, pipelined; with
-    `eos_id`, rows are packed documents (jaxdist.documents), each seen alone."""
+    """(mean loss over the microbatches, gradients for every weight, mean auxiliary loss the
+    stages added: MoE balance), pipelined; with `eos_id`, rows are packed documents
+    (jaxdist.documents), each seen alone."""
     rules, mesh = active()
     p, v = mesh.shape[axis], schedule.virtual
+    # The batch axes are manual too: weights move once per step (jaxdist.parallel.stage_weights).
+    batch = stage_weights.batch_axes(rules, dict(mesh.shape))
+    nb = math.prod(mesh.shape[a] for a in batch)
+    specs = {
+        k: stage_weights.manual_spec(stages.axes[k], rules, {axis, *batch}) for k in stages.weights
+    }
+    dtype = jnp.dtype(stages.compute_dtype)
+    auto = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in {axis, *batch})
+    ax = stages.axes
     B = tokens_BT1.shape[0]
     M = microbatches
     micro_MbT1 = tokens_BT1.reshape(B // M, M, -1).swapaxes(0, 1)
@@ -164,10 +194,22 @@ def value_and_grad(
     def per_stage(layers, shared, micro_MbT1, ops, mbs, chunks, slot_t, recv_f, recv_b):
         s = jax.lax.axis_index(axis)
         last = p - 1
-        # [v, layers per chunk, ...]: this stage's chunks in the order it runs them.
-        layers = jax.tree.map(lambda w: w.reshape(v, -1, *w.shape[1:]), layers)
+        stored_layers, stored_shared = layers, shared
+        chunked = {k: (None, *ax[k]) for k in layers}  # logical axes of [v, chunk layers, ...]
+        # [v, layers per chunk, ...]: this stage's chunks in the order it runs them, moved
+        # into place (interleaved) as stored shards in the compute dtype, before the gather.
+        layers = {k: w.astype(dtype).reshape(v, -1, *w.shape[1:]) for k, w in layers.items()}
         if v > 1:
             layers = _shuffle(layers, shuffle_plan(p, v), s, axis, p, v)
+        layers = {
+            k: stage_weights.gather(w, chunked[k], rules, batch, auto, dtype)
+            for k, w in layers.items()
+        }
+        shared = {
+            k: stage_weights.gather(w, ax[k], rules, batch, auto, dtype) for k, w in shared.items()
+        }
+        layers = stage_weights.laid_out(layers, stages.axes, lead=1)
+        shared = stage_weights.laid_out(shared, stages.axes)
 
         def inputs(i):  # microbatch i's input tokens and their documents (or None)
             tokens_bT = micro_MbT1[i, :, :-1]
@@ -176,11 +218,11 @@ def value_and_grad(
         x0 = stages.embed(shared, *inputs(0))
         zeros_x = jnp.zeros(x0.shape, x0.dtype)
         buf = jnp.zeros((slots, *x0.shape), x0.dtype)
-        zero = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
 
         def head_loss(shared, y, i):
             logits = stages.head(shared, y)
-            return loss_fn(logits, micro_MbT1[i, :, 1:]) * scale / M
+            # This device's rows: the batch mean is the sum over the nb batch shards / nb.
+            return loss_fn(logits, micro_MbT1[i, :, 1:]) * scale / (M * nb)
 
         def tick(carry, row):
             inbox_f, inbox_b, stash, g_layers, g_shared, loss, send_f, send_b = carry
@@ -206,11 +248,14 @@ def value_and_grad(
                 # index inside the partially manual shard_map trips XLA's sharding verifier.
                 x = on * stages.embed(shared, tokens_bT, docs) + (1 - on) * inbox_f[slot]
                 stash = stash.at[slot].set(x)
-                y = stages.body(chunk, x, docs)
+                y, aux = stages.body(chunk, x, docs)
+                loss = loss.at[1].add(aux * scale / (M * nb))
                 val, (gs, dy) = jax.value_and_grad(head_loss, argnums=(0, 1))(shared, y, mb)
                 inbox_b = jnp.where(is_last, inbox_b.at[slot].set(dy), inbox_b)
-                g_shared = jax.tree.map(lambda g, d: g + d * is_last.astype(d.dtype), g_shared, gs)
-                loss = loss + val * is_last.astype(val.dtype)
+                g_shared = jax.tree.map(
+                    lambda g, d: g + d.astype(g.dtype) * is_last.astype(g.dtype), g_shared, gs
+                )
+                loss = loss.at[0].add(val * is_last.astype(val.dtype))
                 return inbox_b, stash, g_layers, g_shared, loss, y, zeros_x
 
             def backward(state):
@@ -218,11 +263,14 @@ def value_and_grad(
                 tokens_bT, docs = inputs(mb)
                 # Recompute the forward; the documents are constants here, not differentiated.
                 _, vjp = jax.vjp(lambda w, x: stages.body(w, x, docs), chunk, stash[slot])
-                gl, dx = vjp(inbox_b[slot])
-                g_layers = jax.tree.map(lambda g, d: g.at[k].add(d), g_layers, gl)
+                # The stage's auxiliary loss (MoE balance) joins the objective like the head's.
+                gl, dx = vjp((inbox_b[slot], jnp.asarray(scale / (M * nb), jnp.float32)))
+                g_layers = jax.tree.map(lambda g, d: g.at[k].add(d.astype(g.dtype)), g_layers, gl)
                 _, vjp_e = jax.vjp(lambda w: stages.embed(w, tokens_bT, docs), shared)
                 ge = vjp_e(dx)[0]
-                g_shared = jax.tree.map(lambda g, d: g + d * first.astype(d.dtype), g_shared, ge)
+                g_shared = jax.tree.map(
+                    lambda g, d: g + d.astype(g.dtype) * first.astype(g.dtype), g_shared, ge
+                )
                 return inbox_b, stash, g_layers, g_shared, loss, zeros_x, dx
 
             state = (inbox_b, stash, g_layers, g_shared, loss)
@@ -231,36 +279,40 @@ def value_and_grad(
             )
             return (inbox_f, inbox_b, stash, g_layers, g_shared, loss, send_f, send_b), None
 
-        carry = (buf, buf, buf, zero(layers), zero(shared), jnp.float32(0), zeros_x, zeros_x)
+        g0_layers = stage_weights.zeros_like_stored(layers, stored_layers)
+        g0_layers = stage_weights.laid_out(g0_layers, stages.axes, lead=1)
+        g0_shared = stage_weights.laid_out(
+            stage_weights.zeros_like_stored(shared, stored_shared), stages.axes
+        )
+        # loss: [cross-entropy, auxiliary], this device's share.
+        carry = (buf, buf, buf, g0_layers, g0_shared, jnp.zeros(2, jnp.float32), zeros_x, zeros_x)
         carry, _ = jax.lax.scan(tick, carry, (ops, mbs, chunks, slot_t, recv_f, recv_b))
         _, _, _, g_layers, g_shared, loss, _, _ = carry
-        if v > 1:
+        g_layers = {
+            k: stage_weights.reduce(g, chunked[k], rules, batch, auto) for k, g in g_layers.items()
+        }
+        if v > 1:  # the reduced shards, in the stored dtype, back to the stored placement
             g_layers = _shuffle(g_layers, shuffle_plan(p, v, back=True), s, axis, p, v)
         g_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), g_layers)
         # Shared weights got contributions on the first and last stage only.
-        return jax.lax.psum(loss, axis), g_layers, jax.lax.psum(g_shared, axis)
+        g_shared = {
+            k: stage_weights.reduce(g, ax[k], rules, batch, auto, extra=(axis,))
+            for k, g in g_shared.items()
+        }
+        return jax.lax.psum(loss, (axis, *batch)), g_layers, g_shared
 
-    # XLA 0.11's SPMD partitioner aborts (spmd_partitioner_util.cc: "Check failed:
-    # partition_group_list...") on the vocab-split embedding and loss inside this partially
-    # manual shard_map when a batch axis and `tensor` are both in use; so inside the pipeline
-    # the vocab dimension is computed whole (gathered over its mesh axes). Costs: the head's
-    # matmul and logits are not split over `tensor` in pipelined runs.
-    inner_rules = rules.with_activation("vocab", None)
-    per_stage_with_rules = per_stage
-
-    def per_stage(*args):  # noqa: F811 - the same function under the adjusted rules
-        with activation_rules(inner_rules, mesh):
-            return per_stage_with_rules(*args)
-
-    layer_spec = {k: P(axis) for k in layers}
-
-    shared_spec = {k: P() for k in shared}
-    loss, g_layers, g_shared = jax.shard_map(
+    # Inside, the batch is already split (manual axes; `constrain` names only the others). The
+    # vocabulary stays split over `tensor` as outside: with only `pipeline` manual, XLA 0.11's
+    # partitioner aborted on it ("Check failed: partition_group_list"), not with the batch
+    # axes manual too.
+    layer_spec = {k: specs[k] for k in layers}
+    shared_spec = {k: specs[k] for k in shared}
+    losses, g_layers, g_shared = jax.shard_map(
         per_stage,
         mesh=mesh,
-        axis_names={axis},
-        in_specs=(layer_spec, shared_spec, P(), *[P()] * len(tables)),
+        axis_names={axis, *batch},
+        in_specs=(layer_spec, shared_spec, P(None, batch), *[P()] * len(tables)),
         out_specs=(P(), layer_spec, shared_spec),
         check_vma=False,
     )(layers, shared, micro_MbT1, *tables)
-    return loss, {**g_layers, **g_shared}
+    return losses[0], {**g_layers, **g_shared}, losses[1]

@@ -160,16 +160,26 @@ def _live_max(ops: np.ndarray, mbs: np.ndarray, chunks: np.ndarray, v: int) -> i
     return live
 
 
-def permute_bytes(schedule: Schedule, activation_bytes: float, layer_bytes: float = 0.0) -> float:
+def permute_bytes(
+    schedule: Schedule,
+    activation_bytes: float,
+    layer_bytes: float = 0.0,
+    grad_bytes: float | None = None,
+) -> float:
     """Bytes each device sends per step: both permutes run every tick (idle stages send
     zeros), each carrying one microbatch's activation (forward) or its gradient (backward).
-    Sending only on ticks with traffic would save up to half; not done yet. Interleaved also
+    They must: a permute is a collective every device of the pipeline axis joins, and inside
+    the tick's branch it would need sender and receiver in the same branch, which the schedule
+    does not give; so idle ticks pay 2 x activation bytes, priced here. Interleaved also
     moves its stored layer shard (`layer_bytes` per device) into chunk placement and the
-    gradients back, see `shuffle_plan`."""
+    gradients (`grad_bytes`, default the same) back, see `shuffle_plan`."""
     moved = 0.0
     if schedule.virtual > 1:
         plan = shuffle_plan(schedule.stages, schedule.virtual)
-        moved = 2 * sum(len(j[0]) for d, j, _ in plan if d) * layer_bytes / schedule.virtual
+        grad_bytes = layer_bytes if grad_bytes is None else grad_bytes
+        moved = (
+            sum(len(j[0]) for d, j, _ in plan if d) * (layer_bytes + grad_bytes) / schedule.virtual
+        )
     return 2 * schedule.ticks * activation_bytes + moved
 
 

@@ -7,11 +7,14 @@ import math
 import re
 import time
 
+import numpy as np
+
 from jaxdist.hardware import get_hardware
 from jaxdist.mesh import MeshConfig, build_mesh
 from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.planning import hlo
+from jaxdist.parallel.pipeline import branch_share, make_schedule
+from jaxdist.planning import hlo, kernels
 from jaxdist.planning.memory import xla_peak
 from jaxdist.rules import AxisRules
 from jaxdist.step import Compiled, StepConfig, build
@@ -36,12 +39,21 @@ def compile_only(compiled: Compiled, batch_size: int, seq_len: int) -> dict:
     per_device = {f.removesuffix("_size_in_bytes"): getattr(mem, f, 0) for f in fields}
     per_device["peak_estimate"] = xla_peak(mem)
     mesh = compiled.batch_sharding.mesh
-    collectives = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape)))
+    text = exe.as_text()
+    collectives = hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
     cost = exe.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
+    platform = mesh.devices.flat[0].platform
+    accelerator = {"kernels": kernels.analyze(text, seq_len)} if platform in ("gpu", "tpu") else {}
+    hosts = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    if hosts.max() > 0:
+        # Axes whose neighbours sit on other hosts: their collectives cross the network.
+        accelerator["axes_across_hosts"] = [
+            a for i, a in enumerate(mesh.axis_names) if (np.diff(hosts, axis=i) != 0).any()
+        ]
     return {
         "compile_s": seconds,
-        "platform": mesh.devices.flat[0].platform,
+        "platform": platform,
         "device_kind": mesh.devices.flat[0].device_kind,
         "per_device_bytes": per_device,
         "collectives": [
@@ -50,6 +62,7 @@ def compile_only(compiled: Compiled, batch_size: int, seq_len: int) -> dict:
         # XLA's own per-device estimate, beside the model's FLOPs for comparison.
         "xla_flops": cost.get("flops"),
         "xla_optimal_seconds": cost.get("optimal_seconds"),
+        **accelerator,
     }
 
 
@@ -57,12 +70,22 @@ def target_fit(hardware: str, report: dict, model: ModelSpec, batch_size: int, d
     """Whether the step fits a chip of the target, and XLA's FLOPs beside the model's."""
     hw = get_hardware(hardware)
     ours = model.flops_per_token * batch_size * model.seq_len / devices
-    return {
+    peak = report["per_device_bytes"]["peak_estimate"]
+    out = {
         "chip_memory_bytes": hw.memory_bytes,
-        "fits": report["per_device_bytes"]["peak_estimate"] <= hw.memory_bytes,
+        "peak_gib": round(peak / 2**30, 2),
+        "chip_gib": round(hw.memory_bytes / 2**30, 2),
+        "fits": peak <= hw.memory_bytes,
         "model_flops_per_device": ours,
         "xla_over_model_flops": report["xla_flops"] / ours if report["xla_flops"] else None,
     }
+    if "kernels" in report:
+        attention = getattr(model.config, "attention", None)
+        out["attention_kernel"] = kernels.attention_kernel(
+            report["kernels"], report["platform"], attention
+        )
+        out["warnings"] = kernels.warnings(report | out, hw.memory_bytes)
+    return out
 
 
 def verify(
@@ -89,7 +112,13 @@ def verify(
         return _refused(row, str(e), devices, time.perf_counter() - t0)
     mem = exe.memory_analysis()
     peak = xla_peak(mem)
-    measured = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape)))
+    share = None
+    if mesh.shape.get("pipeline", 1) > 1:  # the tick's branches run on their own ticks only
+        sched = make_schedule(
+            pipeline_schedule, mesh.shape["pipeline"], row["microbatches"], virtual_stages
+        )
+        share = branch_share(sched)
+    measured = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape), share))
     hlo_bytes = sum(v["bytes"] for v in measured.values())
     predicted_mem = row["memory_bytes"]["peak"]
     predicted_bytes = row["comm_bytes"]

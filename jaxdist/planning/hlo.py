@@ -59,7 +59,7 @@ class Collective:
     kind: str
     bytes: int  # per device, per execution: the full buffer the group reduces or gathers
     axes: tuple[str, ...]  # mesh axes whose devices exchange data in this op
-    executions: int  # times it runs per step (loop trip counts multiplied in)
+    executions: float  # times it runs per step (loop trip counts and branch shares multiplied in)
     name: str
 
 
@@ -83,7 +83,8 @@ def _groups(attrs: str, mesh_shape: dict[str, int]) -> list[list[int]] | tuple[s
         spanned = [a.strip(" '") for a in m.group(2).split(",") if a.strip(" '")]
         if all(n in mesh_shape for n, _ in printed):
             # A group along size-1 axes exchanges nothing (XLA keeps such no-ops on CPU).
-            return tuple(a for a in spanned if mesh_shape[a] > 1)
+            # In mesh order, as the other two forms give them.
+            return tuple(a for a in mesh_shape if a in spanned and mesh_shape[a] > 1)
         # XLA named the axes itself (axis_0, ...): rebuild the device groups from its mesh.
         names, sizes = [n for n, _ in printed], [v for _, v in printed]
         ids = np.arange(int(np.prod(sizes))).reshape(sizes)
@@ -119,8 +120,16 @@ def _axes_of(groups, mesh_shape: dict[str, int]) -> tuple[str, ...]:
     return tuple(names[k] for k in sorted(varying))
 
 
-def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
-    """Every collective in the module with how often it runs in one execution of ENTRY."""
+def collectives(
+    hlo_text: str,
+    mesh_shape: dict[str, int],
+    branch_share: dict[int, tuple[float, ...]] | None = None,
+) -> list[Collective]:
+    """Every collective in the module with how often it runs in one execution of ENTRY.
+
+    `branch_share`: for conditionals of n branches, the share of executions each branch takes,
+    where the caller knows it (the pipeline's tick switch: idle, forward, backward, from its
+    schedule); other conditionals count every branch as taken every time, an upper bound."""
     comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -136,7 +145,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
         raise ValueError("no ENTRY computation in the HLO text")
 
     # Multiplicity of each computation: walk calls from ENTRY, multiplying loop trip counts.
-    mult: dict[str, int] = {entry: 1}
+    mult: dict[str, float] = {entry: 1}
     order = [entry]
     while order:
         comp = order.pop()
@@ -144,14 +153,18 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
             trip = 1
             if " while(" in line:
                 m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-                trip = int(m.group(1)) if m else 1
+                trip = int(m.group(1)) if m else _trip_from_condition(line, comps)
             calls = re.findall(r"\b(body|calls)=%([\w.\-]+)", line)
             # Every branch of a conditional, each counted as if taken every time: an upper
             # bound, since which branch runs is only known at run time.
             for branches in re.findall(r"\bbranch_computations=\{([^}]*)\}", line):
-                calls += [("branch", b.strip().lstrip("%")) for b in branches.split(",")]
+                names = [b.strip().lstrip("%") for b in branches.split(",")]
+                share = (branch_share or {}).get(len(names), (1.0,) * len(names))
+                calls += [(share[i], b) for i, b in enumerate(names)]
             for key, callee in calls:
-                times = mult[comp] * (trip if key == "body" else 1)
+                times = mult[comp] * (
+                    trip if key == "body" else key if isinstance(key, float) else 1
+                )
                 mult[callee] = mult.get(callee, 0) + times
                 order.append(callee)
 
@@ -190,12 +203,28 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
     return found
 
 
+def _trip_from_condition(line: str, comps: dict[str, list[str]]) -> int:
+    """A loop's trip count where XLA printed none (the TPU compiler does not): a counter from
+    0 compared `LT` against a constant in its condition, as every `lax.scan` compiles to;
+    1 when the condition has another form."""
+    cond = re.search(r"\bcondition=%([\w.\-]+)", line)
+    body = comps.get(cond.group(1), []) if cond else []
+    root = next((x for x in body if x.lstrip().startswith("ROOT ")), "")
+    if " compare(" not in root or "direction=LT" not in root:
+        return 1
+    for x in body:
+        m = re.search(r"= s32\[\][^ ]* constant\((\d+)\)", x)
+        if m and x.split("=")[0].strip().lstrip("%") in root:
+            return int(m.group(1))
+    return 1
+
+
 def summarize(found: list[Collective]) -> dict[tuple[str, str], dict[str, int]]:
     """(axis label, kind) -> count and bytes per step; `a+b` labels ops spanning two axes."""
     rows: dict[tuple[str, str], dict[str, int]] = {}
     for c in found:
         key = ("+".join(c.axes) or "none", c.kind)
         row = rows.setdefault(key, {"count": 0, "bytes": 0})
-        row["count"] += c.executions
+        row["count"] += round(c.executions)
         row["bytes"] += c.executions * c.bytes
     return rows

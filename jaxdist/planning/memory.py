@@ -31,6 +31,9 @@ class Activation:
     logical: tuple[str | None, ...]
     shape: tuple[int, ...]
     dtype_bytes: int
+    # A computation done in chunks (the fused cross-entropy's logits) holds one chunk at a
+    # time: at most this many rows per device over all dims but the last (0: no chunks).
+    chunk_rows: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,15 +51,30 @@ class Inventory:
     once: tuple[Activation, ...]
 
 
+def with_fused_loss(inventory: Inventory, chunk_tokens: int) -> Inventory:
+    """The inventory under the step's fused cross-entropy (jaxdist.step): the logits the model
+    declares ([..., vocab]) are held one chunk of at most `chunk_tokens` tokens per device at a
+    time, as fp32 logits and their fp32 gradient (softmax less the target's one-hot)."""
+    once = tuple(
+        dataclasses.replace(t, count=2, dtype_bytes=4, chunk_rows=chunk_tokens)
+        if t.logical[-1:] == ("vocab",)
+        else t
+        for t in inventory.once
+    )
+    return dataclasses.replace(inventory, once=once)
+
+
 def tensors_bytes(
     tensors: tuple[Activation, ...], rules: AxisRules, mesh_shape: dict[str, int]
 ) -> float:
-    return sum(
-        t.count
-        * t.dtype_bytes
-        * local_elements(t.shape, t.logical, rules, mesh_shape, "activation")
-        for t in tensors
-    )
+    total = 0.0
+    for t in tensors:
+        local = local_elements(t.shape, t.logical, rules, mesh_shape, "activation")
+        if t.chunk_rows:
+            row = local_elements(t.shape[-1:], t.logical[-1:], rules, mesh_shape, "activation")
+            local = min(local, t.chunk_rows * row)
+        total += t.count * t.dtype_bytes * local
+    return total
 
 
 def predict(
@@ -74,8 +92,11 @@ def predict(
 
     `inventory` describes one microbatch; `num_layers` the layers this device runs. A pipeline
     stage keeps only its microbatches' inputs (`stash_bytes`: its buffers of them) and rebuilds
-    one microbatch's activations at a time in its backward pass.
+    one microbatch's activations at a time in its backward pass. It also holds its weights
+    gathered over the batch axes for the whole step, and their gradient accumulators at that
+    size in the stored dtype (jaxdist.parallel.stage_weights).
     """
+    pipelined = mesh_shape.get("pipeline", 1) > 1
     params = grads = gathered_layer = gathered_other = 0.0
     for var in variables(abstract_params):
         logical = logical_axes(var)
@@ -89,7 +110,11 @@ def predict(
             used = compute_bytes * local_elements(
                 var.shape, logical, rules, mesh_shape, "activation"
             )
-            if "layers" in logical:
+            if pipelined:
+                stage = used / (mesh_shape["pipeline"] if "layers" in logical else 1)
+                gathered_other += stage
+                grads += 4 * stage / compute_bytes - 4 * local
+            elif "layers" in logical:
                 gathered_layer += used / var.shape[logical.index("layers")]
             else:
                 gathered_other += used

@@ -32,6 +32,7 @@ from jaxdist.mesh import MESH_AXES
 from jaxdist.parallel import pipeline
 from jaxdist.planning import costmodel, memory, traffic
 from jaxdist.rules import AxisRules, check_divisible, logical_axes, ways
+from jaxdist.step import StepConfig
 
 MEMORY_HEADROOM = 0.9  # XLA's allocator and the runtime keep some of the device's memory
 
@@ -63,6 +64,8 @@ class PlanConfig:
     virtual_stages: int = 1  # interleaved: layer chunks per device
     compute_efficiency: float = 0.5
     max_layouts: int = 10
+    # The step's fused cross-entropy (jaxdist.step): tokens per device per chunk; 0: unfused.
+    loss_chunk_tokens: int = StepConfig().loss_chunk_tokens
 
 
 def _factorizations(n: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
@@ -159,11 +162,14 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
     # Three buffers (forward inbox, backward inbox, stash), each of `capacity` microbatch inputs
     # per virtual stage: all m for GPipe, at most p for 1F1B.
     stash = 3 * v * schedule.capacity * micro_act if schedule else 0.0
+    inventory = model.inventory(micro_rows)
+    if not schedule and cfg.loss_chunk_tokens:  # a pipeline's last stage takes whole logits
+        inventory = memory.with_fused_loss(inventory, cfg.loss_chunk_tokens)
     mem = memory.predict(
         model.abstract_params,
         rules,
         dict(mesh.shape),
-        model.inventory(micro_rows),
+        inventory,
         model.num_layers // stages,
         cfg.batch_size,
         model.seq_len,
@@ -174,14 +180,14 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
         model.abstract_params,
         mesh,
         rules,
-        model.partial_sums(cfg.batch_size, m, batch_ways),
+        model.partial_sums(cfg.batch_size, m, batch_ways, stages, v),
         model.compute_bytes,
         m,
         reduce_scatter=hw.platform != "cpu",
     )
     if schedule:
         expected[("pipeline", "collective-permute")] = pipeline.send_bytes(
-            schedule, model.abstract_params, rules, dict(mesh.shape), micro_act
+            schedule, model.abstract_params, rules, dict(mesh.shape), micro_act, model.compute_bytes
         )
     tokens = cfg.batch_size * model.seq_len
     compute = model.flops_per_token * tokens / (cfg.devices * hw.peak_flops)

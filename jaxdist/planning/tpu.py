@@ -24,14 +24,20 @@ def topology_name(generation: str, chips: int) -> str:
     extents = [1] * dims
     for i in range(int(math.log2(chips))):
         extents[(dims - 1 - i) % dims] *= 2
-    return f"{generation}:{'x'.join(map(str, sorted(extents)))}"
+    # A 3D slice's unit extents go last: 4 v5p chips are one host's 2x2x1 (libtpu refuses
+    # 1x2x2, which its host bounds do not divide).
+    order = sorted(extents, key=lambda e: (dims == 3 and e == 1, e))
+    return f"{generation}:{'x'.join(map(str, order))}"
 
 
 def parse_target(text: str) -> str:
     """`tpu-v5p:4x4x4` -> `v5p:4x4x4`; `tpu-v5p-64` -> `v5p:4x4x4`."""
     body = text.removeprefix("tpu-")
     if body == text:
-        raise ConfigError(f"--target {text!r}: write tpu-GENERATION:TOPOLOGY, e.g. tpu-v5p:4x4x4")
+        raise ConfigError(
+            f"--target {text!r}: write tpu-GENERATION:TOPOLOGY (e.g. tpu-v5p:4x4x4) for a TPU "
+            "slice, or h100:N, h200:N, h100:HxN for GPUs"
+        )
     if ":" in body:
         generation, topology = body.split(":", 1)
         if generation not in _DIMS or not all(p.isdigit() for p in topology.split("x")):

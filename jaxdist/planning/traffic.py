@@ -8,6 +8,10 @@ gathered layer would undo FSDP); every gradient is reduced over the batch axes. 
 (declared by the model as `PartialSum`s): a matmul whose contracted or produced dim is split
 leaves a partial sum that is all-reduced over that split (Megatron tensor parallelism).
 
+Pipelined layouts (a `pipeline` axis of more than one device) move weights by their own rule
+(jaxdist.parallel.stage_weights): each stage gathers its weights over the batch axes once per
+step, and reduces their gradients, in the stored dtype, once per step.
+
 Bytes follow one convention for every kind: the full buffer a device reduces or gathers
 (all-reduce: its input; all-gather: its output; reduce-scatter: its input).
 """
@@ -58,11 +62,16 @@ def expected(
             out[(label, kind)] = out.get((label, kind), 0.0) + nbytes
 
     batch_axes = rules.mesh_axes("batch", "activation")
+    pipelined = mesh.shape.get("pipeline", 1) > 1
     for var in variables(abstract_params):
         logical = logical_axes(var)
         named = [n for n in logical if n is not None]
         param_axes = {a for n in named for a in rules.mesh_axes(n, "param")}
         act_axes = {a for n in named for a in rules.mesh_axes(n, "activation")}
+        if pipelined:
+            moved = set(batch_axes) - act_axes
+            _stage_weight(add, mesh, var, named, param_axes, moved, compute_bytes)
+            continue
         compute_size = math.prod(var.shape) / ways(mesh.shape, act_axes) * compute_bytes
         # Scanned layer weights: gathered in the forward loop and again in the backward loop,
         # per microbatch. Other weights: gathered once; XLA hoists that out of the microbatch
@@ -98,6 +107,22 @@ def expected(
     return out
 
 
+def _stage_weight(add, mesh: Mesh, var, named, param_axes, moved_axes, compute_bytes) -> None:
+    """One weight's bytes per step in a pipelined layout: gathered once over the batch axes it
+    is split over (compute dtype); its gradient reduce-scattered back over them and all-reduced
+    over the other batch axes, in the stored dtype; weights outside the layers (embedding,
+    head) are also summed over `pipeline`, every stage adding to them. `moved_axes`: the batch
+    axes but those the weight's compute layout splits too (experts)."""
+    batch = {a for a in moved_axes if mesh.shape.get(a, 1) > 1}
+    gather = param_axes & batch
+    local = math.prod(var.shape) / ways(mesh.shape, param_axes - gather)  # gathered, per device
+    stored = var.get_value().dtype.itemsize
+    add(_label(mesh, gather), "all-gather", local * compute_bytes)
+    add(_label(mesh, gather), "reduce-scatter", local * stored)
+    rest = (batch - gather) | (set() if "layers" in named else {"pipeline"})
+    add(_label(mesh, rest), "all-reduce", local / ways(mesh.shape, gather) * stored)
+
+
 def report(
     compiled,
     mesh: Mesh,
@@ -108,14 +133,16 @@ def report(
     compute_bytes: int,
     microbatches: int = 1,
     extra_expected: dict[tuple[str, str], float] | None = None,
+    branch_share: dict[int, tuple[float, ...]] | None = None,
 ) -> dict:
     """Compiles the step for abstract inputs and puts measured beside expected bytes.
 
     `extra_expected` adds traffic the caller knows of, keyed (axis label, kind): the pipeline's
-    permutes, for one.
+    permutes, for one. `branch_share`: how often each branch of a conditional runs
+    (hlo.collectives), for the pipeline's tick switch.
     """
     text = compiled.compile_abstract((batch_size, seq_len + 1)).as_text()
-    measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
+    measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape), branch_share))
     platform = mesh.devices.flat[0].platform
     exp = expected(
         compiled.abstract_state.params,

@@ -1,0 +1,68 @@
+"""Generation speed by mesh: `jaxdist generate`'s tokens/s for one prompt.
+
+    python experiments/generate_speed.py                     # ~160M-parameter random Llama
+    python experiments/generate_speed.py --meshes "tensor=8;data=8" --new-tokens 64
+
+A random LlamaForCausalLM directory (experiments/hf_import_memory.py makes it) is imported onto
+each mesh of 8 fake CPU devices and decodes NEW_TOKENS greedy tokens after a 16-token prompt
+from its KV cache (jaxdist/generate.py, models/decode.py); tokens/s counts prefill and decode,
+compiled beforehand. The prompt fills every row of the batch axes, so a data axis multiplies
+the work of one answer, and FSDP gathers every weight again for each token: for one prompt,
+tensor parallelism is the layout that divides the work.
+
+Results: experiments/results/generate_speed.json.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--d-mlp", type=int, default=2816)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--meshes", default="tensor=8;data=4,tensor=2;data=2,fsdp=2,tensor=2;data=8"
+    )
+    args = parser.parse_args()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    from experiments.hf_import_memory import make_model
+    from jaxdist.cli import cmd_hf, hf_source
+    from jaxdist.generate import SampleConfig
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = pathlib.Path(tmp) / "model"
+        size = make_model(directory, args)
+        for mesh in args.meshes.split(";"):
+            src = hf_source.load_source(f"hf:{directory}", mesh, "cpu:8", "off")
+            sample = SampleConfig(max_new_tokens=args.new_tokens)
+            out = cmd_hf.run_generation(src, list(range(1, 17)), sample)
+            rows.append(
+                {"mesh": mesh, "new_tokens": len(out.new_ids), "tokens_per_s": out.tokens_per_s}
+            )
+            print(f"{mesh:24s} {len(out.new_ids)} tokens, {out.tokens_per_s:6.1f} tokens/s")
+    result = {"model": size, "config": vars(args), "device": jax.devices()[0].device_kind}
+    result["rows"] = rows
+    path = ROOT / "experiments" / "results" / "generate_speed.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
