@@ -4,7 +4,7 @@
     python experiments/generate_speed.py --meshes "tensor=8;data=8" --new-tokens 64
 
 A random LlamaForCausalLM directory (experiments/hf_import_memory.py makes it) is imported onto
-each mesh of 8 fake CPU devices and decodes NEW_TOKENS greedy tokens after a 16-token prompt
+each mesh of 8 fake CPU devices and decodes NEW_TOKENS greedy tokens after a short prompt
 from its KV cache (jaxdist/generate.py, models/decode.py); tokens/s counts prefill and decode,
 compiled beforehand. The prompt fills every row of the batch axes, so a data axis multiplies
 the work of one answer, and FSDP gathers every weight again for each token: for one prompt,
@@ -17,6 +17,8 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -37,27 +39,44 @@ def main() -> int:
         "--meshes", default="tensor=8;data=4,tensor=2;data=2,fsdp=2,tensor=2;data=8"
     )
     args = parser.parse_args()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", 8)
     from experiments.hf_import_memory import make_model
-    from jaxdist.cli import cmd_hf, hf_source
-    from jaxdist.generate import SampleConfig
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = pathlib.Path(tmp) / "model"
         size = make_model(directory, args)
+        # The tiny reference models' BPE (tests/make_hf_fixtures.py): ids fit any vocabulary.
+        shutil.copy(ROOT / "tests" / "fixtures" / "hf" / "llama-gqa" / "tokenizer.json", directory)
         for mesh in args.meshes.split(";"):
-            src = hf_source.load_source(f"hf:{directory}", mesh, "cpu:8", "off")
-            sample = SampleConfig(max_new_tokens=args.new_tokens)
-            out = cmd_hf.run_generation(src, list(range(1, 17)), sample)
-            rows.append(
-                {"mesh": mesh, "new_tokens": len(out.new_ids), "tokens_per_s": out.tokens_per_s}
+            # As a user runs it: the command itself, one process per mesh.
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "jaxdist.cli",
+                    "generate",
+                    f"hf:{directory}",
+                    "--prompt",
+                    "abcdefghijklmnop",
+                    "--max-new-tokens",
+                    str(args.new_tokens),
+                    "--mesh",
+                    mesh,
+                    "--devices",
+                    "cpu:8",
+                    "--json",
+                ],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "JAX_PLATFORMS": "cpu"},
             )
-            print(f"{mesh:24s} {len(out.new_ids)} tokens, {out.tokens_per_s:6.1f} tokens/s")
-    result = {"model": size, "config": vars(args), "device": jax.devices()[0].device_kind}
+            if out.returncode:
+                sys.exit(f"jaxdist generate on {mesh} failed:\n{out.stderr}")
+            answer = json.loads(out.stdout.strip().splitlines()[-1])
+            new, speed = len(answer["new_ids"]), answer["tokens_per_s"]
+            rows.append({"mesh": mesh, "new_tokens": new, "tokens_per_s": speed})
+            print(f"{mesh:24s} {new} tokens, {speed:6.1f} tokens/s")
+    result = {"model": size, "config": vars(args), "device": "8 fake CPU devices"}
     result["rows"] = rows
     path = ROOT / "experiments" / "results" / "generate_speed.json"
     path.write_text(json.dumps(result, indent=2) + "\n")

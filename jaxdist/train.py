@@ -31,11 +31,11 @@ from jaxdist.cluster.watchdog import Watchdog
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.evaluation import EvalConfig, eval_batches, evaluate
-from jaxdist.goodput import Ledger, read_report, totals
 from jaxdist.metrics import MetricsLog, print_summary
 from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.profiling.capture import Capture, parse_range
+from jaxdist.profiling.goodput import Ledger, read_report, totals
 from jaxdist.resume import restore_or_init, write_record
 from jaxdist.rules import AxisRules
 from jaxdist.step import Compiled, StepConfig, Vocab, build

@@ -1,4 +1,5 @@
-"""`jaxdist goodput`: where a run's wall-clock went, over every attempt (jaxdist.goodput)."""
+"""`jaxdist goodput`: where a run's wall-clock went, over every attempt
+(jaxdist.profiling.goodput)."""
 
 import dataclasses
 import json
@@ -21,7 +22,7 @@ class Goodput:
 
 
 def goodput(args: Goodput) -> int:
-    from jaxdist import goodput as accounting
+    from jaxdist.profiling import goodput as accounting
 
     rep = accounting.read_report(pathlib.Path(args.run_dir))
     if args.json:
