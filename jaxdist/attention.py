@@ -49,7 +49,15 @@ def attention(
     """Causal attention of N query heads over G kv heads (query head n reads kv head
     n // (N / G)); `mask`: from `document_mask`, or None for one sequence per row."""
     if implementation == "splash":
-        return _splash(q_BTNH, k_BTGH, v_BTGH, mask)
+        _, mesh = active()
+        interpret = mesh.devices.flat[0].platform == "cpu"
+        local = functools.partial(_splash_local, interpret=interpret)
+        # check_vma off (shard_map_here): the Pallas call carries no varying-axes annotations.
+        return _per_device(local, q_BTNH, k_BTGH, v_BTGH, mask, P_SEGMENTS)
+    if implementation == "cudnn" and jax.sharding.get_abstract_mesh().manual_axes:
+        # Inside the pipeline's shard_map, cuDNN's custom partitioning fails on the partially
+        # manual mesh (an assertion in jax 0.11's custom_partitioning): run it per device.
+        return _per_device(_cudnn_local, q_BTNH, k_BTGH, v_BTGH, mask, P_MASK)
     # XLA: the mask joins the causal mask on the scores. cuDNN: the public API turns the mask
     # into a dense [B, 1, T, S] bias and stays fused, forward and backward
     # (__cudnn$fmhaScaleBiasSoftmax). cuDNN's segment form (q/kv offsets, __cudnn$fmhaSoftmax,
@@ -62,20 +70,29 @@ def attention(
     )
 
 
-def _splash(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT):
-    rules, mesh = active()
+def _cudnn_local(q_BTNH, k_BTGH, v_BTGH, mask=None):
+    return jax.nn.dot_product_attention(
+        q_BTNH, k_BTGH, v_BTGH, mask=mask, is_causal=True, implementation="cudnn"
+    )
+
+
+# The mask's layout by kind: segment ids [B, T] (splash) or a bool mask [B, 1, T, S] (cuDNN).
+P_SEGMENTS, P_MASK = ("batch", None), ("batch", None, None, None)
+
+
+def _per_device(local, q_BTNH, k_BTGH, v_BTGH, mask, mask_logical):
+    """`local` on each device's rows and heads, in a shard_map over the batch and head axes of
+    the active rules (heads of one kv group stay on one device); inside the pipeline the batch
+    axes are manual already, and only the heads are split here."""
+    rules, _ = active()
     batch = rules.mesh_axes("batch", "activation") or None
     heads = rules.mesh_axes("heads", "activation") or None
     kv_heads = rules.mesh_axes("kv_heads", "activation") or None
-    interpret = mesh.devices.flat[0].platform == "cpu"
-    local = functools.partial(_splash_local, interpret=interpret)
     q_spec, kv_spec = P(batch, None, heads, None), P(batch, None, kv_heads, None)
     args, specs = [q_BTNH, k_BTGH, v_BTGH], [q_spec, kv_spec, kv_spec]
-    if segment_ids_BT is not None:
-        args.append(segment_ids_BT)
-        specs.append(P(batch, None))
-    # check_vma off (shard_map_here): the Pallas call carries no varying-axes annotations.
-    # Inside the pipeline the batch axes are manual already: only the heads are split here.
+    if mask is not None:
+        args.append(mask)
+        specs.append(P(batch, *mask_logical[1:]))
     return shard_map_here(local, tuple(specs), q_spec)(*args)
 
 

@@ -23,7 +23,10 @@ def _chunks(B: int, T: int, chunk_tokens: int) -> tuple[int, int]:
     partial head gradient) and the sequence chunks: the fewest that hold at most
     `chunk_tokens` tokens per device."""
     rules, mesh = active()
-    shards = ways(mesh.shape, rules.mesh_axes("batch", "activation"))
+    # Inside a shard_map (the pipeline's), the manual axes are already split: rows are local.
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    axes = [a for a in rules.mesh_axes("batch", "activation") if a not in manual]
+    shards = ways(mesh.shape, axes)
     shards = shards if B % shards == 0 else 1
     rows = B // shards
     chunks = next((c for c in range(1, T + 1) if T % c == 0 and rows * T // c <= chunk_tokens), T)

@@ -6,7 +6,6 @@ and batch shardings imply; jaxdist.planning.traffic reads them back out of the c
 """
 
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
@@ -113,6 +112,21 @@ def forward_loss(
     return cross_entropy(logits_BTV, targets_BT, vocab.size), aux
 
 
+def stage_loss(stages: pipeline.Stages, vocab: Vocab, chunk_tokens: int) -> Callable:
+    """The pipeline's last stage's loss from its output, `(weights, y_bTD, targets_bT) -> mean`:
+    fused, as `forward_loss`'s, where the model offers its features."""
+    if chunk_tokens and stages.features is not None:
+
+        def fused(weights, y_bTD, targets_bT):
+            h_bTD, head_DV = stages.features(weights, y_bTD)
+            return fused_cross_entropy(h_bTD, head_DV, targets_bT, vocab.size, chunk_tokens)
+
+        return fused
+    return lambda weights, y_bTD, targets_bT: cross_entropy(
+        stages.head(weights, y_bTD), targets_bT, vocab.size
+    )
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
@@ -150,7 +164,7 @@ def make_train_step(
             loss, by_name, aux_loss = pipeline.value_and_grad(
                 stages,
                 tokens_BT1,
-                functools.partial(cross_entropy, vocab_size=vocab.size),
+                stage_loss(stages, vocab, config.loss_chunk_tokens),
                 scale,
                 schedule,
                 M,

@@ -235,6 +235,7 @@ class Transformer(nnx.Module):
             lambda p, x: logits(c, p, x),
             {k: _LOGICAL[k] for k in _param_shapes(c)},
             c.compute_dtype,
+            lambda p, x: (final_norm(c, p, x), head_weight(c, p)),
         )
 
 

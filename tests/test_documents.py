@@ -194,9 +194,8 @@ def test_pipelined_documents_equal_unpipelined(name, layout):
     def pipelined(params, tokens_BT1):
         with activation_rules(STANDARD_RULES, mesh):
             stages = nnx.merge(graphdef, params).stages()
-            return pipeline.value_and_grad(
-                stages, tokens_BT1, cross_entropy, 1.0, schedule, M, eos_id=EOS
-            )
+            loss = lambda w, y_bTD, t_bT: cross_entropy(stages.head(w, y_bTD), t_bT)  # noqa: E731
+            return pipeline.value_and_grad(stages, tokens_BT1, loss, 1.0, schedule, M, eos_id=EOS)
 
     ref_loss, ref_grads = reference(params, tokens_BT1, packed=True)
     # The rows really are packed: seen as one sequence each, their loss is another.

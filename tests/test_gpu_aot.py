@@ -150,12 +150,17 @@ def test_report_flags_fp32_matmuls_and_unfused_attention():
 
 @pytest.mark.slow
 @needs_plugin
-def test_planner_agrees_with_the_gpu_compiler_on_three_layouts(tmp_path):
+@pytest.mark.parametrize("axes", [None, "pipeline,fsdp"])
+def test_planner_agrees_with_the_gpu_compiler_on_three_layouts(tmp_path, axes):
     """The issue's bar: on 16 H100s (2 hosts), the planner's memory per GPU within 15% and
     its collective bytes within 5% of what XLA's GPU compiler makes of the three best
-    layouts of 1b at batch 512, each compiled for the GPUs."""
+    layouts of 1b at batch 512, each compiled for the GPUs; and of the three best pipelined
+    ones (cuDNN attention inside the pipeline's shard_map, the head's fused loss in its
+    forward ticks, the layers' residuals rebuilt in its backward ones)."""
     out = tmp_path / "plan.json"
     args = ["plan", "--model", "1b", "--devices", "16", "--hardware", "h100-ib", "--verify", "3"]
+    if axes:
+        args += ["--axes", axes]
     r = cli(*args, "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["layouts"][:3]
@@ -163,4 +168,6 @@ def test_planner_agrees_with_the_gpu_compiler_on_three_layouts(tmp_path):
         v = row["verify"]
         assert v["platform"] == "gpu" and v["predicted_peak_bytes"] == row["memory_bytes"]["peak"]
         assert v["memory_ok"] and v["bytes_ok"], (row["layout"], v)
+    pipelined = sum(row["mesh"]["pipeline"] > 1 for row in rows)
+    assert pipelined >= 2 if axes else pipelined == 0
     assert "FLAG" not in r.stdout

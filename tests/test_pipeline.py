@@ -34,7 +34,9 @@ def _mesh(layout):
     return mesh_for(layout)
 
 
-def _compiled(layout, schedule="1f1b", microbatches=4, layers=LAYERS, batch=16, virtual=1):
+def _compiled(
+    layout, schedule="1f1b", microbatches=4, layers=LAYERS, batch=16, virtual=1, chunk=8192
+):
     mc = get_model_config("tiny", num_layers=layers)
     tx, lr = make_optimizer(OptimConfig(warmup_steps=2), STEPS)
     return mc, build(
@@ -43,14 +45,19 @@ def _compiled(layout, schedule="1f1b", microbatches=4, layers=LAYERS, batch=16, 
         lr,
         STANDARD_RULES,
         _mesh(layout),
-        StepConfig(microbatches, pipeline_schedule=schedule, virtual_stages=virtual),
+        StepConfig(
+            microbatches,
+            pipeline_schedule=schedule,
+            virtual_stages=virtual,
+            loss_chunk_tokens=chunk,
+        ),
         0,
         batch,
     )
 
 
-def _run(layout, schedule="1f1b", microbatches=4, virtual=1):
-    mc, c = _compiled(layout, schedule, microbatches, virtual=virtual)
+def _run(layout, schedule="1f1b", microbatches=4, virtual=1, chunk=8192):
+    mc, c = _compiled(layout, schedule, microbatches, virtual=virtual, chunk=chunk)
     data = TokenBatches(DataConfig(batch_size=16), mc.seq_len, mc.vocab_size)
     state, losses = c.init_fn(), []
     for s in range(STEPS):
@@ -81,6 +88,18 @@ def test_pipelined_equals_unpipelined(reference, layout, schedule, virtual):
     ref_losses, ref_params = reference
     microbatches = 8 if layout == "pipeline=8" else 4
     losses, params = _run(layout, schedule, microbatches, virtual)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_pipelined_last_stage_loss_fused_or_not(reference, chunk):
+    """The last stage's loss unfused (0: whole logits) and fused in several chunks (64 tokens
+    of a device's 2 x 128 per microbatch, summed in the scan inside the pipeline's
+    shard_map) give the unpipelined run's losses and parameters."""
+    ref_losses, ref_params = reference
+    losses, params = _run("pipeline=2,data=2,tensor=2", chunk=chunk)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

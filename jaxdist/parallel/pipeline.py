@@ -23,6 +23,10 @@ Pays in: the bubble (idle ticks), the recompute (one extra forward per stage), t
 point-to-point bytes (one activation forward and one gradient back per tick and chunk), and
 memory: a stage's weights gathered, and their gradients accumulated, for the whole step.
 
+The last stage's loss is the step's fused cross-entropy (jaxdist.fused_loss) where the model
+offers its features: forward ticks hold one chunk of logits, backward ticks a microbatch's
+rebuilt activations, never both (the planner prices the larger).
+
 Packed documents (`eos_id`): every stage derives the microbatch's documents from its tokens,
 which every stage holds, so nothing more travels between stages.
 """
@@ -67,6 +71,9 @@ class Stages(NamedTuple):
     head: Callable  # (weights, x_bTD) -> logits_bTV
     axes: dict  # name -> the weight's logical axes (jaxdist.axes)
     compute_dtype: str = "float32"  # weights are gathered in it
+    # (weights, x_bTD) -> (h_bTD, head_DV), logits = h @ head: for the fused loss, which never
+    # holds a microbatch's whole logits (jaxdist.fused_loss); None: the loss takes `head`'s.
+    features: Callable | None = None
 
 
 def _layer_vars(abstract_params) -> list[nnx.Variable]:
@@ -148,7 +155,7 @@ def _shuffle(tree: dict, plan, s, axis: str, p: int, v: int) -> dict:
 def value_and_grad(
     stages: Stages,
     tokens_BT1: jax.Array,
-    loss_fn: Callable,
+    head_loss: Callable,
     scale,
     schedule: Schedule,
     microbatches: int,
@@ -157,7 +164,8 @@ def value_and_grad(
 ):
     """(mean loss over the microbatches, gradients for every weight, mean auxiliary loss the
     stages added: MoE balance), pipelined; with `eos_id`, rows are packed documents
-    (jaxdist.documents), each seen alone."""
+    (jaxdist.documents), each seen alone. `head_loss(weights, y_bTD, targets_bT)` is the last
+    stage's mean loss from its output (jaxdist.step.stage_loss)."""
     rules, mesh = active()
     p, v = mesh.shape[axis], schedule.virtual
     # The batch axes are manual too: weights move once per step (jaxdist.parallel.stage_weights).
@@ -219,10 +227,9 @@ def value_and_grad(
         zeros_x = jnp.zeros(x0.shape, x0.dtype)
         buf = jnp.zeros((slots, *x0.shape), x0.dtype)
 
-        def head_loss(shared, y, i):
-            logits = stages.head(shared, y)
+        def last_loss(shared, y, i):
             # This device's rows: the batch mean is the sum over the nb batch shards / nb.
-            return loss_fn(logits, micro_MbT1[i, :, 1:]) * scale / (M * nb)
+            return head_loss(shared, y, micro_MbT1[i, :, 1:]) * scale / (M * nb)
 
         def tick(carry, row):
             inbox_f, inbox_b, stash, g_layers, g_shared, loss, send_f, send_b = carry
@@ -250,7 +257,7 @@ def value_and_grad(
                 stash = stash.at[slot].set(x)
                 y, aux = stages.body(chunk, x, docs)
                 loss = loss.at[1].add(aux * scale / (M * nb))
-                val, (gs, dy) = jax.value_and_grad(head_loss, argnums=(0, 1))(shared, y, mb)
+                val, (gs, dy) = jax.value_and_grad(last_loss, argnums=(0, 1))(shared, y, mb)
                 inbox_b = jnp.where(is_last, inbox_b.at[slot].set(dy), inbox_b)
                 g_shared = jax.tree.map(
                     lambda g, d: g + d.astype(g.dtype) * is_last.astype(g.dtype), g_shared, gs

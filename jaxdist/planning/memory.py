@@ -11,7 +11,8 @@ Terms, per device:
   a time (two in flight, so the next gather can overlap this layer), the others whole;
 - activations: what each layer saves for its backward pass under the remat policy, times the
   layers (and, pipelined, the microbatches a stage holds), plus one layer's backward working
-  set and what lives outside the layers (embeddings, logits).
+  set and what lives outside the layers (embeddings, logits);
+- on TPU, what its compiler counts beyond its own buffer assignment (`tpu_copies`).
 """
 
 import dataclasses
@@ -51,17 +52,22 @@ class Inventory:
     once: tuple[Activation, ...]
 
 
-def with_fused_loss(inventory: Inventory, chunk_tokens: int) -> Inventory:
-    """The inventory under the step's fused cross-entropy (jaxdist.step): the logits the model
-    declares ([..., vocab]) are held one chunk of at most `chunk_tokens` tokens per device at a
-    time, as fp32 logits and their fp32 gradient (softmax less the target's one-hot)."""
-    once = tuple(
-        dataclasses.replace(t, count=2, dtype_bytes=4, chunk_rows=chunk_tokens)
-        if t.logical[-1:] == ("vocab",)
-        else t
-        for t in inventory.once
-    )
-    return dataclasses.replace(inventory, once=once)
+def with_fused_loss(inventory: Inventory, chunk_tokens: int, compute_bytes: int) -> Inventory:
+    """The inventory under the step's fused cross-entropy (jaxdist.fused_loss): the logits the
+    model declares ([..., vocab]) are held one chunk of at most `chunk_tokens` tokens per device
+    at a time, as fp32 logits and their gradient (softmax less the target's one-hot), rounded
+    to the compute dtype for the matmuls that use it."""
+    once = []
+    for t in inventory.once:
+        if t.logical[-1:] == ("vocab",):
+            chunk = dataclasses.replace(t, count=1, chunk_rows=chunk_tokens)
+            once += [
+                dataclasses.replace(chunk, dtype_bytes=4),
+                dataclasses.replace(chunk, dtype_bytes=compute_bytes),
+            ]
+        else:
+            once.append(t)
+    return dataclasses.replace(inventory, once=tuple(once))
 
 
 def tensors_bytes(
@@ -87,22 +93,35 @@ def predict(
     seq_len: int,
     compute_bytes: int,
     stash_bytes: float = 0.0,
+    platform: str = "cpu",
 ) -> dict[str, float]:
     """Bytes per device, by term, and their sum as `peak`.
 
     `inventory` describes one microbatch; `num_layers` the layers this device runs. A pipeline
     stage keeps only its microbatches' inputs (`stash_bytes`: its buffers of them) and rebuilds
-    one microbatch's activations at a time in its backward pass. It also holds its weights
-    gathered over the batch axes for the whole step, and their gradient accumulators at that
-    size in the stored dtype (jaxdist.parallel.stage_weights).
+    one microbatch's activations at a time in its backward ticks, and the head's (logits) in
+    its forward ticks, never both at once. It also holds its weights gathered over the batch
+    axes for the whole step, and their gradient accumulators at that size in the stored dtype
+    (jaxdist.parallel.stage_weights).
+
+    On `platform` "tpu", `tpu_copies`: the TPU compiler's memory analysis counts, beyond the
+    buffers of its own assignment, about a second copy of the fp32 logits chunk, and of the
+    state a loop carries and the weights it reads (experiments/tpu_loop_state.py isolates that
+    share): for a pipeline stage, its layers' gradient accumulators and weights, carried
+    through the tick loop. Measured on v5p, not derived: with the preset's remat "dots" the
+    shared weights' accumulators are not counted twice; under remat "none" pipelined layouts
+    come out about a quarter under (README, "Compile for a TPU slice").
     """
     pipelined = mesh_shape.get("pipeline", 1) > 1
-    params = grads = gathered_layer = gathered_other = 0.0
+    params = grads = gathered_layer = gathered_other = stage_layers = 0.0
     for var in variables(abstract_params):
         logical = logical_axes(var)
         local = local_elements(var.shape, logical, rules, mesh_shape, "param")
         params += 4 * local
         grads += 4 * local
+        if pipelined and "layers" in logical:  # as the stage's ticks read and accumulate them
+            used = local_elements(var.shape, logical, rules, mesh_shape, "activation")
+            stage_layers += max(local, used / mesh_shape["pipeline"])
         param_axes = {a for n in logical if n for a in rules.mesh_axes(n, "param")}
         act_axes = {a for n in logical if n for a in rules.mesh_axes(n, "activation")}
         # A pipeline stage keeps its own layers: their split over `pipeline` is never gathered.
@@ -122,12 +141,20 @@ def predict(
         4 * batch_size * (seq_len + 1) / ways(mesh_shape, rules.mesh_axes("batch", "activation"))
     )
     saved = tensors_bytes(inventory.saved_per_layer, rules, mesh_shape)
-    activations = (
-        num_layers * saved
-        + tensors_bytes(inventory.working, rules, mesh_shape)
-        + tensors_bytes(inventory.once, rules, mesh_shape)
-        + stash_bytes
-    )
+    backward = num_layers * saved + tensors_bytes(inventory.working, rules, mesh_shape)
+    once = tensors_bytes(inventory.once, rules, mesh_shape)
+    # Unpipelined, the loss runs with every layer's residuals held. A pipeline stage runs its
+    # head and loss in forward ticks and rebuilds its residuals in backward ticks: the two
+    # branches of the tick never hold their buffers at once.
+    activations = (max(backward, once) if pipelined else backward + once) + stash_bytes
+    tpu_copies = 0.0
+    if platform == "tpu":
+        fp32_logits = [t for t in inventory.once if t.logical[-1:] == ("vocab",)]
+        fp32_logits = tuple(t for t in fp32_logits if t.dtype_bytes == 4)
+        # The stage's layers: fp32 gradient accumulators and weights in the compute dtype.
+        tpu_copies = tensors_bytes(fp32_logits, rules, mesh_shape) + stage_layers * (
+            4 + compute_bytes
+        )
     out = {
         "params": params,
         "optimizer": ADAM_MOMENTS * params,
@@ -135,6 +162,7 @@ def predict(
         "gradients": grads,
         "gathered_weights": 2 * gathered_layer + gathered_other,
         "activations": activations,
+        "tpu_copies": tpu_copies,
     }
     out["peak"] = sum(out.values())
     return out

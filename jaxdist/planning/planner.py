@@ -163,8 +163,8 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
     # per virtual stage: all m for GPipe, at most p for 1F1B.
     stash = 3 * v * schedule.capacity * micro_act if schedule else 0.0
     inventory = model.inventory(micro_rows)
-    if not schedule and cfg.loss_chunk_tokens:  # a pipeline's last stage takes whole logits
-        inventory = memory.with_fused_loss(inventory, cfg.loss_chunk_tokens)
+    if cfg.loss_chunk_tokens:  # the fused loss, a pipeline's last stage's too
+        inventory = memory.with_fused_loss(inventory, cfg.loss_chunk_tokens, model.compute_bytes)
     mem = memory.predict(
         model.abstract_params,
         rules,
@@ -175,6 +175,7 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
         model.seq_len,
         model.compute_bytes,
         stash,
+        hw.platform,
     )
     expected = traffic.expected(
         model.abstract_params,
