@@ -103,6 +103,7 @@ def activations(c: TransformerConfig, batch_size: int) -> Inventory:
         F = int(F * c.top_k * c.capacity_factor)
     nb = jnp.dtype(c.compute_dtype).itemsize
     btd = Activation(1, ("batch", "seq", "embed"), (B, T, D), nb)
+    btd32 = Activation(1, ("batch", "seq", "embed"), (B, T, D), 4)  # the norms' fp32 work
     stat = Activation(1, ("batch", "seq"), (B, T), 4)  # norm statistics stay fp32
     btnh = Activation(1, ("batch", "seq", "heads", "head_dim"), (B, T, N, H), nb)
     btgh = Activation(1, ("batch", "seq", "kv_heads", "head_dim"), (B, T, G, H), nb)
@@ -120,7 +121,9 @@ def activations(c: TransformerConfig, batch_size: int) -> Inventory:
     # q/k/v and the attention output, the scores and softmax, and the MLP's hidden layer
     # with its activation function's intermediates (tanh GELU: 5; SwiGLU: 6).
     everything = (
-        n(btd, count=8),
+        # Four in the compute dtype, and each norm's fp32 input and normalized value.
+        n(btd, count=4),
+        n(btd32, count=4),
         n(stat, count=4),
         n(btnh, count=2 if llama else 3),
         n(btgh, count=2 if llama else 1),
