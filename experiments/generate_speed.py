@@ -5,10 +5,10 @@
 
 A random LlamaForCausalLM directory (experiments/hf_import_memory.py makes it) is imported onto
 each mesh of 8 fake CPU devices and decodes NEW_TOKENS greedy tokens after a short prompt
-from its KV cache (jaxdist/generate.py, models/decode.py); tokens/s counts prefill and decode,
-compiled beforehand. The prompt fills every row of the batch axes, so a data axis multiplies
-the work of one answer, and FSDP gathers every weight again for each token: for one prompt,
-tensor parallelism is the layout that divides the work.
+from its KV cache (jaxdist/inference/generate.py, models/decode.py); tokens/s counts prefill
+and decode, compiled beforehand. The prompt fills every row of the batch axes, so a data axis
+multiplies the work of one answer, and FSDP gathers every weight again for each token: for
+one prompt, tensor parallelism is the layout that divides the work.
 
 Results: experiments/results/generate_speed.json.
 """

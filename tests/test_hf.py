@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 from jaxdist.checkpoint.safetensors_io import SafetensorsDir
 from jaxdist.cli import cmd_hf, hf_source
 from jaxdist.errors import ConfigError
-from jaxdist.generate import SampleConfig, pick
+from jaxdist.inference.generate import SampleConfig, pick
 from jaxdist.rules import activation_rules, state_shardings
 from meshes.presets import STANDARD_RULES
 from models import hf

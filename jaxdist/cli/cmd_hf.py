@@ -202,14 +202,14 @@ def _generation_mesh(source: str, devices: str) -> str:
 
 
 def generate(args: Generate) -> int:
-    from jaxdist.generate import SampleConfig
+    from jaxdist.inference.generate import SampleConfig
 
     sample = SampleConfig(args.max_new_tokens, args.temperature, args.top_k, args.seed)
     sample.validate()
     if not args.prompt:
         raise ConfigError('pass the text to continue with --prompt "..."')
     if args.source.startswith("hf:"):
-        from jaxdist.generate import check_prompt
+        from jaxdist.inference.generate import check_prompt
         from models.hf import open_model
 
         model = open_model(args.source)  # the prompt is checked before anything is loaded
@@ -250,8 +250,8 @@ def generate(args: Generate) -> int:
 
 
 def run_generation(src: Source, prompt_ids: list[int], sample):
-    from jaxdist.generate import Decoder
-    from jaxdist.generate import generate as gen
+    from jaxdist.inference.generate import Decoder
+    from jaxdist.inference.generate import generate as gen
     from models import decode
 
     c = src.config

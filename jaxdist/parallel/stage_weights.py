@@ -70,35 +70,42 @@ def _moved(logical, rules: AxisRules, axes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(a for a in axes if a not in kept)
 
 
-def gather(w, logical, rules: AxisRules, axes: tuple[str, ...], auto: tuple[str, ...], dtype):
-    """The whole weight over the batch axes, on every device (still split over the automatic
-    axes), cast first so the gather moves compute-dtype bytes."""
+def _over_split(x, logical, rules: AxisRules, axes, auto, move) -> tuple[jax.Array, tuple]:
+    """`move(x, names, dim)` for each dimension of the weight split over the batch axes it moves
+    over, on each device's shard over the automatic axes; and those moved axes that split no
+    dimension (the gradient's all-reduce)."""
     axes = _moved(logical, rules, axes)
     split = _dims(manual_spec(logical, rules, set(axes)), axes)
 
-    def one(w):
+    def one(x):
         for d, names in split:
-            w = jax.lax.all_gather(w, names, axis=d, tiled=True)
-        return w
+            x = move(x, names, d)
+        return x
 
-    w = w.astype(dtype)
-    return _per_shard(one, w, logical, rules, auto) if split else w
+    if split:
+        x = _per_shard(one, x, logical, rules, auto)
+    return x, tuple(a for a in axes if all(a not in names for _, names in split))
+
+
+def gather(w, logical, rules: AxisRules, axes: tuple[str, ...], auto: tuple[str, ...], dtype):
+    """The whole weight over the batch axes, on every device (still split over the automatic
+    axes), cast first so the gather moves compute-dtype bytes."""
+
+    def all_gather(w, names, d):
+        return jax.lax.all_gather(w, names, axis=d, tiled=True)
+
+    return _over_split(w.astype(dtype), logical, rules, axes, auto, all_gather)[0]
 
 
 def reduce(g, logical, rules: AxisRules, axes: tuple[str, ...], auto: tuple[str, ...], extra=()):
     """A local gradient summed over the batch axes (and `extra`), landing as the weight's
     shard: reduce-scattered over the axes the weight is split over, all-reduced over the rest."""
-    axes = _moved(logical, rules, axes)
-    split = _dims(manual_spec(logical, rules, set(axes)), axes)
 
-    def one(g):
-        for d, names in split:
-            g = jax.lax.psum_scatter(g, names, scatter_dimension=d, tiled=True)
-        return g
+    def scatter(g, names, d):
+        return jax.lax.psum_scatter(g, names, scatter_dimension=d, tiled=True)
 
-    if split:
-        g = _per_shard(one, g, logical, rules, auto)
-    rest = tuple(a for a in axes if all(a not in names for _, names in split)) + tuple(extra)
+    g, rest = _over_split(g, logical, rules, axes, auto, scatter)
+    rest += tuple(extra)
     return jax.lax.psum(g, rest) if rest else g
 
 
