@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 def make_model(directory: pathlib.Path, args) -> dict:
     import numpy as np
 
-    from jaxdist.checkpoint.safetensors_io import Planned, write
+    from jaxdist.hf.safetensors_io import Planned, write
     from models.hf import config_from_hf, pieces
 
     hf = {

@@ -7,7 +7,7 @@ table (meshes.presets) maps them onto the mesh, so `fsdp` splits each weight's `
 `tensor` its `mlp` and `vocab` dims. Changing --mesh changes the layout, not the losses.
 
 The model is called as `model(tokens_BT, docs=None)` (jaxdist.model): on tokenized data with
-document masking the step passes the packed documents (jaxdist.documents), and the mixing
+document masking the step passes the packed documents (jaxdist.kernels.documents), and the mixing
 stays inside each document, at positions that restart with it.
 
 Legend: B batch  T seq (target position)  S seq (source position)  D embed  F mlp  V vocab
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxdist
-from jaxdist.documents import Documents, attention_mask
+from jaxdist.kernels.documents import Documents, attention_mask
 from jaxdist.rules import constrain
 from meshes.presets import STANDARD_RULES
 

@@ -38,7 +38,7 @@ def measure(layout, model, microbatches, schedule, args) -> dict:
 
     from jaxdist.data import DataConfig, TokenBatches
     from jaxdist.mesh import make_mesh
-    from jaxdist.metrics import distribution
+    from jaxdist.metrics.records import distribution
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.planning import hlo
     from jaxdist.planning.memory import xla_peak

@@ -3,7 +3,7 @@
 Any Flax NNX module whose parameters declare `logical_axes` (jaxdist.axes) and whose call
 `model(tokens_BT, docs=None) -> (logits_BTV, aux)` maps tokens [B, T] to logits [B, T, V] fits:
 aux holds `loss` (added to the objective, e.g. MoE balance) and `metrics` (logged). The step
-passes `docs` (second argument; jaxdist.documents.Documents: per-token document ids and
+passes `docs` (second argument; jaxdist.kernels.documents.Documents: per-token document ids and
 positions) only when rows are packed documents and document masking is on; the model then
 keeps every document to itself (no attention or mixing across a boundary, positions restarting
 at each). Otherwise it calls `model(tokens_BT)`: one causal sequence per row. models/ supplies
@@ -11,8 +11,8 @@ specs for its presets; a script may supply its own (see experiments/own_model.py
 
 Optional, for memory: `model.features(tokens_BT, docs=None) -> (h_BTD, head_DV, aux)`, the last
 hidden state and the output head (logits = h_BTD @ head_DV). A model that has it gets the fused
-cross-entropy (jaxdist.fused_loss: the logits computed chunk by chunk, never whole in memory);
-one that has not is called for its logits. Optional, for pipeline parallelism:
+cross-entropy (jaxdist.kernels.fused_loss: the logits computed chunk by chunk, never whole in
+memory); one that has not is called for its logits. Optional, for pipeline parallelism:
 `model.stages()` (jaxdist.parallel.pipeline.Stages).
 """
 

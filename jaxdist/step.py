@@ -16,9 +16,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist import documents
 from jaxdist.errors import ConfigError
-from jaxdist.fused_loss import fused_cross_entropy
+from jaxdist.kernels import documents
+from jaxdist.kernels.fused_loss import fused_cross_entropy
 from jaxdist.parallel import pipeline
 from jaxdist.rules import (
     AxisRules,
@@ -265,7 +265,7 @@ def build(
             raise ConfigError(
                 f"{type(abstract_model).__name__} is called without document masks (its "
                 "__call__ takes no `docs`), and this data packs documents; add "
-                "`docs: jaxdist.documents.Documents | None = None` to it, or pass "
+                "`docs: jaxdist.kernels.documents.Documents | None = None` to it, or pass "
                 "--no-document-mask (StepConfig(document_mask=False))"
             )
     graphdef, abstract_params = nnx.split(abstract_model)

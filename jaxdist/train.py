@@ -25,22 +25,22 @@ from jaxdist.checkpoint.recovery import (
     PreemptionSignal,
     apply_nonfinite_policy,
 )
+from jaxdist.checkpoint.resume import restore_or_init, write_record
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
 from jaxdist.cluster.join import process_rows
 from jaxdist.cluster.watchdog import Watchdog
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.evaluation import EvalConfig, eval_batches, evaluate
-from jaxdist.metrics import MetricsLog, print_summary
+from jaxdist.metrics.goodput import Ledger, read_report, totals
+from jaxdist.metrics.records import MetricsLog, print_summary
+from jaxdist.metrics.steptimer import StepTimer, summarize
+from jaxdist.metrics.tensorboard import TensorBoardLog
 from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.profiling.capture import Capture, parse_range
-from jaxdist.profiling.goodput import Ledger, read_report, totals
-from jaxdist.resume import restore_or_init, write_record
 from jaxdist.rules import AxisRules
 from jaxdist.step import Compiled, StepConfig, Vocab, build
-from jaxdist.steptimer import StepTimer, summarize
-from jaxdist.tensorboard_log import TensorBoardLog
 
 
 @dataclasses.dataclass(frozen=True)

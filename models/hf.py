@@ -166,7 +166,7 @@ def open_model(spec: str) -> HFModel:
     config, vocab = config_from_hf(hf, f"hf:{path.name}", str(path))
     prefix = ""
     if config.style == "gpt2":
-        from jaxdist.checkpoint.safetensors_io import SafetensorsDir
+        from jaxdist.hf.safetensors_io import SafetensorsDir
 
         names = SafetensorsDir(path).tensors
         prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
@@ -241,7 +241,7 @@ def _layered(ours: str) -> bool:
 
 def check_weights(model: HFModel, tensors: dict) -> list[Piece]:
     """Every tensor the config implies is there with its shape, and nothing unknown is; the
-    pieces to load. `tensors`: name -> TensorInfo (jaxdist.checkpoint.safetensors_io)."""
+    pieces to load. `tensors`: name -> TensorInfo (jaxdist.hf.safetensors_io)."""
     c = model.config
     positions = model.hf_config.get("n_positions", c.seq_len)
     plan = pieces(c, model.vocab_size, positions, model.prefix)
@@ -298,7 +298,7 @@ def read_block(reader, name: str, piece: Piece, index: tuple[slice, ...]) -> np.
 
 
 def filler(reader, model: HFModel, plan: list[Piece]):
-    """fill(name, index) for jaxdist.checkpoint.safetensors_io.load_sharded: our parameter's
+    """fill(name, index) for jaxdist.hf.safetensors_io.load_sharded: our parameter's
     block, assembled from the HF slices it covers, layer by layer."""
     by_name: dict[str, list[Piece]] = {}
     for piece in plan:
@@ -329,7 +329,7 @@ def filler(reader, model: HFModel, plan: list[Piece]):
 def load(model: HFModel, targets: dict) -> dict:
     """Our parameters (name -> global jax array laid out as `targets` say: ShapeDtypeStructs
     with shardings), read from the model directory's safetensors a shard at a time."""
-    from jaxdist.checkpoint.safetensors_io import SafetensorsDir, load_sharded
+    from jaxdist.hf.safetensors_io import SafetensorsDir, load_sharded
 
     reader = SafetensorsDir(model.path)
     plan = check_weights(model, reader.tensors)

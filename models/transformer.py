@@ -15,7 +15,7 @@ biases on every attention and MLP linear layer (bias_*), and a head tied to the 
 Layers are stored stacked along L and run with `lax.scan`, so compile time does not grow with
 depth and every per-layer weight carries the `layers` logical axis.
 
-Packed documents (jaxdist.documents): given `docs`, attention stays inside each document
+Packed documents (jaxdist.kernels.documents): given `docs`, attention stays inside each document
 (block-diagonal causal mask) and positions, learned or RoPE, restart at each document; without
 them a row is one causal sequence at positions 0..T-1.
 """
@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.attention import attention, document_mask
-from jaxdist.documents import Documents
 from jaxdist.errors import ConfigError
+from jaxdist.kernels.attention import attention, document_mask
+from jaxdist.kernels.documents import Documents
 from jaxdist.parallel.pipeline import Stages
 from jaxdist.rules import constrain
 from models import moe
@@ -60,7 +60,7 @@ class TransformerConfig:
     # none: keep all activations; full: recompute each layer in backward; dots: keep matmul and
     # attention-kernel outputs.
     remat: Literal["none", "full", "dots"] = "none"
-    # The attention kernel (jaxdist.attention): cudnn on GPUs, splash on TPUs, xla anywhere.
+    # The attention kernel (jaxdist.kernels.attention): cudnn on GPUs, splash on TPUs, xla anywhere.
     attention: Literal["xla", "cudnn", "splash"] = "xla"
     # Mixture of experts (every layer's MLP) when num_experts > 0; d_mlp is each expert's.
     num_experts: int = 0
@@ -217,7 +217,7 @@ class Transformer(nnx.Module):
 
     def features(self, tokens_BT: jax.Array, docs: Documents | None = None):
         """The last hidden state (final norm applied) and the output head, logits = h @ head,
-        for a loss that never holds all logits at once (jaxdist.fused_loss)."""
+        for a loss that never holds all logits at once (jaxdist.kernels.fused_loss)."""
         c, p = self.config, self.weights()
         x_BTD = embed(c, p, tokens_BT, docs)
         x_BTD, aux = run_layers(c, {k: v for k, v in p.items() if "_L" in k}, x_BTD, docs)

@@ -8,7 +8,7 @@ import sys
 import jax
 
 from jaxdist.mesh import build_mesh, parse_mesh
-from jaxdist.metrics import latest_per_step, read_metrics
+from jaxdist.metrics.records import latest_per_step, read_metrics
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.step import StepConfig, build
 from meshes.presets import STANDARD_RULES, get_mesh_preset

@@ -14,7 +14,7 @@ from jaxdist.checkpoint.recovery import TrainingStopped
 from jaxdist.checkpoint.store import Checkpointer, list_checkpoints, param_shapes
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
-from jaxdist.metrics import latest_per_step, read_metrics
+from jaxdist.metrics.records import latest_per_step, read_metrics
 from jaxdist.optim import OptimConfig
 from jaxdist.step import StepConfig
 from jaxdist.train import LoopConfig, RunConfig, run

@@ -24,7 +24,7 @@ from jaxdist.checkpoint.lock import RunLock
 from jaxdist.checkpoint.store import Checkpointer
 from jaxdist.checkpoint.writefail import CheckpointWriteFailed, QuietWriteErrors, write_errno
 from jaxdist.errors import ConfigError
-from jaxdist.metrics import read_metrics
+from jaxdist.metrics.records import read_metrics
 from tests.helpers import cli, cli_popen, losses, tiny_train
 
 MB = 1_000_000

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import documents
+from jaxdist.kernels import documents
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.parallel import pipeline
 from jaxdist.rules import activation_rules

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist.fused_loss import _chunks
+from jaxdist.kernels.fused_loss import _chunks
 from jaxdist.rules import activation_rules
 from jaxdist.step import Vocab, forward_loss
 from meshes.presets import STANDARD_RULES

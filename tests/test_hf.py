@@ -18,9 +18,9 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from jaxdist.checkpoint.safetensors_io import SafetensorsDir
 from jaxdist.cli import cmd_hf, hf_source
 from jaxdist.errors import ConfigError
+from jaxdist.hf.safetensors_io import SafetensorsDir
 from jaxdist.inference.generate import SampleConfig, pick
 from jaxdist.rules import activation_rules, state_shardings
 from meshes.presets import STANDARD_RULES
@@ -265,7 +265,7 @@ def test_prompt_longer_than_context():
 def test_each_device_reads_only_its_shard(monkeypatch):
     """fsdp=8 splits every tensor of this model 8 ways: the import reads each element of the
     file once in all (not a whole tensor per device), each read exactly a device's block."""
-    from jaxdist.checkpoint import safetensors_io
+    from jaxdist.hf import safetensors_io
 
     reads = []
     original = safetensors_io.SafetensorsDir.read

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxdist.metrics import read_metrics
+from jaxdist.metrics.records import read_metrics
 from tests.helpers import cli, cli_popen, losses, tiny_train
 
 pytestmark = pytest.mark.slow  # real processes, 12-30 s each

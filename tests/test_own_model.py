@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import jaxdist
-from jaxdist import documents
+from jaxdist.kernels import documents
 from jaxdist.rules import activation_rules
 from meshes.presets import STANDARD_RULES
 from tests.helpers import mesh_for

@@ -279,7 +279,7 @@ def test_watch_comm_warns_during_training(tmp_path):
 
     from jaxdist.checkpoint.interval import CheckpointConfig
     from jaxdist.data import DataConfig
-    from jaxdist.metrics import read_metrics
+    from jaxdist.metrics.records import read_metrics
     from jaxdist.optim import OptimConfig
     from jaxdist.step import StepConfig
     from jaxdist.train import LoopConfig, RunConfig, run

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jaxdist.checkpoint.store import list_checkpoints
-from jaxdist.metrics import read_metrics
+from jaxdist.metrics.records import read_metrics
 from tests.helpers import cli_popen, losses, tiny_train
 
 pytestmark = pytest.mark.slow  # real processes killed and relaunched, 10-30 s each

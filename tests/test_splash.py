@@ -1,6 +1,6 @@
-"""Splash attention (jaxdist.attention, the TPU kernel) equals XLA's attention: run in Pallas
-interpret mode on the CPU mesh, outputs and gradients, plain and packed rows; and compiled for
-a TPU v5p slice from this host, the 1b step has no [.., T, T] tensor and half the memory."""
+"""Splash attention (jaxdist.kernels.attention, the TPU kernel) equals XLA's attention: run in
+Pallas interpret mode on the CPU mesh, outputs and gradients, plain and packed rows; and compiled
+for a TPU v5p slice from this host, the 1b step has no [.., T, T] tensor and half the memory."""
 
 import importlib.util
 import json
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist import attention as attn
-from jaxdist.documents import from_tokens
+from jaxdist.kernels import attention as attn
+from jaxdist.kernels.documents import from_tokens
 from jaxdist.rules import activation_rules
 from jaxdist.step import Vocab, forward_loss
 from meshes.presets import STANDARD_RULES

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jaxdist.metrics import MetricsLog, latest_per_step, read_metrics
-from jaxdist.profiling.goodput import ALL_PARTS, PARTS, Ledger, read_report, report
-from jaxdist.tensorboard_log import TensorBoardLog
+from jaxdist.metrics.goodput import ALL_PARTS, PARTS, Ledger, read_report, report
+from jaxdist.metrics.records import MetricsLog, latest_per_step, read_metrics
+from jaxdist.metrics.tensorboard import TensorBoardLog
 from tests.helpers import cli, cli_popen, tiny_train
 
 STEPS = 30

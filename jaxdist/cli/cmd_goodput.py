@@ -1,5 +1,5 @@
 """`jaxdist goodput`: where a run's wall-clock went, over every attempt
-(jaxdist.profiling.goodput)."""
+(jaxdist.metrics.goodput)."""
 
 import dataclasses
 import json
@@ -22,7 +22,7 @@ class Goodput:
 
 
 def goodput(args: Goodput) -> int:
-    from jaxdist.profiling import goodput as accounting
+    from jaxdist.metrics import goodput as accounting
 
     rep = accounting.read_report(pathlib.Path(args.run_dir))
     if args.json:

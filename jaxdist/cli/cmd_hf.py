@@ -84,7 +84,7 @@ def export(
     import jax
     import ml_dtypes
 
-    from jaxdist.checkpoint.safetensors_io import Planned, write
+    from jaxdist.hf.safetensors_io import Planned, write
     from models.hf import export_config, export_pieces, hf_tensor
 
     out_dir = pathlib.Path(out_dir)

@@ -81,8 +81,8 @@ def run(args: Train) -> int:
     record = {"cli": dataclasses.asdict(args)}
     first = None
     if init is not None:  # the run's record names the weights it started from
-        from jaxdist.checkpoint.safetensors_io import SafetensorsDir
         from jaxdist.cli.hf_source import initial_state
+        from jaxdist.hf.safetensors_io import SafetensorsDir
 
         record["init_from"] = {**init.record(), "dtype": SafetensorsDir(init.path).dtype()}
         first = initial_state(init, args.optim, args.loop.steps)

@@ -50,7 +50,7 @@ def _eos(hf: dict, directory: pathlib.Path | None) -> int | None:
 def check_source(source: str) -> None:
     """What can be wrong with the source, found before any device starts."""
     if source.startswith("hf:"):
-        from jaxdist.checkpoint.safetensors_io import SafetensorsDir
+        from jaxdist.hf.safetensors_io import SafetensorsDir
         from models.hf import check_weights, open_model
 
         model = open_model(source)
@@ -87,7 +87,7 @@ def load_source(source: str, mesh: str, devices: str, cache: str, step: int | No
 
     platform = {"compute_dtype": platform_cfg.compute_dtype, "attention": "xla"}
     if source.startswith("hf:"):
-        from jaxdist.checkpoint.safetensors_io import SafetensorsDir
+        from jaxdist.hf.safetensors_io import SafetensorsDir
         from models.hf import load, open_model
 
         model = open_model(source)
@@ -187,7 +187,7 @@ def _restore_params(run_dir, record, config, mesh, rules, step):
 def init_from(args):
     """`train --init-from hf:PATH`: the model becomes PATH's, its weights checked against its
     config.json before anything starts; returns (args, the model)."""
-    from jaxdist.checkpoint.safetensors_io import SafetensorsDir
+    from jaxdist.hf.safetensors_io import SafetensorsDir
     from models.hf import check_weights, open_model
 
     spec = args.init_from

@@ -117,7 +117,8 @@ def _flag(attr: str) -> str:
 
 
 def _attention(platform: str, dtype: str) -> str:
-    """The fused kernel of the platform (jaxdist.attention); cuDNN's takes 16-bit inputs only."""
+    """The fused kernel of the platform (jaxdist.kernels.attention); cuDNN's takes 16-bit
+    inputs only."""
     if platform == "tpu":
         return "splash"
     return "cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla"

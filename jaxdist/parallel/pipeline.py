@@ -23,7 +23,7 @@ Pays in: the bubble (idle ticks), the recompute (one extra forward per stage), t
 point-to-point bytes (one activation forward and one gradient back per tick and chunk), and
 memory: a stage's weights gathered, and their gradients accumulated, for the whole step.
 
-The last stage's loss is the step's fused cross-entropy (jaxdist.fused_loss) where the model
+The last stage's loss is the step's fused cross-entropy (jaxdist.kernels.fused_loss) where the model
 offers its features: forward ticks hold one chunk of logits, backward ticks a microbatch's
 rebuilt activations, never both (the planner prices the larger).
 
@@ -41,8 +41,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import documents
 from jaxdist.errors import ConfigError
+from jaxdist.kernels import documents
 from jaxdist.parallel import stage_weights
 from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeline's public surface
     SCHEDULES,
@@ -72,7 +72,7 @@ class Stages(NamedTuple):
     axes: dict  # name -> the weight's logical axes (jaxdist.axes)
     compute_dtype: str = "float32"  # weights are gathered in it
     # (weights, x_bTD) -> (h_bTD, head_DV), logits = h @ head: for the fused loss, which never
-    # holds a microbatch's whole logits (jaxdist.fused_loss); None: the loss takes `head`'s.
+    # holds a microbatch's whole logits (jaxdist.kernels.fused_loss); None: the loss takes `head`'s.
     features: Callable | None = None
 
 
@@ -164,8 +164,8 @@ def value_and_grad(
 ):
     """(mean loss over the microbatches, gradients for every weight, mean auxiliary loss the
     stages added: MoE balance), pipelined; with `eos_id`, rows are packed documents
-    (jaxdist.documents), each seen alone. `head_loss(weights, y_bTD, targets_bT)` is the last
-    stage's mean loss from its output (jaxdist.step.stage_loss)."""
+    (jaxdist.kernels.documents), each seen alone. `head_loss(weights, y_bTD, targets_bT)` is the
+    last stage's mean loss from its output (jaxdist.step.stage_loss)."""
     rules, mesh = active()
     p, v = mesh.shape[axis], schedule.virtual
     # The batch axes are manual too: weights move once per step (jaxdist.parallel.stage_weights).

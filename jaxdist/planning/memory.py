@@ -53,10 +53,10 @@ class Inventory:
 
 
 def with_fused_loss(inventory: Inventory, chunk_tokens: int, compute_bytes: int) -> Inventory:
-    """The inventory under the step's fused cross-entropy (jaxdist.fused_loss): the logits the
-    model declares ([..., vocab]) are held one chunk of at most `chunk_tokens` tokens per device
-    at a time, as fp32 logits and their gradient (softmax less the target's one-hot), rounded
-    to the compute dtype for the matmuls that use it."""
+    """The inventory under the step's fused cross-entropy (jaxdist.kernels.fused_loss): the
+    logits the model declares ([..., vocab]) are held one chunk of at most `chunk_tokens` tokens
+    per device at a time, as fp32 logits and their gradient (softmax less the target's one-hot),
+    rounded to the compute dtype for the matmuls that use it."""
     once = []
     for t in inventory.once:
         if t.logical[-1:] == ("vocab",):

@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxdist import hardware
 from jaxdist.cluster.join import local_value
-from jaxdist.metrics import distribution, throughput
+from jaxdist.metrics.records import distribution, throughput
 from jaxdist.planning.memory import xla_peak
 
 

@@ -14,7 +14,7 @@ import jax
 from rich.console import Console
 
 from jaxdist.errors import ConfigError
-from jaxdist.metrics import MetricsLog
+from jaxdist.metrics.records import MetricsLog
 from jaxdist.profiling import report as profile_report
 
 WATCH_STEPS = 3

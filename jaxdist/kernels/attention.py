@@ -21,8 +21,8 @@ from typing import Literal
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.documents import Documents, attention_mask
 from jaxdist.errors import ConfigError
+from jaxdist.kernels.documents import Documents, attention_mask
 from jaxdist.rules import active, shard_map_here
 
 Implementation = Literal["xla", "cudnn", "splash"]

@@ -16,7 +16,7 @@ import pathlib
 import time
 
 from jaxdist.errors import ConfigError
-from jaxdist.metrics import read_metrics
+from jaxdist.metrics.records import read_metrics
 
 # In the order of an attempt's life; "between" is the reader's, after each attempt.
 PARTS = (

@@ -10,7 +10,7 @@ import jax
 
 from jaxdist.checkpoint.store import Checkpointer
 from jaxdist.errors import ConfigError
-from jaxdist.metrics import read_metrics
+from jaxdist.metrics.records import read_metrics
 from jaxdist.step import Compiled
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxdist import hardware
 from jaxdist.cluster.join import local_value
-from jaxdist.metrics import distribution, throughput
+from jaxdist.metrics.records import distribution, throughput
 
 
 class StepTimer:

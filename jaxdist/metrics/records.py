@@ -46,7 +46,7 @@ class MetricsLog:
     file stays one valid object per line. A resumed run appends: where it recomputes steps,
     the later line for a step is the one that counts.
 
-    `tensorboard`: a sink that gets every record too (jaxdist.tensorboard_log.TensorBoardLog,
+    `tensorboard`: a sink that gets every record too (jaxdist.metrics.tensorboard.TensorBoardLog,
     which writes off the loop's path). `stamp`: fields added to every record as it is written
     (the goodput ledger's running totals, so that a killed run's accounting survives).
     """
