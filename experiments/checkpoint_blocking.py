@@ -49,8 +49,8 @@ def main() -> None:
     spec = model_spec(mc)
     mesh = make_mesh(args.mesh)
     tx, lr = make_optimizer(OptimConfig(), 100)
-    compiled = build(spec.init, tx, lr, STANDARD_RULES, mesh, StepConfig(), 0, mesh.size)
-    state = jax.block_until_ready(compiled.init_fn())
+    jitted = build(spec.init, tx, lr, STANDARD_RULES, mesh, StepConfig(), 0, mesh.size)
+    state = jax.block_until_ready(jitted.init_fn())
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     root = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="jaxdist-ckpt-"))
 

@@ -56,8 +56,8 @@ def main() -> None:
         tx, lr = make_optimizer(OptimConfig(), 10)
         for packed in (False, True):
             vocab = Vocab(cfg.vocab_size, 0 if packed else None)
-            compiled = build(model.init, tx, lr, STANDARD_RULES, mesh, StepConfig(), 0, B, vocab)
-            program = compiled.compile_abstract((B, T + 1))
+            jitted = build(model.init, tx, lr, STANDARD_RULES, mesh, StepConfig(), 0, B, vocab)
+            program = jitted.compile_abstract((B, T + 1))
             hlo = program.as_text()
             calls = sorted(set(re.findall(r'custom_call_target="(__cudnn\$\w+)"', hlo)))
             scores = re.findall(rf"\[{B},{cfg.num_heads},{T},{T}\]", hlo)

@@ -4,13 +4,16 @@ The five stages of a step, and where each lives:
   1. distribute work   -> mesh (layouts), rules (logical axes onto mesh axes), data (batches);
                           planning/ chooses a layout before the fleet is rented
   2. compute fwd/bwd   -> step (loss and gradients of a model that speaks logical axes);
-                          parallel/ where per-device control is the point (pipeline, experts)
+                          kernels/ (attention, fused loss, packed documents); parallel/ where
+                          per-device control is the point (pipeline, experts)
   3. move tensors      -> the collectives XLA inserts from the shardings; planning/traffic and
                           profiling/ read them back out of the program and the trace
   4. sync the update   -> step (the optimizer update on sharded state), optim
-  5. checkpoint        -> checkpoint/ (Orbax store, Young-Daly interval, recovery)
+  5. checkpoint        -> checkpoint/ (Orbax store, resume, Young-Daly interval, recovery)
+Around them: metrics/ (what a run records), profiling/, cluster/, hf/, inference/, cli/.
 
-The loop that runs them is train.run (jaxdist.fit). From a script (see experiments/own_model.py):
+The loop that runs them is jaxdist.fit (jaxdist.train.fit). From a script (see
+experiments/own_model.py):
 
     import jaxdist
     mesh = jaxdist.make_mesh("data=2,fsdp=2,tensor=2")
@@ -30,6 +33,7 @@ _API = {
     "parse_mesh": "jaxdist.mesh",
     "AxisRules": "jaxdist.rules",
     "LOGICAL_AXES": "jaxdist.axes",
+    "Documents": "jaxdist.kernels.documents",
     # configs, one per component
     "ModelSpec": "jaxdist.model",
     "OptimConfig": "jaxdist.optim",
@@ -39,7 +43,7 @@ _API = {
     "RunConfig": "jaxdist.train",
     "CheckpointConfig": "jaxdist.checkpoint.interval",
     # training and its pieces
-    "fit": ("jaxdist.train", "run"),  # the loop; jaxdist.train is its module
+    "fit": "jaxdist.train",  # the loop
     "prepare": "jaxdist.train",
     "evaluate": "jaxdist.evaluation",
     "EvalConfig": "jaxdist.evaluation",
@@ -48,7 +52,7 @@ _API = {
     "TokenBatches": "jaxdist.data",
     "restore": "jaxdist.checkpoint.store",
     # looking at a step
-    "profile": ("jaxdist.profiling.report", "analyze"),
+    "profile": "jaxdist.profiling.report",
     "compile_only": "jaxdist.planning.aot",
     "plan": "jaxdist.planning.planner",
     "PlanConfig": "jaxdist.planning.planner",
@@ -61,7 +65,6 @@ __all__ = sorted(_API)
 def __getattr__(name: str):
     if name not in _API:
         raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
-    module, attr = _API[name] if isinstance(_API[name], tuple) else (_API[name], name)
-    value = getattr(importlib.import_module(module), attr)
+    value = getattr(importlib.import_module(_API[name]), name)
     globals()[name] = value
     return value

@@ -16,7 +16,7 @@ import numpy as np
 from jaxdist.cluster.join import local_value, process_rows
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
-from jaxdist.step import Compiled
+from jaxdist.step import JittedStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,15 +63,15 @@ def eval_batches(
         return None
 
 
-def evaluate(compiled: Compiled, params, batches: TokenBatches, steps) -> float:
+def evaluate(jitted: JittedStep, params, batches: TokenBatches, steps) -> float:
     """Mean loss of `params` over the batches of these steps, no update: a held-out loss when
     the batches come from data (or positions of the stream) the run never trains on."""
     losses = []
     for s in steps:
         batch = jax.make_array_from_process_local_data(
-            compiled.batch_sharding, batches.batch(s), batches.global_shape
+            jitted.batch_sharding, batches.batch(s), batches.global_shape
         )
-        losses.append(compiled.eval_fn(params, batch))
+        losses.append(jitted.eval_fn(params, batch))
     # Every batch has the same number of target tokens: the mean of means is the token mean.
     return float(np.mean([local_value(x) for x in losses]))
 

@@ -44,10 +44,6 @@ class AxisRules:
             f"logical axis {logical!r} has no rule; add a row for it to the mesh preset's table"
         )
 
-    def with_activation(self, logical: str, axes: MeshAxes) -> "AxisRules":
-        """The same table with one logical axis laid out differently for compute."""
-        return AxisRules(tuple((n, pa, axes if n == logical else aa) for n, pa, aa in self.rows))
-
     def validate(self, mesh_axis_names: tuple[str, ...]) -> None:
         """Raises ConfigError for unknown, repeated or missing names and unknown mesh axes."""
         seen: set[str] = set()

@@ -209,9 +209,10 @@ def make_train_step(
     return train_step
 
 
-class Compiled(NamedTuple):
-    """Everything the loop needs: the jitted step, its shardings, the initial state maker, and
-    the held-out loss (`eval_fn(params, tokens_BT1) -> mean loss`, compiled on first use)."""
+class JittedStep(NamedTuple):
+    """The jitted functions the loop calls and what they were jitted for: the train step, the
+    initial state maker, the held-out loss (`eval_fn(params, tokens_BT1) -> mean loss`), their
+    shardings and the abstract state. jax compiles each on first use (or `compile_abstract`)."""
 
     step_fn: Callable
     init_fn: Callable[[], TrainState]
@@ -238,7 +239,7 @@ def build(
     seed: int,
     batch_size: int,
     vocab: Vocab | None = None,
-) -> Compiled:
+) -> JittedStep:
     """Shapes, shardings and the jitted step, checked against the mesh before any compile.
     `vocab`: the data's vocabulary and EOS (from the data; default: raw bytes, no packing)."""
     vocab = vocab or Vocab()
@@ -331,6 +332,6 @@ def build(
         ),
     )
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
-    return Compiled(
+    return JittedStep(
         step_fn, init_fn, state_sharding, tokens_sharding, abstract_state, num_params, eval_fn
     )

@@ -40,7 +40,7 @@ from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.profiling.capture import Capture, parse_range
 from jaxdist.rules import AxisRules
-from jaxdist.step import Compiled, StepConfig, Vocab, build
+from jaxdist.step import JittedStep, StepConfig, Vocab, build
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +124,7 @@ class RunConfig:
 
 def prepare(
     model: ModelSpec, mesh: Mesh, rules: AxisRules, config: RunConfig
-) -> tuple[Compiled, TokenBatches]:
+) -> tuple[JittedStep, TokenBatches]:
     """Everything that can fail on bad input, done before anything is compiled: the data
     (opened, checksummed, its vocabulary checked against the model's), then the step."""
     config.validate()
@@ -132,12 +132,12 @@ def prepare(
     batches = TokenBatches(data, model.seq_len, model.vocab_size)
     tx, lr = make_optimizer(config.optim, config.loop.steps)
     vocab = Vocab(batches.vocab_size, batches.eos_id)
-    compiled = build(model.init, tx, lr, rules, mesh, config.step, seed, data.batch_size, vocab)
-    rows = process_rows(compiled.batch_sharding, (data.batch_size, model.seq_len + 1))
-    return compiled, batches.for_rows(rows)
+    jitted = build(model.init, tx, lr, rules, mesh, config.step, seed, data.batch_size, vocab)
+    rows = process_rows(jitted.batch_sharding, (data.batch_size, model.seq_len + 1))
+    return jitted, batches.for_rows(rows)
 
 
-def run(
+def fit(
     model: ModelSpec,
     mesh: Mesh,
     rules: AxisRules,
@@ -151,18 +151,18 @@ def run(
     command line's config tree, under `cli`). `init_state(compiled) -> TrainState`: the first
     state of a new run (e.g. pretrained weights) instead of the model's random init."""
     # Bad input ends here, before the run directory is created or anything compiles.
-    compiled, batches = prepare(model, mesh, rules, config)
+    jitted, batches = prepare(model, mesh, rules, config)
     data = config.data
     explicit_eval = bool(config.eval.eval_every) or config.eval.eval_data is not None
     held_out = eval_batches(
-        config.eval, data, model.seq_len, model.vocab_size, compiled.batch_sharding, explicit_eval
+        config.eval, data, model.seq_len, model.vocab_size, jitted.batch_sharding, explicit_eval
     )
     if held_out is not None and held_out.vocab_size > batches.vocab_size:
         raise ConfigError(
             f"eval data {config.eval.eval_data} has a vocabulary of {held_out.vocab_size}, the "
             f"training data {batches.vocab_size}; evaluate on data of the same tokenizer"
         )
-    prepared = compiled, batches, held_out
+    prepared = jitted, batches, held_out
     run_dir = pathlib.Path(config.loop.run_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
     # One trainer per run directory: a second is refused here, before anything compiles.
     with RunLock(run_dir, jax.process_index()):
@@ -175,7 +175,7 @@ def _run(
     console = console or Console(stderr=True)
     if jax.process_index() != 0:
         console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
-    compiled, batches, held_out = prepared
+    jitted, batches, held_out = prepared
     loop, data, ckpt = config.loop, config.data, config.checkpoint
     data_record = {
         "fingerprint": batches.fingerprint,
@@ -187,12 +187,12 @@ def _run(
     # Checked against the checkpoint's record before anything is written or compiled.
     record = write_record(run_dir, model, mesh, rules, config, data_record, extra, console)
     checkpointer = Checkpointer(run_dir / "checkpoints", ckpt.keep)
-    shapes = param_shapes(compiled.abstract_state.params)
+    shapes = param_shapes(jitted.abstract_state.params)
     ckpt_meta = {"config": record, "param_shapes": shapes, "mesh": dict(mesh.shape)}
     t_start = time.perf_counter()
     ledger = Ledger()  # goodput: every second of this attempt, from its process's start
     state, start, restored = restore_or_init(
-        checkpointer, compiled, shapes, run_dir, console, init_state
+        checkpointer, jitted, shapes, run_dir, console, init_state
     )
     ledger.begin(start, run_dir / "metrics.jsonl")
     log = None
@@ -204,7 +204,7 @@ def _run(
         interval.last_saved = restored.step
     global_shape = (data.batch_size, model.seq_len + 1)
     hw = loop.hardware if loop.hardware != "auto" else hardware.preset_name(jax.devices()[0])
-    capture = Capture(run_dir, loop, compiled, global_shape, mesh, hw, console, log)
+    capture = Capture(run_dir, loop, jitted, global_shape, mesh, hw, console, log)
     watchdog = Watchdog(Console(stderr=True), loop.slow_step_factor)
     timer = StepTimer(model, data, loop, start, capture, watchdog, log, console, ledger)
     saves: list[float] = []
@@ -220,7 +220,7 @@ def _run(
         t0 = time.perf_counter()
         n = config.eval.eval_batches
         with ledger.part("eval"):
-            loss = evaluate(compiled, state.params, held_out, range(n))
+            loss = evaluate(jitted, state.params, held_out, range(n))
         seconds = time.perf_counter() - t0
         timer.exclude(seconds)
         tokens = n * data.batch_size * model.seq_len
@@ -235,7 +235,7 @@ def _run(
         # Stage 1: each process hands over only its own rows; JAX assembles the global batch.
         with ledger.part("data"):
             return jax.make_array_from_process_local_data(
-                compiled.batch_sharding, batches.batch(s), global_shape
+                jitted.batch_sharding, batches.batch(s), global_shape
             )
 
     def save(s: int) -> None:
@@ -259,7 +259,7 @@ def _run(
             )
 
     console.print(
-        f"[bold]jaxdist[/] {model.name} ({compiled.num_params / 1e6:.2f}M params) on mesh "
+        f"[bold]jaxdist[/] {model.name} ({jitted.num_params / 1e6:.2f}M params) on mesh "
         f"{dict(mesh.shape)} x {jax.devices()[0].platform}, steps {start}..{loop.steps - 1}, "
         f"batch {data.batch_size} x {model.seq_len}; run dir {run_dir}"
     )
@@ -284,7 +284,7 @@ def _run(
                 time.sleep(stall[2])
             # Stages 2-4: forward/backward, the collectives, the update; dispatched, not awaited.
             with capture.step(s, state):
-                state, metrics = compiled.step_fn(state, place(s))
+                state, metrics = jitted.step_fn(state, place(s))
             capture.after(s, metrics)
             # Step s-1's scalars: s is already queued, so the device never idles for logging.
             if pending is not None:
@@ -292,7 +292,7 @@ def _run(
                 progress.update(task, completed=s, description=f"loss {rec['loss']:.3f}")
                 if not rec["finite"]:
                     rolled = apply_nonfinite_policy(
-                        loop.nonfinite, rec["step"], checkpointer, compiled, shapes, console
+                        loop.nonfinite, rec["step"], checkpointer, jitted, shapes, console
                     )
                     if rolled is not None:  # drop the step in flight; resume past the bad batch
                         state, s, pending = rolled, rec["step"] + 1, None
@@ -318,7 +318,7 @@ def _run(
             rec = timer.finish(*pending)
             if not rec["finite"]:
                 policy = "skip" if loop.nonfinite == "rollback" else loop.nonfinite
-                apply_nonfinite_policy(policy, rec["step"], checkpointer, compiled, shapes, console)
+                apply_nonfinite_policy(policy, rec["step"], checkpointer, jitted, shapes, console)
         last_eval = eval_every and loop.steps % eval_every == 0
         if held_out is not None and not preempted and not last_eval and start < loop.steps:
             run_eval(loop.steps - 1)
@@ -334,7 +334,7 @@ def _run(
             "rerun the same command to resume"
         )
     wall = time.perf_counter() - t_start
-    summary = summarize(model, compiled, mesh, loop, start, preempted, timer, saves, wall)
+    summary = summarize(model, jitted, mesh, loop, start, preempted, timer, saves, wall)
     summary["run_dir"] = str(run_dir)
     if jax.process_index() == 0:
         summary["goodput"] = totals(read_report(run_dir))  # over every attempt of the run

@@ -33,7 +33,7 @@ def compiled_for(
     mc = get_model_config(model, **model_overrides)
     mesh = mesh_for(layout)
     tx, lr = make_optimizer(OptimConfig(warmup_steps=2), steps)
-    compiled = build(
+    jitted = build(
         lambda r: Transformer(mc, r),
         tx,
         lr,
@@ -43,7 +43,7 @@ def compiled_for(
         seed=0,
         batch_size=batch_size,
     )
-    return mc, mesh, compiled
+    return mc, mesh, jitted
 
 
 # --- the command line, as the subprocess tests run it: every test builds it here ---

@@ -23,10 +23,10 @@ from models.presets import get_model_config, model_spec
 from tests.helpers import compiled_for, mesh_for
 
 
-def _steps(compiled, state, data, first, last):
+def _steps(jitted, state, data, first, last):
     losses = []
     for s in range(first, last):
-        state, m = compiled.step_fn(state, jax.device_put(data.batch(s), compiled.batch_sharding))
+        state, m = jitted.step_fn(state, jax.device_put(data.batch(s), jitted.batch_sharding))
         losses.append(float(m["loss"]))
     return state, losses
 

@@ -21,14 +21,14 @@ CASES = [
 
 @pytest.mark.parametrize("layout, model, microbatches", CASES)
 def test_measured_bytes_match_expected(layout, model, microbatches):
-    mc, mesh, compiled = compiled_for(layout, model, batch_size=16, microbatches=microbatches)
+    mc, mesh, jitted = compiled_for(layout, model, batch_size=16, microbatches=microbatches)
     rep = traffic.report(
-        compiled,
+        jitted,
         mesh,
         compiled_rules(),
         16,
         mc.seq_len,
-        partial_sums(mc, 16, microbatches, batch_ways(compiled.batch_sharding)),
+        partial_sums(mc, 16, microbatches, batch_ways(jitted.batch_sharding)),
         compute_bytes=4,
         microbatches=microbatches,
     )

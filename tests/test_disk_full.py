@@ -236,7 +236,7 @@ def test_a_free_lock_left_by_another_host_is_taken_over_with_a_warning(tmp_path,
 
 @pytest.mark.slow
 def test_second_trainer_is_refused_while_the_first_runs(tmp_path):
-    """End to end, once train.run holds RunLock: a second `jaxdist train` on a run directory
+    """End to end, once train.fit holds RunLock: a second `jaxdist train` on a run directory
     in use exits 2 naming the first; after the first is killed with SIGKILL, a third runs."""
     run_dir = tmp_path / "run"
     common = ["--devices", "cpu:8", "--run-dir", str(run_dir)]

@@ -25,11 +25,11 @@ LAYOUTS = [
 ]
 
 
-def _grads(compiled, mesh, graphdef, state, batch):
+def _grads(jitted, mesh, graphdef, state, batch):
     def loss_fn(params, tokens):
         return cross_entropy(nnx.merge(graphdef, params)(tokens[:, :-1])[0], tokens[:, 1:])
 
-    @functools.partial(jax.jit, out_shardings=compiled.state_sharding.params)
+    @functools.partial(jax.jit, out_shardings=jitted.state_sharding.params)
     def grads(params, tokens):
         with activation_rules(STANDARD_RULES, mesh):
             return jax.grad(loss_fn)(params, tokens)
@@ -38,22 +38,22 @@ def _grads(compiled, mesh, graphdef, state, batch):
 
 
 def _run(layout, model="tiny", microbatches=1, overrides=()):
-    mc, mesh, compiled = compiled_for(
+    mc, mesh, jitted = compiled_for(
         layout, model, microbatches=microbatches, steps=STEPS, **dict(overrides)
     )
     data = TokenBatches(DataConfig(batch_size=16), mc.seq_len, mc.vocab_size)
     from models.transformer import Transformer
 
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(mc, nnx.Rngs(0))))
-    state = compiled.init_fn()
-    first = jax.device_put(data.batch(0), compiled.batch_sharding)
-    grads0 = _grads(compiled, mesh, graphdef, state, first)
+    state = jitted.init_fn()
+    first = jax.device_put(data.batch(0), jitted.batch_sharding)
+    grads0 = _grads(jitted, mesh, graphdef, state, first)
     losses = []
     for s in range(STEPS):
-        batch = jax.device_put(data.batch(s), compiled.batch_sharding)
-        state, metrics = compiled.step_fn(state, batch)
+        batch = jax.device_put(data.batch(s), jitted.batch_sharding)
+        state, metrics = jitted.step_fn(state, batch)
         losses.append(float(metrics["loss"]))
-    return mesh, compiled, state, losses, grads0
+    return mesh, jitted, state, losses, grads0
 
 
 @functools.cache
@@ -70,7 +70,7 @@ def _assert_close(a, b, rtol, atol):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sharded_matches_single_device(layout):
     ref_params, ref_losses, ref_grads = _reference("tiny")
-    mesh, compiled, state, losses, grads0 = _run(layout)
+    mesh, jitted, state, losses, grads0 = _run(layout)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[-1] < losses[0]  # it learns
     _assert_close(grads0, ref_grads, rtol=1e-4, atol=1e-6)
@@ -112,7 +112,7 @@ def test_accumulation_equals_one_big_batch():
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data=2,fsdp=2,tensor=2", "fsdp=8"])
 def test_params_and_optimizer_state_are_sharded_by_the_rules(layout):
-    mesh, compiled, state, _, _ = _run(layout)
+    mesh, jitted, state, _, _ = _run(layout)
     params = state.params
     expect = {
         "wqkv_LDGQH": STANDARD_RULES.spec(

@@ -43,12 +43,12 @@ def _train(layout: str):
         optim=jaxdist.OptimConfig(warmup_steps=2),
         loop=jaxdist.LoopConfig(steps=STEPS, seed=0),
     )
-    compiled, batches = jaxdist.prepare(own_model.model_spec(), mesh, STANDARD_RULES, config)
-    state = compiled.init_fn()
+    jitted, batches = jaxdist.prepare(own_model.model_spec(), mesh, STANDARD_RULES, config)
+    state = jitted.init_fn()
     losses = []
     for s in range(STEPS):
-        batch = jax.device_put(batches.batch(s), compiled.batch_sharding)
-        state, metrics = compiled.step_fn(state, batch)
+        batch = jax.device_put(batches.batch(s), jitted.batch_sharding)
+        state, metrics = jitted.step_fn(state, batch)
         losses.append(float(metrics["loss"]))
     return mesh, state, losses
 

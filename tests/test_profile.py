@@ -15,7 +15,7 @@ from jaxdist.errors import ConfigError
 from jaxdist.planning import hlo
 from jaxdist.profiling import spans as iv
 from jaxdist.profiling.breakdown import breakdown
-from jaxdist.profiling.report import analyze
+from jaxdist.profiling.report import profile
 from jaxdist.profiling.xplane import load
 from tests.helpers import cli, mesh_for
 
@@ -224,7 +224,7 @@ def test_real_trace_compute_plus_allreduce(tmp_path):
         lambda x: jnp.sum(jnp.tanh(x @ x.T @ x), axis=0), out_shardings=NamedSharding(mesh, P())
     )
     text = fn.lower(x).compile().as_text()
-    rep = analyze(_trace(tmp_path, fn, x), text, dict(mesh.shape))
+    rep = profile(_trace(tmp_path, fn, x), text, dict(mesh.shape))
     rows = rep["steps"]
     assert all(r["comm_s"] > 0 and r["compute_s"] > 0 for r in rows)
     assert all(set(r["by_axis"]) == {"data"} for r in rows)

@@ -62,7 +62,7 @@ def apply_nonfinite_policy(
     policy: str,
     s: int,
     checkpointer,
-    compiled,
+    jitted,
     shapes: dict,
     console,
 ):
@@ -81,7 +81,7 @@ def apply_nonfinite_policy(
         console.print(f"[yellow]step {s}: loss or gradient is NaN/Inf; update skipped[/]")
         return None
     checkpointer.wait()
-    restored = checkpointer.restore_latest(compiled.abstract_state, shapes)
+    restored = checkpointer.restore_latest(jitted.abstract_state, shapes)
     if restored is None:
         console.print(
             f"[yellow]step {s}: NaN/Inf and no checkpoint to roll back to; update skipped[/]"
@@ -91,5 +91,5 @@ def apply_nonfinite_policy(
         f"[yellow]step {s}: NaN/Inf; rolled back to checkpoint step {restored.step}"
         f", skipping batches {int(restored.state.step)}..{s}[/]"
     )
-    step = jax.device_put(jnp.int32(s + 1), compiled.state_sharding.step)
+    step = jax.device_put(jnp.int32(s + 1), jitted.state_sharding.step)
     return restored.state._replace(step=step)

@@ -11,7 +11,7 @@ import jax
 from jaxdist.checkpoint.store import Checkpointer
 from jaxdist.errors import ConfigError
 from jaxdist.metrics.records import read_metrics
-from jaxdist.step import Compiled
+from jaxdist.step import JittedStep
 
 
 def _as_record(obj) -> Any:
@@ -142,14 +142,14 @@ def write_record(
 
 
 def restore_or_init(
-    checkpointer: Checkpointer, compiled: Compiled, shapes, run_dir, console, init_state=None
+    checkpointer: Checkpointer, jitted: JittedStep, shapes, run_dir, console, init_state=None
 ):
     """Stage 5, recover: the newest checkpoint that reads and verifies, resharded onto this
     mesh, or a fresh state (`init_state(compiled)` if given, e.g. pretrained weights, else
     the model's init). Returns (state, first step to run, the restored checkpoint)."""
-    restored = checkpointer.restore_latest(compiled.abstract_state, shapes)
+    restored = checkpointer.restore_latest(jitted.abstract_state, shapes)
     if restored is None:
-        return (init_state or (lambda c: c.init_fn()))(compiled), 0, None
+        return (init_state or (lambda c: c.init_fn()))(jitted), 0, None
     start = int(restored.state.step)
     logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     redo = (

@@ -32,7 +32,7 @@ def run(args: Bench) -> int:
         step=StepConfig(microbatches=args.step.microbatches),
         loop=loop.LoopConfig(steps=args.steps + args.warmup + 1, seed=args.seed),
     )
-    compiled, batches = loop.prepare(model, mesh, rules, config)
-    result = bench(compiled, batches, model, args.batch_size, args.steps, args.warmup, args.peak)
+    jitted, batches = loop.prepare(model, mesh, rules, config)
+    result = bench(jitted, batches, model, args.batch_size, args.steps, args.warmup, args.peak)
     print(json.dumps(result))
     return 0

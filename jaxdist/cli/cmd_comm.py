@@ -31,8 +31,8 @@ def run(args: Comm) -> int:
 
     model = model_spec(model_cfg)
     tx, lr = make_optimizer(OptimConfig(), 100)
-    compiled = build(model.init, tx, lr, rules, mesh, args.step, args.seed, args.batch_size)
-    ways = batch_ways(compiled.batch_sharding)
+    jitted = build(model.init, tx, lr, rules, mesh, args.step, args.seed, args.batch_size)
+    ways = batch_ways(jitted.batch_sharding)
     dtype_bytes = jnp.dtype(model_cfg.compute_dtype).itemsize
     extra, share, stages, virtual = {}, None, mesh.shape["pipeline"], 1
     if stages > 1:
@@ -49,11 +49,11 @@ def run(args: Comm) -> int:
             dtype_bytes,
         )
         extra[("pipeline", "collective-permute")] = pipeline.send_bytes(
-            schedule, compiled.abstract_state.params, rules, dict(mesh.shape), act, dtype_bytes
+            schedule, jitted.abstract_state.params, rules, dict(mesh.shape), act, dtype_bytes
         )
         share, virtual = pipeline.branch_share(schedule), schedule.virtual
     report = traffic.report(
-        compiled,
+        jitted,
         mesh,
         rules,
         args.batch_size,

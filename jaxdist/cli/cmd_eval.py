@@ -88,14 +88,12 @@ def evaluate(args: Eval) -> int:
     tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
     step_cfg = StepConfig(document_mask=record["step"].get("document_mask", True))
     vocab = Vocab(batches.vocab_size, batches.eos_id)
-    compiled = build(model.init, tx, lr, rules, mesh, step_cfg, 0, batch_size, vocab)
-    batches = batches.for_rows(
-        process_rows(compiled.batch_sharding, (batch_size, model.seq_len + 1))
-    )
-    restored = restore(run_dir, compiled.abstract_state)
+    jitted = build(model.init, tx, lr, rules, mesh, step_cfg, 0, batch_size, vocab)
+    batches = batches.for_rows(process_rows(jitted.batch_sharding, (batch_size, model.seq_len + 1)))
+    restored = restore(run_dir, jitted.abstract_state)
     if restored is None:
         raise ConfigError(f"{run_dir} holds no valid checkpoint to evaluate")
-    loss = evaluate(compiled, restored.state.params, batches, range(args.batches))
+    loss = evaluate(jitted, restored.state.params, batches, range(args.batches))
     out = {"run_dir": str(run_dir), "step": int(restored.state.step)}
     out |= report(loss, batches, args.batches)
     out |= {"mesh": dict(mesh.shape), "data": held.path or "embedded"}

@@ -78,7 +78,7 @@ def profile(args: Profile) -> int:
         mesh_shape = json.loads((here / "mesh.json").read_text())
     else:
         mesh_shape = None
-    report = profile_report.analyze(trace, hlo_text, mesh_shape, args.hardware)
+    report = profile_report.profile(trace, hlo_text, mesh_shape, args.hardware)
     profile_report.print_report(report)
     profile_report.write(
         report,

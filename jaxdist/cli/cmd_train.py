@@ -86,7 +86,7 @@ def run(args: Train) -> int:
 
         record["init_from"] = {**init.record(), "dtype": SafetensorsDir(init.path).dtype()}
         first = initial_state(init, args.optim, args.loop.steps)
-    loop.run(model, mesh, rules, config, record=record, init_state=first)
+    loop.fit(model, mesh, rules, config, record=record, init_state=first)
     return 0
 
 
@@ -98,11 +98,11 @@ def _compile_only(args: Train, model, mesh, rules, vocab_size, eos_id) -> int:
     # No data read: the batch is abstract (and a target's hosts are not this one).
     tx, lr = make_optimizer(args.optim, args.loop.steps)
     vocab = Vocab(vocab_size, eos_id)
-    compiled = build(
+    jitted = build(
         model.init, tx, lr, rules, mesh, args.step, args.loop.seed, args.batch_size, vocab
     )
-    report = compile_only(compiled, args.batch_size, model.seq_len)
-    report |= {"model": model.name, "params": compiled.num_params, "mesh": dict(mesh.shape)}
+    report = compile_only(jitted, args.batch_size, model.seq_len)
+    report |= {"model": model.name, "params": jitted.num_params, "mesh": dict(mesh.shape)}
     if args.target:
         hardware = args.target.split(":")[0]
         report |= target_fit(hardware, report, model, args.batch_size, mesh.size)

@@ -159,7 +159,7 @@ def _restore_params(run_dir, record, config, mesh, rules, step):
     tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
     rows = batch_ways(batch_sharding(rules, mesh))
     spec = model_spec(config)
-    compiled = build(spec.init, tx, lr, rules, mesh, StepConfig(), 0, rows)
+    jitted = build(spec.init, tx, lr, rules, mesh, StepConfig(), 0, rows)
     checkpointer = OneStep(run_dir / "checkpoints")
     try:
         if step is not None and step not in checkpointer.steps():
@@ -169,8 +169,8 @@ def _restore_params(run_dir, record, config, mesh, rules, step):
             )
         from jaxdist.checkpoint.store import param_shapes
 
-        shapes = param_shapes(compiled.abstract_state.params)
-        restored = checkpointer.restore_latest(compiled.abstract_state, shapes)
+        shapes = param_shapes(jitted.abstract_state.params)
+        restored = checkpointer.restore_latest(jitted.abstract_state, shapes)
     finally:
         checkpointer.close()
     if restored is None:
@@ -247,7 +247,7 @@ def initial_state(model, optim, steps: int):
     """The run's first state: the HF weights, read into the step's parameter layout, and a
     fresh optimizer state (step 0)."""
 
-    def make(compiled):
+    def make(jitted):
         import jax
         import jax.numpy as jnp
 
@@ -256,13 +256,13 @@ def initial_state(model, optim, steps: int):
         from models.hf import load
 
         tx, _ = make_optimizer(optim, steps)
-        abstract = compiled.abstract_state.params
+        abstract = jitted.abstract_state.params
         flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
         params = load(model, {path[0].key: leaf for path, leaf in flat})
         tree = jax.tree_util.tree_map_with_path(lambda p, _: params[p[0].key], abstract)
         fresh = jax.jit(
             lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
-            out_shardings=compiled.state_sharding,
+            out_shardings=jitted.state_sharding,
             donate_argnums=0,
         )
         return fresh(tree)

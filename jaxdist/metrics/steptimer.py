@@ -76,14 +76,14 @@ class StepTimer:
         return rec
 
 
-def summarize(model, compiled, mesh, loop, start, preempted, timer: StepTimer, saves, wall):
+def summarize(model, jitted, mesh, loop, start, preempted, timer: StepTimer, saves, wall):
     """summary.json: losses, step-time and save-cost distributions, throughput."""
     records = timer.records
     stats = distribution(timer.step_times)
     steady = stats.get("p50") or (records[-1]["step_time_s"] if records else float("nan"))
     return {
         "model": model.name,
-        "params": compiled.num_params,
+        "params": jitted.num_params,
         "mesh": dict(mesh.shape),
         "steps": loop.steps,
         "start_step": start,

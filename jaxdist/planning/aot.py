@@ -17,16 +17,16 @@ from jaxdist.parallel.pipeline import branch_share, make_schedule
 from jaxdist.planning import hlo, kernels
 from jaxdist.planning.memory import xla_peak
 from jaxdist.rules import AxisRules
-from jaxdist.step import Compiled, StepConfig, build
+from jaxdist.step import JittedStep, StepConfig, build
 
 MEMORY_TOLERANCE = 0.15  # predicted vs XLA's per-device memory
 BYTES_TOLERANCE = 0.05  # predicted vs the compiled HLO's collective bytes
 
 
-def compile_only(compiled: Compiled, batch_size: int, seq_len: int) -> dict:
+def compile_only(jitted: JittedStep, batch_size: int, seq_len: int) -> dict:
     """XLA's per-device memory analysis, collectives and cost analysis of the step."""
     t0 = time.perf_counter()
-    exe = compiled.compile_abstract((batch_size, seq_len + 1))
+    exe = jitted.compile_abstract((batch_size, seq_len + 1))
     seconds = time.perf_counter() - t0
     mem = exe.memory_analysis()
     fields = (
@@ -38,7 +38,7 @@ def compile_only(compiled: Compiled, batch_size: int, seq_len: int) -> dict:
     )
     per_device = {f.removesuffix("_size_in_bytes"): getattr(mem, f, 0) for f in fields}
     per_device["peak_estimate"] = xla_peak(mem)
-    mesh = compiled.batch_sharding.mesh
+    mesh = jitted.batch_sharding.mesh
     text = exe.as_text()
     collectives = hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
     cost = exe.cost_analysis() or {}
@@ -103,9 +103,9 @@ def verify(
     tx, lr = make_optimizer(OptimConfig(), 100)
     step = StepConfig(row["microbatches"], pipeline_schedule, virtual_stages=virtual_stages)
     t0 = time.perf_counter()
-    compiled = build(model.init, tx, lr, rules, mesh, step, 0, batch_size)
+    jitted = build(model.init, tx, lr, rules, mesh, step, 0, batch_size)
     try:
-        exe = compiled.compile_abstract((batch_size, model.seq_len + 1))
+        exe = jitted.compile_abstract((batch_size, model.seq_len + 1))
     except Exception as e:  # the TPU compiler refuses a step that cannot fit the chip
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

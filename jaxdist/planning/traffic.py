@@ -124,7 +124,7 @@ def _stage_weight(add, mesh: Mesh, var, named, param_axes, moved_axes, compute_b
 
 
 def report(
-    compiled,
+    jitted,
     mesh: Mesh,
     rules: AxisRules,
     batch_size: int,
@@ -141,11 +141,11 @@ def report(
     permutes, for one. `branch_share`: how often each branch of a conditional runs
     (hlo.collectives), for the pipeline's tick switch.
     """
-    text = compiled.compile_abstract((batch_size, seq_len + 1)).as_text()
+    text = jitted.compile_abstract((batch_size, seq_len + 1)).as_text()
     measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape), branch_share))
     platform = mesh.devices.flat[0].platform
     exp = expected(
-        compiled.abstract_state.params,
+        jitted.abstract_state.params,
         mesh,
         rules,
         partial_sums,

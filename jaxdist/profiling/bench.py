@@ -16,7 +16,7 @@ from jaxdist.planning.memory import xla_peak
 
 
 def bench(
-    compiled,
+    jitted,
     batches,
     model,
     batch_size: int,
@@ -28,13 +28,13 @@ def bench(
 
     def place(s):
         return jax.make_array_from_process_local_data(
-            compiled.batch_sharding, batches.batch(s), global_shape
+            jitted.batch_sharding, batches.batch(s), global_shape
         )
 
     t0 = time.perf_counter()
-    exe = compiled.compile_abstract(global_shape)
+    exe = jitted.compile_abstract(global_shape)
     compile_s = time.perf_counter() - t0
-    state = compiled.init_fn()
+    state = jitted.init_fn()
     for s in range(warmup):
         state, m = exe(state, place(s))
     jax.block_until_ready(m)

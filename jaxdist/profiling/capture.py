@@ -35,7 +35,7 @@ class Capture:
         self,
         run_dir: pathlib.Path,
         loop,
-        compiled,
+        jitted,
         global_shape,
         mesh,
         hardware: str,
@@ -47,7 +47,7 @@ class Capture:
             self.windows.append((*parse_range(loop.profile), "profile"))
         self.watch = loop.watch_comm
         self.watch_every = loop.watch_every
-        self.compiled, self.global_shape, self.mesh = compiled, global_shape, mesh
+        self.jitted, self.global_shape, self.mesh = jitted, global_shape, mesh
         self.hardware, self.console, self.log = hardware, console, log
         self.run_dir = run_dir
         self._active: tuple[int, int, str] | None = None
@@ -102,10 +102,10 @@ class Capture:
     def _analyze(self, window) -> None:
         out = self._dir(window)
         if self._hlo is None:
-            self._hlo = self.compiled.compile_abstract(self.global_shape).as_text()
+            self._hlo = self.jitted.compile_abstract(self.global_shape).as_text()
         (out / "hlo.txt").write_text(self._hlo)
         (out / "mesh.json").write_text(json.dumps(dict(self.mesh.shape)))
-        report = profile_report.analyze(out, self._hlo, dict(self.mesh.shape), self.hardware)
+        report = profile_report.profile(out, self._hlo, dict(self.mesh.shape), self.hardware)
         profile_report.write(
             report,
             out / "breakdown.json",

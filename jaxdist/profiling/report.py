@@ -12,7 +12,7 @@ from jaxdist.profiling.breakdown import breakdown
 from jaxdist.profiling.xplane import load
 
 
-def analyze(
+def profile(
     path: str | pathlib.Path,
     hlo_text: str | None = None,
     mesh_shape: dict[str, int] | None = None,
