@@ -28,3 +28,10 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_report_header(config):
+    # Which optional extras this run has, so a log says why tests skipped (or did not).
+    from tests.extras import summary
+
+    return summary()

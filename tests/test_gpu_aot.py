@@ -1,6 +1,7 @@
 """Compiling for H100 and H200 GPUs from this CPU host (jaxdist.planning.gpu): XLA's GPU
 compiler, with the target configs of the real cards, gives the optimized GPU program and its
-memory. The compiles skip, saying why, where the gpu-aot extra is not installed."""
+memory. The compiles skip, saying why, where the gpu-aot extra is not installed; what a user
+without it is told is tested in tests/test_extras.py."""
 
 import json
 
@@ -9,11 +10,10 @@ import pytest
 from jaxdist.errors import ConfigError
 from jaxdist.planning import gpu
 from jaxdist.planning.kernels import analyze
+from tests.extras import needs_gpu_aot
 from tests.helpers import cli
 
 GIB = 2**30
-NO_PLUGIN = gpu.missing()
-needs_plugin = pytest.mark.skipif(NO_PLUGIN is not None, reason=str(NO_PLUGIN))
 
 
 def test_gpu_targets_parse_and_bad_ones_say_how():
@@ -24,19 +24,6 @@ def test_gpu_targets_parse_and_bad_ones_say_how():
     for bad in ("h100", "h100:9", "h100:0", "a100:8", "h100:2x"):
         with pytest.raises(ConfigError, match="h100:N"):
             gpu.parse_target(bad)
-
-
-def test_without_the_plugin_a_gpu_target_says_what_to_install(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "jax_plugins.xla_cuda13" else real(name, *a),
-    )
-    with pytest.raises(ConfigError, match=r"pip install 'jaxdist\[gpu-aot\]'"):
-        gpu.gpu_devices(gpu.GpuTarget("h100", 1, 8))
 
 
 def test_kernel_census_reads_dtypes_per_computation():
@@ -99,7 +86,7 @@ CASES = [
 
 
 @pytest.mark.slow
-@needs_plugin
+@needs_gpu_aot
 @pytest.mark.parametrize(("model", "target", "batch", "mesh"), CASES)
 def test_preset_compiles_for_gpu_with_fused_attention_in_memory(model, target, batch, mesh):
     r = _compile("--model", model, "--target", target, "--batch-size", str(batch), "--mesh", mesh)
@@ -130,7 +117,7 @@ def test_preset_compiles_for_gpu_with_fused_attention_in_memory(model, target, b
 
 
 @pytest.mark.slow
-@needs_plugin
+@needs_gpu_aot
 def test_two_hosts_put_data_across_hosts_and_fsdp_inside():
     r = _compile("--model", "tiny", "--target", "h100:2x8", "--mesh", "data=2,fsdp=8")
     assert r["axes_across_hosts"] == ["data"]
@@ -138,7 +125,7 @@ def test_two_hosts_put_data_across_hosts_and_fsdp_inside():
 
 
 @pytest.mark.slow
-@needs_plugin
+@needs_gpu_aot
 def test_report_flags_fp32_matmuls_and_unfused_attention():
     # fp32 compute: cuDNN's attention takes 16-bit inputs only, so XLA's runs, on fp32 dots.
     r = _compile("--model", "tiny", "--target", "h200:1", "--compute-dtype", "float32")
@@ -149,7 +136,7 @@ def test_report_flags_fp32_matmuls_and_unfused_attention():
 
 
 @pytest.mark.slow
-@needs_plugin
+@needs_gpu_aot
 @pytest.mark.parametrize("axes", [None, "pipeline,fsdp"])
 def test_planner_agrees_with_the_gpu_compiler_on_three_layouts(tmp_path, axes):
     """The issue's bar: on 16 H100s (2 hosts), the planner's memory per GPU within 15% and

@@ -2,7 +2,6 @@
 Pallas interpret mode on the CPU mesh, outputs and gradients, plain and packed rows; and compiled
 for a TPU v5p slice from this host, the 1b step has no [.., T, T] tensor and half the memory."""
 
-import importlib.util
 import json
 
 import jax
@@ -18,9 +17,8 @@ from jaxdist.step import Vocab, forward_loss
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
 from models.transformer import Transformer
+from tests.extras import needs_tpu
 from tests.helpers import cli, mesh_for
-
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 
 @pytest.mark.slow
@@ -77,7 +75,7 @@ def test_a_model_with_splash_attention_trains_as_with_xla():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install 'jaxdist[tpu]')")
+@needs_tpu
 def test_1b_on_tpu_v5p_runs_splash_attention_in_half_the_memory():
     args = ["--model", "1b", "--mesh", "fsdp=4", "--batch-size", "16", "--compile-only"]
     r = cli("train", *args, "--target", "tpu-v5p:2x2x1")

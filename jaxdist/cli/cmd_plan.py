@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import sys
 from typing import Annotated, Literal
 
 import tyro
@@ -48,16 +47,19 @@ def _tpu_generation(hardware: str) -> str | None:
 
 
 def _gpu_target(hw, devices: int):
-    """The GPU target `--verify` compiles for (hosts of the preset's size), or None where this
-    host cannot (no CUDA plugin: fake CPU devices stand in, as they always did) or the GPU has
-    no target config."""
+    """The GPU target `--verify` compiles for (hosts of the preset's size), None for CPU
+    hardware. Without the CUDA plugin, or for a GPU without a target config, a ConfigError."""
     from jaxdist.planning import gpu
 
-    if hw.platform != "gpu" or hw.name not in gpu.KINDS:
+    if hw.platform != "gpu":
         return None
-    if gpu.missing():
-        print(f"note: verifying on fake CPU devices; {gpu.missing()}", file=sys.stderr)
-        return None
+    if hw.name not in gpu.KINDS:
+        # Fake CPU devices cannot stand in: the plan prices cuDNN's attention, which XLA:CPU
+        # does not have.
+        raise ConfigError(
+            f"--verify compiles for GPUs with a target config ({', '.join(gpu.KINDS)}); "
+            f"{hw.name} has none: drop --verify, or plan for --hardware h100"
+        )
     per_host = min(devices, hw.devices_per_host)
     if devices % per_host:
         raise ConfigError(
@@ -74,9 +76,11 @@ def run(args: Plan) -> int:
     hw = get_hardware(args.hardware)
     generation = _tpu_generation(args.hardware)
     if generation and args.verify:
-        from jaxdist.planning.tpu import topology_name
+        from jaxdist.planning import tpu
 
-        topology_name(generation, args.devices)  # a bad slice size fails before any work
+        tpu.topology_name(generation, args.devices)  # a bad slice size fails before any work
+        if tpu.missing():
+            raise ConfigError(tpu.missing())
     gpu_target = _gpu_target(hw, args.devices) if args.verify else None
     import jax
 

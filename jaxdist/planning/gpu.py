@@ -66,15 +66,27 @@ def parse_target(text: str) -> GpuTarget:
     return GpuTarget(kind, hosts, per_host)
 
 
+MISSING = "compiling for a GPU target needs the CUDA plugin: pip install 'jaxdist[gpu-aot]'"
+
+
 def missing() -> str | None:
-    """Why GPU targets cannot be compiled here, or None when they can."""
-    if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
-        return "compiling for a GPU target needs the CUDA plugin: pip install 'jaxdist[gpu-aot]'"
-    return None
+    """Why GPU targets cannot be compiled here, or None when they can. Never raises: the
+    answer decides between a one-line message and the work."""
+    try:
+        # Finding a submodule imports its parent: without any plugin, `jax_plugins` itself is
+        # absent and find_spec raises instead of returning None.
+        found = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else MISSING
 
 
 def prepare() -> None:
-    """Sets the compiler flags for a compile-only GPU target; before JAX starts a backend."""
+    """Sets the compiler flags for a compile-only GPU target; before JAX starts a backend.
+    Without the CUDA plugin, a ConfigError saying what to install, before any work."""
+    why = missing()
+    if why:
+        raise ConfigError(why)
     flags = os.environ.get("XLA_FLAGS", "")
     if AOT_FLAGS not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {AOT_FLAGS}".strip()

@@ -5,6 +5,7 @@ step lowered for a mesh over them compiles with the TPU compiler, so XLA's TPU m
 collectives and cost analysis are read before a slice is rented. Nothing runs on them.
 """
 
+import importlib.util
 import math
 import os
 
@@ -49,14 +50,24 @@ def parse_target(text: str) -> str:
     return topology_name(generation, int(chips))
 
 
+MISSING = "compiling for a TPU target needs the libtpu package: pip install 'jaxdist[tpu]'"
+
+
+def missing() -> str | None:
+    """Why TPU targets cannot be compiled here, or None when they can. Looks without importing
+    libtpu (JAX loads it when it builds the topology), and never raises."""
+    try:
+        found = importlib.util.find_spec("libtpu") is not None
+    except (ImportError, ValueError):  # ValueError: a half-imported libtpu without a spec
+        found = False
+    return None if found else MISSING
+
+
 def tpu_devices(topology: str) -> list:
     """The devices of a TPU topology, for compiling only."""
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "compiling for a TPU target needs the libtpu package: pip install 'jaxdist[tpu]'"
-        ) from None
+    why = missing()
+    if why:
+        raise ConfigError(why)
     # libtpu looks for a TPU VM's metadata server unless told it is not on one.
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     # The lockfile guards a real chip; compiling only, several processes may share libtpu.
