@@ -23,6 +23,7 @@ The names below load on first use, so `import jaxdist` stays cheap.
 """
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -62,9 +63,18 @@ _API = {
 __all__ = sorted(_API)
 
 
-def __getattr__(name: str):
-    if name not in _API:
-        raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_API[name]), name)
-    globals()[name] = value
-    return value
+def lazy_api(package: str, api: dict[str, str]):
+    """A module `__getattr__` importing each name of `api` (name -> module) on first use, so
+    that importing a package costs nothing until a name is used."""
+
+    def load(name: str):
+        if name not in api:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(api[name]), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return load
+
+
+__getattr__ = lazy_api(__name__, _API)

@@ -127,6 +127,74 @@ def stage_loss(stages: pipeline.Stages, vocab: Vocab, chunk_tokens: int) -> Call
     )
 
 
+def _pipelined_grads(
+    graphdef: nnx.GraphDef,
+    state: TrainState,
+    tokens_BT1: jax.Array,
+    scale: jax.Array,
+    config: StepConfig,
+    schedule: pipeline.Schedule,
+    vocab: Vocab,
+):
+    """(gradients, metrics) of the model's stages run pipelined over the microbatches."""
+    stages = nnx.merge(graphdef, state.params).stages()
+    eos = vocab.eos_id if config.document_mask else None
+    loss, by_name, aux_loss = pipeline.value_and_grad(
+        stages,
+        tokens_BT1,
+        stage_loss(stages, vocab, config.loss_chunk_tokens),
+        scale,
+        schedule,
+        config.microbatches,
+        eos_id=eos,
+    )
+    grads = jax.tree_util.tree_map_with_path(lambda path, _: by_name[path[0].key], state.params)
+    return grads, {"loss": loss, "aux_loss": aux_loss}
+
+
+def _accumulated_grads(value_and_grad: Callable, params, tokens_BT1, scale, M: int):
+    """(mean gradients, mean metrics) over M microbatches run one after the other."""
+    B = tokens_BT1.shape[0]
+    # Microbatch m takes rows m, m+M, ...: each device keeps its own rows, no reshuffle.
+    micro_MBT1 = tokens_BT1.reshape(B // M, M, -1).swapaxes(0, 1)
+
+    def accumulate(grad_sum, tokens_bT1):
+        (_, extra), grads = value_and_grad(params, tokens_bT1, scale)
+        return jax.tree.map(jnp.add, grad_sum, grads), extra
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grad_sum, extras = jax.lax.scan(accumulate, zeros, micro_MBT1)
+    extra = jax.tree.map(lambda v: jnp.mean(v, axis=0), extras)
+    grads = jax.tree.map(lambda g: g / M, grad_sum)
+    return grads, extra
+
+
+def _update(
+    tx: optax.GradientTransformation,
+    lr_schedule: optax.Schedule,
+    state: TrainState,
+    grads,
+    extra: dict,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """The optimizer's update, skipped where the loss or gradients are not finite, and the
+    step's metrics."""
+    loss = extra["loss"]
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    # A NaN/Inf loss or gradient skips the update: the old state is kept, on every device
+    # alike (the check is on global values), without a host round trip.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    params = jax.tree.map(keep, params, state.params)
+    opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+    # state.step counts batches consumed (the data position), skipped or not.
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    count = optax.tree_utils.tree_get_all_with_path(state.opt_state, "count")[0][1]
+    metrics = {**extra, "grad_norm": grad_norm, "finite": finite, "lr": lr_schedule(count)}
+    return new_state, metrics
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
@@ -159,52 +227,14 @@ def make_train_step(
         scale = jnp.where(faulty, jnp.nan, 1.0)
         M = config.microbatches
         if schedule is not None:
-            stages = nnx.merge(graphdef, state.params).stages()
-            eos = vocab.eos_id if config.document_mask else None
-            loss, by_name, aux_loss = pipeline.value_and_grad(
-                stages,
-                tokens_BT1,
-                stage_loss(stages, vocab, config.loss_chunk_tokens),
-                scale,
-                schedule,
-                M,
-                eos_id=eos,
+            grads, extra = _pipelined_grads(
+                graphdef, state, tokens_BT1, scale, config, schedule, vocab
             )
-            grads = jax.tree_util.tree_map_with_path(
-                lambda path, _: by_name[path[0].key], state.params
-            )
-            extra = {"loss": loss, "aux_loss": aux_loss}
         elif M == 1:
             (_, extra), grads = value_and_grad(state.params, tokens_BT1, scale)
         else:
-            B = tokens_BT1.shape[0]
-            # Microbatch m takes rows m, m+M, ...: each device keeps its own rows, no reshuffle.
-            micro_MBT1 = tokens_BT1.reshape(B // M, M, -1).swapaxes(0, 1)
-
-            def accumulate(grad_sum, tokens_bT1):
-                (_, extra), grads = value_and_grad(state.params, tokens_bT1, scale)
-                return jax.tree.map(jnp.add, grad_sum, grads), extra
-
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            grad_sum, extras = jax.lax.scan(accumulate, zeros, micro_MBT1)
-            extra = jax.tree.map(lambda v: jnp.mean(v, axis=0), extras)
-            grads = jax.tree.map(lambda g: g / M, grad_sum)
-        loss = extra["loss"]
-
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        # A NaN/Inf loss or gradient skips the update: the old state is kept, on every device
-        # alike (the check is on global values), without a host round trip.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        params = jax.tree.map(keep, params, state.params)
-        opt_state = jax.tree.map(keep, opt_state, state.opt_state)
-        # state.step counts batches consumed (the data position), skipped or not.
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
-        count = optax.tree_utils.tree_get_all_with_path(state.opt_state, "count")[0][1]
-        metrics = {**extra, "grad_norm": grad_norm, "finite": finite, "lr": lr_schedule(count)}
-        return new_state, metrics
+            grads, extra = _accumulated_grads(value_and_grad, state.params, tokens_BT1, scale, M)
+        return _update(tx, lr_schedule, state, grads, extra)
 
     return train_step
 
@@ -229,6 +259,85 @@ class JittedStep(NamedTuple):
         return self.step_fn.lower(self.abstract_state, batch).compile()
 
 
+def _batch_sharding(rules: AxisRules, mesh: Mesh, config: StepConfig, batch_size: int):
+    """The batch's sharding, once its microbatches are known to split over the batch axes."""
+    if config.microbatches < 1 or batch_size % config.microbatches:
+        raise ConfigError(
+            f"batch size {batch_size} is not divisible by {config.microbatches} microbatches"
+        )
+    micro = batch_size // config.microbatches
+    tokens_sharding = batch_sharding(rules, mesh)
+    ways = batch_ways(tokens_sharding)
+    if micro % ways:
+        raise ConfigError(
+            f"microbatch of {micro} rows (batch {batch_size} / {config.microbatches} "
+            f"microbatches) does not split over the {ways} devices of the batch axes "
+            f"{tokens_sharding.spec[0]}; use a batch size that is a multiple of "
+            f"{ways * config.microbatches}"
+        )
+    return tokens_sharding
+
+
+def _check_documents(abstract_model: nnx.Module, config: StepConfig, vocab: Vocab) -> None:
+    """Packed documents need a model whose __call__ takes their masks."""
+    if config.document_mask and vocab.eos_id is not None:
+        params = inspect.signature(type(abstract_model).__call__).parameters
+        if "docs" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            raise ConfigError(
+                f"{type(abstract_model).__name__} is called without document masks (its "
+                "__call__ takes no `docs`), and this data packs documents; add "
+                "`docs: jaxdist.kernels.documents.Documents | None = None` to it, or pass "
+                "--no-document-mask (StepConfig(document_mask=False))"
+            )
+
+
+def _state_sharding(
+    tx: optax.GradientTransformation, abstract_params: nnx.State, rules: AxisRules, mesh: Mesh
+) -> tuple[TrainState, Any]:
+    """The train state's shardings (the optimizer's moments sharded like their parameters,
+    its scalars replicated) and the optimizer's abstract state."""
+    param_sharding = state_shardings(abstract_params, rules, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    opt_sharding = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract_opt,
+        param_sharding,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(step=replicated, params=param_sharding, opt_state=opt_sharding), abstract_opt
+
+
+def _abstract_state(abstract_params, abstract_opt, sharding: TrainState) -> TrainState:
+    """Shapes, dtypes and shardings of the train state, nothing allocated."""
+
+    def placed(a, s):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+
+    return TrainState(
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.step),
+        jax.tree.map(placed, abstract_params, sharding.params),
+        jax.tree.map(placed, abstract_opt, sharding.opt_state),
+    )
+
+
+def _pipeline_schedule(
+    mesh: Mesh, config: StepConfig, abstract_params: nnx.State
+) -> pipeline.Schedule | None:
+    """The schedule over the `pipeline` axis, checked against the layers; None without one."""
+    if "pipeline" not in mesh.shape or mesh.shape["pipeline"] <= 1:
+        return None
+    schedule = pipeline.make_schedule(
+        config.pipeline_schedule,
+        mesh.shape["pipeline"],
+        config.microbatches,
+        config.virtual_stages,
+    )
+    pipeline.check_layers(abstract_params, schedule)
+    return schedule
+
+
 def build(
     init_model: Callable[[nnx.Rngs], nnx.Module],
     tx: optax.GradientTransformation,
@@ -244,58 +353,19 @@ def build(
     `vocab`: the data's vocabulary and EOS (from the data; default: raw bytes, no packing)."""
     vocab = vocab or Vocab()
     rules.validate(mesh.axis_names)
-    if config.microbatches < 1 or batch_size % config.microbatches:
-        raise ConfigError(
-            f"batch size {batch_size} is not divisible by {config.microbatches} microbatches"
-        )
-    micro = batch_size // config.microbatches
-    tokens_sharding = batch_sharding(rules, mesh)
-    ways = batch_ways(tokens_sharding)
-    if micro % ways:
-        raise ConfigError(
-            f"microbatch of {micro} rows (batch {batch_size} / {config.microbatches} "
-            f"microbatches) does not split over the {ways} devices of the batch axes "
-            f"{tokens_sharding.spec[0]}; use a batch size that is a multiple of "
-            f"{ways * config.microbatches}"
-        )
-
+    tokens_sharding = _batch_sharding(rules, mesh, config, batch_size)
     abstract_model = nnx.eval_shape(lambda: init_model(nnx.Rngs(seed)))
-    if config.document_mask and vocab.eos_id is not None:
-        params = inspect.signature(type(abstract_model).__call__).parameters
-        if "docs" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-            raise ConfigError(
-                f"{type(abstract_model).__name__} is called without document masks (its "
-                "__call__ takes no `docs`), and this data packs documents; add "
-                "`docs: jaxdist.kernels.documents.Documents | None = None` to it, or pass "
-                "--no-document-mask (StepConfig(document_mask=False))"
-            )
+    _check_documents(abstract_model, config, vocab)
     graphdef, abstract_params = nnx.split(abstract_model)
-    param_sharding = state_shardings(abstract_params, rules, mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_sharding = optax.tree_map_params(
-        tx,
-        lambda _, s: s,
-        abstract_opt,
-        param_sharding,
-        transform_non_params=lambda _: replicated,
-    )
-    state_sharding = TrainState(step=replicated, params=param_sharding, opt_state=opt_sharding)
+    state_sharding, abstract_opt = _state_sharding(tx, abstract_params, rules, mesh)
+    replicated = state_sharding.step
 
     def init() -> TrainState:
         params = nnx.state(init_model(nnx.Rngs(seed)))
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
     init_fn = jax.jit(init, out_shardings=state_sharding)
-    schedule = None
-    if "pipeline" in mesh.shape and mesh.shape["pipeline"] > 1:
-        schedule = pipeline.make_schedule(
-            config.pipeline_schedule,
-            mesh.shape["pipeline"],
-            config.microbatches,
-            config.virtual_stages,
-        )
-        pipeline.check_layers(abstract_params, schedule)
+    schedule = _pipeline_schedule(mesh, config, abstract_params)
     step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab)
 
     def traced_step(state, batch):
@@ -310,7 +380,9 @@ def build(
             )[0]
 
     eval_fn = jax.jit(
-        eval_loss, in_shardings=(param_sharding, tokens_sharding), out_shardings=replicated
+        eval_loss,
+        in_shardings=(state_sharding.params, tokens_sharding),
+        out_shardings=replicated,
     )
     step_fn = jax.jit(
         traced_step,
@@ -318,19 +390,7 @@ def build(
         out_shardings=(state_sharding, replicated),
         donate_argnums=0,
     )
-    abstract_state = TrainState(
-        jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-        jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            abstract_params,
-            param_sharding,
-        ),
-        jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            abstract_opt,
-            opt_sharding,
-        ),
-    )
+    abstract_state = _abstract_state(abstract_params, abstract_opt, state_sharding)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
     return JittedStep(
         step_fn, init_fn, state_sharding, tokens_sharding, abstract_state, num_params, eval_fn

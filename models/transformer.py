@@ -33,7 +33,7 @@ from jaxdist.kernels.attention import attention, document_mask
 from jaxdist.kernels.documents import Documents
 from jaxdist.parallel.pipeline import Stages
 from jaxdist.rules import constrain
-from models import moe
+from models import moe, remat
 from models.moe import EXPERT_WEIGHTS, MOE_LOGICAL, moe_shapes
 
 
@@ -273,7 +273,7 @@ def run_layers(c: TransformerConfig, layers: dict, x_BTD: jax.Array, docs: Docum
     def block(x_BTD, w):
         return _block(c, x_BTD, w, positions_BT, mask_B1TS)
 
-    block = jax.checkpoint(block, policy=_REMAT_POLICIES[c.remat])
+    block = jax.checkpoint(block, policy=remat.POLICIES[c.remat])
     return jax.lax.scan(block, x_BTD, layers)
 
 
@@ -327,31 +327,6 @@ def _rope(c: TransformerConfig, x_BTNH, positions_BT):
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
-
-
-# Gathered (FSDP) weights are never saved for the backward pass, whatever the policy: the
-# backward loop gathers each layer again, since keeping all of them would undo FSDP's saving.
-def _save_all_but_gathered(prim, *_, **params) -> bool:
-    # A sharding constraint's output (or, inside shard_map, an all_gather's) is where a
-    # gathered weight first appears, so it is recomputed (re-gathered) rather than saved; on
-    # activations a constraint is a free identity.
-    return prim.name not in ("sharding_constraint", "all_gather")
-
-
-def _save_dots_and_attention(prim, *args, **params) -> bool:
-    # Matmul outputs and the fused attention kernel's (its output and softmax statistics): the
-    # backward pass recomputes only element-wise work (norms, activations, casts), as
-    # torch.compile's partitioner does, and never reruns the attention kernel.
-    if prim.name.startswith("dot_product_attention_fwd") or prim.name == "pallas_call":
-        return True  # cuDNN's kernel, or splash attention's (the model's only Pallas call)
-    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-
-
-_REMAT_POLICIES = {
-    "none": _save_all_but_gathered,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": _save_dots_and_attention,
-}
 
 
 def _attention(c: TransformerConfig, q_BTNH, k_BTGH, v_BTGH, mask_B1TS):

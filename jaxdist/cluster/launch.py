@@ -29,6 +29,70 @@ def _stream(proc: subprocess.Popen, prefix: str) -> None:
         sys.stderr.flush()
 
 
+def _check(processes: int, devices_per_process: int, train_args: list[str]) -> None:
+    if processes < 1 or devices_per_process < 1:
+        raise ConfigError("--processes and --devices-per-process must be at least 1")
+    if not train_args or train_args[0] != "train":
+        raise ConfigError("launch runs `train`: write `jaxdist launch ... -- train --model ...`")
+    for flag in ("--coordinator", "--num-processes", "--process-id"):
+        if flag in train_args:
+            raise ConfigError(f"launch sets {flag} itself; drop it from the train arguments")
+
+
+def _start(
+    i: int, processes: int, devices_per_process: int, train_args: list[str], platform: str, port
+) -> subprocess.Popen:
+    """Process i of the run, on its own devices, its output piped for the `[pN]` stream."""
+    env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxdist.cli",
+        *train_args,
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        str(processes),
+        "--process-id",
+        str(i),
+    ]
+    if platform == "cpu":
+        if "--devices" not in train_args:
+            cmd += ["--devices", f"cpu:{devices_per_process}"]
+    else:
+        first = i * devices_per_process
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(
+            str(d) for d in range(first, first + devices_per_process)
+        )
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+
+
+def _wait(procs: list[subprocess.Popen], grace_s: float) -> tuple[int, int] | None:
+    """Waits for every process; after the first failure, kills those still running `grace_s`
+    later. Returns (index, exit code) of the first failure seen while running, or None."""
+    first_failure: tuple[int, int] | None = None
+    deadline = None
+    while any(p.poll() is None for p in procs):
+        for i, p in enumerate(procs):
+            rc = p.poll()
+            if rc not in (None, 0) and first_failure is None:
+                first_failure = (i, rc)
+                deadline = time.monotonic() + grace_s
+                sys.stderr.write(
+                    f"jaxdist launch: process {i} exited with code {rc}; "
+                    f"waiting up to {grace_s:.0f} s for the others\n"
+                )
+        if deadline and time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.1)
+    return first_failure
+
+
 def launch(
     processes: int,
     devices_per_process: int,
@@ -37,43 +101,14 @@ def launch(
     port: int | None = None,
     grace_s: float = 30.0,
 ) -> int:
-    if processes < 1 or devices_per_process < 1:
-        raise ConfigError("--processes and --devices-per-process must be at least 1")
-    if not train_args or train_args[0] != "train":
-        raise ConfigError("launch runs `train`: write `jaxdist launch ... -- train --model ...`")
-    for flag in ("--coordinator", "--num-processes", "--process-id"):
-        if flag in train_args:
-            raise ConfigError(f"launch sets {flag} itself; drop it from the train arguments")
+    """Runs `jaxdist <train_args>` as `processes` processes of one run; returns 0, or the exit
+    code of the first process that failed (a signal's as 128 + its number)."""
+    _check(processes, devices_per_process, train_args)
     port = port or free_port()
-    procs: list[subprocess.Popen] = []
-    for i in range(processes):
-        env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}
-        env["PYTHONUNBUFFERED"] = "1"
-        cmd = [
-            sys.executable,
-            "-m",
-            "jaxdist.cli",
-            *train_args,
-            "--coordinator",
-            f"127.0.0.1:{port}",
-            "--num-processes",
-            str(processes),
-            "--process-id",
-            str(i),
-        ]
-        if platform == "cpu":
-            if "--devices" not in train_args:
-                cmd += ["--devices", f"cpu:{devices_per_process}"]
-        else:
-            first = i * devices_per_process
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(
-                str(d) for d in range(first, first + devices_per_process)
-            )
-        procs.append(
-            subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-            )
-        )
+    procs = [
+        _start(i, processes, devices_per_process, train_args, platform, port)
+        for i in range(processes)
+    ]
     threads = [
         threading.Thread(target=_stream, args=(p, f"[p{i}] "), daemon=True)
         for i, p in enumerate(procs)
@@ -87,24 +122,8 @@ def launch(
                 p.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    first_failure: tuple[int, int] | None = None
-    deadline = None
     try:
-        while any(p.poll() is None for p in procs):
-            for i, p in enumerate(procs):
-                rc = p.poll()
-                if rc not in (None, 0) and first_failure is None:
-                    first_failure = (i, rc)
-                    deadline = time.monotonic() + grace_s
-                    sys.stderr.write(
-                        f"jaxdist launch: process {i} exited with code {rc}; "
-                        f"waiting up to {grace_s:.0f} s for the others\n"
-                    )
-            if deadline and time.monotonic() > deadline:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-            time.sleep(0.1)
+        first_failure = _wait(procs, grace_s)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -4,7 +4,7 @@ the deterministic batches the loop reads (jaxdist.data.batches).
 Names load on first use: `jaxdist tokenize`'s worker processes import the tokenizer and the
 format alone, not grain and jax (a second and 170 MB per worker)."""
 
-import importlib
+from jaxdist import lazy_api
 
 _API = {
     "DataConfig": "jaxdist.data.batches",
@@ -21,9 +21,4 @@ def padded_vocab(vocab_size: int, multiple: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def __getattr__(name: str):
-    if name not in _API:
-        raise AttributeError(f"module 'jaxdist.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_API[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_api(__name__, _API)

@@ -34,10 +34,12 @@ class DataConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        """Also TokenBatches' first step: batches built without the CLI refuse the same."""
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size {self.batch_size} must be at least 1")
-        if self.seed < 0:
-            raise ConfigError(f"--seed {self.seed} must be >= 0")
+        # grain's shuffle refuses a seed outside 32 bits, in a message that names no flag.
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"--seed {self.seed} must be >= 0 and below 2**32")
 
 
 class Source(NamedTuple):
@@ -74,8 +76,7 @@ class TokenBatches:
         rows: range | None = None,
         split: str = "train",
     ):
-        if config.batch_size < 1:
-            raise ConfigError(f"--batch-size {config.batch_size} must be at least 1")
+        config.validate()
         self.config, self.split = config, split
         self.rows = self._check_rows(range(config.batch_size) if rows is None else rows)
         self.global_shape = (config.batch_size, seq_len + 1)

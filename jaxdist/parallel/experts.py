@@ -13,6 +13,8 @@ E x capacity x D per device; small routing messages are latency-bound.
 """
 
 import math
+from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,67 @@ def capacity(
     if dropless:
         return tokens_per_device  # top-k picks distinct experts: at most one slot per token
     return max(1, math.ceil(capacity_factor * tokens_per_device * top_k / num_experts))
+
+
+class _Routing(NamedTuple):
+    """How one device's tokens reach the experts, fixed for the layer (inside the shard_map)."""
+
+    E: int  # all experts
+    K: int  # experts per token
+    C: int  # slots per expert in each device's buffer
+    n_ep: int  # devices over the expert axes
+    expert: tuple[str, ...]  # the mesh axes the experts are split over (all-to-all)
+    embed: tuple[str, ...]  # the FSDP axes the expert weights are gathered over here
+    mlp: tuple[str, ...]  # the axes the experts' MLP width is split over (partial sums)
+    batch: tuple[str, ...]  # the batch axes the stats are summed over
+
+
+def _swiglu(recv_sECD, up_eDF, gate_eDF, down_eFD):
+    """The experts' SwiGLU on the tokens they received (a partial sum over split MLP width)."""
+    h_sECF = jax.nn.silu(jnp.einsum("secd,edf->secf", recv_sECD, gate_eDF)) * jnp.einsum(
+        "secd,edf->secf", recv_sECD, up_eDF
+    )
+    return jnp.einsum("secf,efd->secd", h_sECF, down_eFD)
+
+
+def _local(r: _Routing, x_btD, e_btK, g_btK, up_eDF, gate_eDF, down_eFD):
+    """One device's share: pack its tokens per expert, send them, run the experts held here,
+    bring the results back and weight them by the router."""
+    E, K, C = r.E, r.K, r.C
+    b, t, D = x_btD.shape
+    n = b * t
+    if r.embed:
+        up_eDF = jax.lax.all_gather(up_eDF, r.embed, axis=1, tiled=True)
+        gate_eDF = jax.lax.all_gather(gate_eDF, r.embed, axis=1, tiled=True)
+        down_eFD = jax.lax.all_gather(down_eFD, r.embed, axis=2, tiled=True)
+    x_nD = x_btD.reshape(n, D)
+    # Assignments ordered choice-major: every token's first choice claims a slot before
+    # any second choice does (Switch/GShard priority).
+    e_a = e_btK.reshape(n, K).T.reshape(-1)
+    g_a = g_btK.reshape(n, K).T.reshape(-1)
+    token_a = jnp.tile(jnp.arange(n), K)
+    onehot_aE = jax.nn.one_hot(e_a, E, dtype=jnp.int32)
+    pos_a = jnp.sum((jnp.cumsum(onehot_aE, axis=0) - 1) * onehot_aE, axis=1)
+    keep_a = pos_a < C
+    slot_a = jnp.where(keep_a, e_a * C + pos_a, E * C)  # dropped: a spare slot
+    buf = jnp.zeros((E * C + 1, D), x_nD.dtype).at[slot_a].add(x_nD[token_a])
+    send_sECD = buf[: E * C].reshape(r.n_ep, E // r.n_ep, C, D)
+    recv_sECD = jax.lax.all_to_all(send_sECD, r.expert, 0, 0, tiled=True) if r.expert else send_sECD
+    out_sECD = _swiglu(recv_sECD, up_eDF, gate_eDF, down_eFD)
+    if r.mlp:
+        out_sECD = jax.lax.psum(out_sECD, r.mlp)
+    back_sECD = jax.lax.all_to_all(out_sECD, r.expert, 0, 0, tiled=True) if r.expert else out_sECD
+    back = jnp.concatenate([back_sECD.reshape(E * C, D), jnp.zeros((1, D), x_nD.dtype)])
+    y_aD = back[slot_a] * (g_a * keep_a)[:, None].astype(x_nD.dtype)
+    y_nD = y_aD.reshape(K, n, D).sum(0)
+    stats = {
+        "dropped": jnp.sum(~keep_a).astype(jnp.float32),
+        "assigned": jnp.float32(n * K),
+        "load_E": jnp.sum(onehot_aE, axis=0).astype(jnp.float32),
+    }
+    if r.batch:
+        stats = jax.lax.psum(stats, r.batch)
+    return y_nD.reshape(b, t, D), stats
 
 
 def moe_ffn(
@@ -66,50 +129,11 @@ def moe_ffn(
     tok = P(free(batch) or None, None, None)
     w_in = P(free(expert) or None, embed or None, free(mlp) or None)
     w_out = P(free(expert) or None, free(mlp) or None, embed or None)
-
-    def local(x_btD, e_btK, g_btK, up_eDF, gate_eDF, down_eFD):
-        b, t, D = x_btD.shape
-        n = b * t
-        if embed:
-            up_eDF = jax.lax.all_gather(up_eDF, embed, axis=1, tiled=True)
-            gate_eDF = jax.lax.all_gather(gate_eDF, embed, axis=1, tiled=True)
-            down_eFD = jax.lax.all_gather(down_eFD, embed, axis=2, tiled=True)
-        x_nD = x_btD.reshape(n, D)
-        # Assignments ordered choice-major: every token's first choice claims a slot before
-        # any second choice does (Switch/GShard priority).
-        e_a = e_btK.reshape(n, K).T.reshape(-1)
-        g_a = g_btK.reshape(n, K).T.reshape(-1)
-        token_a = jnp.tile(jnp.arange(n), K)
-        onehot_aE = jax.nn.one_hot(e_a, E, dtype=jnp.int32)
-        pos_a = jnp.sum((jnp.cumsum(onehot_aE, axis=0) - 1) * onehot_aE, axis=1)
-        keep_a = pos_a < C
-        slot_a = jnp.where(keep_a, e_a * C + pos_a, E * C)  # dropped: a spare slot
-        buf = jnp.zeros((E * C + 1, D), x_nD.dtype).at[slot_a].add(x_nD[token_a])
-        send_sECD = buf[: E * C].reshape(n_ep, E // n_ep, C, D)
-        recv_sECD = jax.lax.all_to_all(send_sECD, expert, 0, 0, tiled=True) if expert else send_sECD
-        h_sECF = jax.nn.silu(jnp.einsum("secd,edf->secf", recv_sECD, gate_eDF)) * jnp.einsum(
-            "secd,edf->secf", recv_sECD, up_eDF
-        )
-        out_sECD = jnp.einsum("secf,efd->secd", h_sECF, down_eFD)
-        if mlp:
-            out_sECD = jax.lax.psum(out_sECD, mlp)
-        back_sECD = jax.lax.all_to_all(out_sECD, expert, 0, 0, tiled=True) if expert else out_sECD
-        back = jnp.concatenate([back_sECD.reshape(E * C, D), jnp.zeros((1, D), x_nD.dtype)])
-        y_aD = back[slot_a] * (g_a * keep_a)[:, None].astype(x_nD.dtype)
-        y_nD = y_aD.reshape(K, n, D).sum(0)
-        stats = {
-            "dropped": jnp.sum(~keep_a).astype(jnp.float32),
-            "assigned": jnp.float32(n * K),
-            "load_E": jnp.sum(onehot_aE, axis=0).astype(jnp.float32),
-        }
-        if used(batch):
-            stats = jax.lax.psum(stats, used(batch))
-        return y_nD.reshape(b, t, D), stats
-
+    routing = _Routing(E, K, C, n_ep, expert, embed, mlp, used(batch))
     stats_spec = {"dropped": P(), "assigned": P(), "load_E": P()}
     where = {"axis_names": set(free(mesh.axis_names))} if manual else {"mesh": mesh}
     return jax.shard_map(
-        local,
+        partial(_local, routing),
         in_specs=(tok, tok, tok, w_in, w_in, w_out),
         out_specs=(tok, stats_spec),
         check_vma=False,

@@ -6,7 +6,8 @@ microbatch each stage runs forward (F) or backward (B), and with interleaving on
 virtual stages; activations move one chunk on and gradients one chunk back by collective
 permutes at the end of every tick (around a ring when interleaved: the last stage's chunk k
 feeds the first stage's chunk k+1). A stage keeps only its microbatches' inputs and recomputes
-its forward in the backward pass.
+its forward in the backward pass. This module runs a stage's step (gather its weights, scan
+the ticks, reduce its gradients); one tick's work is jaxdist.parallel.ticks.
 
 Stored layout: the stacked layer weights keep the non-pipelined order (layer i at index i, the
 `layers` dim split in p contiguous blocks), so checkpoints move freely between pipelined and
@@ -33,7 +34,8 @@ which every stage holds, so nothing more travels between stages.
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +44,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import ConfigError
-from jaxdist.kernels import documents
-from jaxdist.parallel import stage_weights
+from jaxdist.parallel import stage_weights, ticks
 from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeline's public surface
     SCHEDULES,
     Schedule,
@@ -152,6 +153,123 @@ def _shuffle(tree: dict, plan, s, axis: str, p: int, v: int) -> dict:
     return jax.tree.map(move, tree)
 
 
+class Pipeline(NamedTuple):
+    """The step's pipeline, fixed before the shard_map: the model's pieces and loss, the
+    schedule's sizes and the mesh axes the stages gather and reduce over."""
+
+    stages: Stages
+    head_loss: Callable  # (weights, y_bTD, targets_bT) -> the last stage's mean loss
+    scale: Any  # the step's loss scale
+    microbatches: int
+    eos_id: int | None
+    axis: str  # the pipeline mesh axis
+    p: int  # pipeline stages
+    v: int  # virtual stages (chunks) per stage
+    slots: int  # each buffer's microbatch slots: capacity per virtual stage
+    rules: AxisRules
+    batch: tuple[str, ...]  # the batch axes, manual inside the shard_map too
+    nb: int  # devices over the batch axes
+    auto: tuple[str, ...]  # the axes left to the partitioner (tensor, ...)
+    dtype: Any  # the compute dtype weights are gathered in
+
+    def chunked_axes(self, keys) -> dict:
+        """Logical axes of the stacked layer weights cut in chunks: [v, chunk layers, ...]."""
+        return {k: (None, *self.stages.axes[k]) for k in keys}
+
+
+def _tables(schedule: Schedule) -> tuple[jax.Array, ...]:
+    """The schedule's per-tick, per-stage rows the scan runs over: op, microbatch, chunk, slot
+    and the slots the forward and backward arrivals land in (-1: none)."""
+    return tuple(
+        jnp.asarray(a, jnp.int32)
+        for a in (
+            schedule.ops,
+            schedule.mbs,
+            schedule.chunks,
+            schedule.slots(),
+            recv_table(schedule, 1),
+            recv_table(schedule, 2),
+        )
+    )
+
+
+def _gathered(pipe: Pipeline, s, layers: dict, shared: dict) -> tuple[dict, dict]:
+    """This stage's weights whole over the batch axes, in the compute dtype: its layer chunks
+    [v, layers per chunk, ...] in the order it runs them (moved into place, interleaved, as
+    stored shards before the gather) and the shared weights."""
+    rules, batch, auto, dtype, ax = pipe.rules, pipe.batch, pipe.auto, pipe.dtype, pipe.stages.axes
+    chunked = pipe.chunked_axes(layers)
+    layers = {k: w.astype(dtype).reshape(pipe.v, -1, *w.shape[1:]) for k, w in layers.items()}
+    if pipe.v > 1:
+        layers = _shuffle(layers, shuffle_plan(pipe.p, pipe.v), s, pipe.axis, pipe.p, pipe.v)
+    layers = {
+        k: stage_weights.gather(w, chunked[k], rules, batch, auto, dtype) for k, w in layers.items()
+    }
+    shared = {
+        k: stage_weights.gather(w, ax[k], rules, batch, auto, dtype) for k, w in shared.items()
+    }
+    layers = stage_weights.laid_out(layers, ax, lead=1)
+    shared = stage_weights.laid_out(shared, ax)
+    return layers, shared
+
+
+def _reduced(pipe: Pipeline, s, g_layers: dict, g_shared: dict) -> tuple[dict, dict]:
+    """The stage's accumulated gradients summed over the batch axes, as the weights are stored."""
+    rules, batch, auto, ax = pipe.rules, pipe.batch, pipe.auto, pipe.stages.axes
+    chunked = pipe.chunked_axes(g_layers)
+    g_layers = {
+        k: stage_weights.reduce(g, chunked[k], rules, batch, auto) for k, g in g_layers.items()
+    }
+    if pipe.v > 1:  # the reduced shards, in the stored dtype, back to the stored placement
+        back = shuffle_plan(pipe.p, pipe.v, back=True)
+        g_layers = _shuffle(g_layers, back, s, pipe.axis, pipe.p, pipe.v)
+    g_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), g_layers)
+    # Shared weights got contributions on the first and last stage only.
+    g_shared = {
+        k: stage_weights.reduce(g, ax[k], rules, batch, auto, extra=(pipe.axis,))
+        for k, g in g_shared.items()
+    }
+    return g_layers, g_shared
+
+
+def _per_stage(pipe: Pipeline, layers, shared, micro_MbT1, *tables):
+    """One device's stage for the whole step (inside the shard_map): gather its weights, run
+    the schedule's ticks, reduce its gradients. Returns (loss sums, layer and shared grads)."""
+    s = jax.lax.axis_index(pipe.axis)
+    stored_layers, stored_shared = layers, shared
+    layers, shared = _gathered(pipe, s, layers, shared)
+    x0 = pipe.stages.embed(shared, *ticks.inputs(micro_MbT1, pipe.eos_id, 0))
+    zeros_x = jnp.zeros(x0.shape, x0.dtype)
+    buf = jnp.zeros((pipe.slots, *x0.shape), x0.dtype)
+    g0_layers = stage_weights.zeros_like_stored(layers, stored_layers)
+    g0_layers = stage_weights.laid_out(g0_layers, pipe.stages.axes, lead=1)
+    g0_shared = stage_weights.laid_out(
+        stage_weights.zeros_like_stored(shared, stored_shared), pipe.stages.axes
+    )
+    ctx = ticks.StageContext(
+        pipe.stages,
+        pipe.head_loss,
+        micro_MbT1,
+        layers,
+        shared,
+        s,
+        pipe.p,
+        pipe.v,
+        pipe.axis,
+        pipe.eos_id,
+        pipe.scale,
+        pipe.microbatches * pipe.nb,
+        zeros_x,
+    )
+    # loss: [cross-entropy, auxiliary], this device's share.
+    held = ticks.Held(buf, buf, g0_layers, g0_shared, jnp.zeros(2, jnp.float32))
+    carry, _ = jax.lax.scan(
+        partial(ticks.tick, ctx), ticks.Carry(buf, held, zeros_x, zeros_x), tables
+    )
+    g_layers, g_shared = _reduced(pipe, s, carry.held.g_layers, carry.held.g_shared)
+    return jax.lax.psum(carry.held.loss, (pipe.axis, *pipe.batch)), g_layers, g_shared
+
+
 def value_and_grad(
     stages: Stages,
     tokens_BT1: jax.Array,
@@ -167,147 +285,32 @@ def value_and_grad(
     (jaxdist.kernels.documents), each seen alone. `head_loss(weights, y_bTD, targets_bT)` is the
     last stage's mean loss from its output (jaxdist.step.stage_loss)."""
     rules, mesh = active()
-    p, v = mesh.shape[axis], schedule.virtual
     # The batch axes are manual too: weights move once per step (jaxdist.parallel.stage_weights).
     batch = stage_weights.batch_axes(rules, dict(mesh.shape))
-    nb = math.prod(mesh.shape[a] for a in batch)
+    pipe = Pipeline(
+        stages,
+        head_loss,
+        scale,
+        microbatches,
+        eos_id,
+        axis,
+        p=mesh.shape[axis],
+        v=schedule.virtual,
+        slots=schedule.virtual * schedule.capacity,
+        rules=rules,
+        batch=batch,
+        nb=math.prod(mesh.shape[a] for a in batch),
+        auto=tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in {axis, *batch}),
+        dtype=jnp.dtype(stages.compute_dtype),
+    )
     specs = {
         k: stage_weights.manual_spec(stages.axes[k], rules, {axis, *batch}) for k in stages.weights
     }
-    dtype = jnp.dtype(stages.compute_dtype)
-    auto = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in {axis, *batch})
-    ax = stages.axes
-    B = tokens_BT1.shape[0]
-    M = microbatches
+    B, M = tokens_BT1.shape[0], microbatches
     micro_MbT1 = tokens_BT1.reshape(B // M, M, -1).swapaxes(0, 1)
     layers = {k: stages.weights[k] for k in stages.layer_keys}
     shared = {k: w for k, w in stages.weights.items() if k not in layers}
-    slots = v * schedule.capacity
-    tables = tuple(
-        jnp.asarray(a, jnp.int32)
-        for a in (
-            schedule.ops,
-            schedule.mbs,
-            schedule.chunks,
-            schedule.slots(),
-            recv_table(schedule, 1),
-            recv_table(schedule, 2),
-        )
-    )
-    # Interleaved chunks wrap around: the last stage feeds the first stage's next chunk.
-    ring = v > 1
-    fwd_perm = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
-    bwd_perm = [((s + 1) % p, s) for s in range(p if ring else p - 1)]
-
-    def per_stage(layers, shared, micro_MbT1, ops, mbs, chunks, slot_t, recv_f, recv_b):
-        s = jax.lax.axis_index(axis)
-        last = p - 1
-        stored_layers, stored_shared = layers, shared
-        chunked = {k: (None, *ax[k]) for k in layers}  # logical axes of [v, chunk layers, ...]
-        # [v, layers per chunk, ...]: this stage's chunks in the order it runs them, moved
-        # into place (interleaved) as stored shards in the compute dtype, before the gather.
-        layers = {k: w.astype(dtype).reshape(v, -1, *w.shape[1:]) for k, w in layers.items()}
-        if v > 1:
-            layers = _shuffle(layers, shuffle_plan(p, v), s, axis, p, v)
-        layers = {
-            k: stage_weights.gather(w, chunked[k], rules, batch, auto, dtype)
-            for k, w in layers.items()
-        }
-        shared = {
-            k: stage_weights.gather(w, ax[k], rules, batch, auto, dtype) for k, w in shared.items()
-        }
-        layers = stage_weights.laid_out(layers, stages.axes, lead=1)
-        shared = stage_weights.laid_out(shared, stages.axes)
-
-        def inputs(i):  # microbatch i's input tokens and their documents (or None)
-            tokens_bT = micro_MbT1[i, :, :-1]
-            return tokens_bT, None if eos_id is None else documents.from_tokens(tokens_bT, eos_id)
-
-        x0 = stages.embed(shared, *inputs(0))
-        zeros_x = jnp.zeros(x0.shape, x0.dtype)
-        buf = jnp.zeros((slots, *x0.shape), x0.dtype)
-
-        def last_loss(shared, y, i):
-            # This device's rows: the batch mean is the sum over the nb batch shards / nb.
-            return head_loss(shared, y, micro_MbT1[i, :, 1:]) * scale / (M * nb)
-
-        def tick(carry, row):
-            inbox_f, inbox_b, stash, g_layers, g_shared, loss, send_f, send_b = carry
-            op, mb, k, slot, rf, rb = (r[s] for r in row)
-            # Arrivals from the neighbours' previous tick.
-            got_f = jax.lax.ppermute(send_f, axis, fwd_perm)
-            got_b = jax.lax.ppermute(send_b, axis, bwd_perm)
-            inbox_f = jnp.where(rf >= 0, inbox_f.at[rf].set(got_f), inbox_f)
-            inbox_b = jnp.where(rb >= 0, inbox_b.at[rb].set(got_b), inbox_b)
-            chunk = jax.tree.map(lambda w: w[k] if v > 1 else w[0], layers)
-            first = (s == 0) & (k == 0)
-            is_last = (s == last) & (k == v - 1)
-
-            def idle(state):
-                inbox_b, stash, g_layers, g_shared, loss = state
-                return inbox_b, stash, g_layers, g_shared, loss, zeros_x, zeros_x
-
-            def forward(state):
-                inbox_b, stash, g_layers, g_shared, loss = state
-                on = first.astype(inbox_f.dtype)
-                tokens_bT, docs = inputs(mb)
-                # Embedding and head run on every stage and are masked: a cond on the stage
-                # index inside the partially manual shard_map trips XLA's sharding verifier.
-                x = on * stages.embed(shared, tokens_bT, docs) + (1 - on) * inbox_f[slot]
-                stash = stash.at[slot].set(x)
-                y, aux = stages.body(chunk, x, docs)
-                loss = loss.at[1].add(aux * scale / (M * nb))
-                val, (gs, dy) = jax.value_and_grad(last_loss, argnums=(0, 1))(shared, y, mb)
-                inbox_b = jnp.where(is_last, inbox_b.at[slot].set(dy), inbox_b)
-                g_shared = jax.tree.map(
-                    lambda g, d: g + d.astype(g.dtype) * is_last.astype(g.dtype), g_shared, gs
-                )
-                loss = loss.at[0].add(val * is_last.astype(val.dtype))
-                return inbox_b, stash, g_layers, g_shared, loss, y, zeros_x
-
-            def backward(state):
-                inbox_b, stash, g_layers, g_shared, loss = state
-                tokens_bT, docs = inputs(mb)
-                # Recompute the forward; the documents are constants here, not differentiated.
-                _, vjp = jax.vjp(lambda w, x: stages.body(w, x, docs), chunk, stash[slot])
-                # The stage's auxiliary loss (MoE balance) joins the objective like the head's.
-                gl, dx = vjp((inbox_b[slot], jnp.asarray(scale / (M * nb), jnp.float32)))
-                g_layers = jax.tree.map(lambda g, d: g.at[k].add(d.astype(g.dtype)), g_layers, gl)
-                _, vjp_e = jax.vjp(lambda w: stages.embed(w, tokens_bT, docs), shared)
-                ge = vjp_e(dx)[0]
-                g_shared = jax.tree.map(
-                    lambda g, d: g + d.astype(g.dtype) * first.astype(g.dtype), g_shared, ge
-                )
-                return inbox_b, stash, g_layers, g_shared, loss, zeros_x, dx
-
-            state = (inbox_b, stash, g_layers, g_shared, loss)
-            inbox_b, stash, g_layers, g_shared, loss, send_f, send_b = jax.lax.switch(
-                op, (idle, forward, backward), state
-            )
-            return (inbox_f, inbox_b, stash, g_layers, g_shared, loss, send_f, send_b), None
-
-        g0_layers = stage_weights.zeros_like_stored(layers, stored_layers)
-        g0_layers = stage_weights.laid_out(g0_layers, stages.axes, lead=1)
-        g0_shared = stage_weights.laid_out(
-            stage_weights.zeros_like_stored(shared, stored_shared), stages.axes
-        )
-        # loss: [cross-entropy, auxiliary], this device's share.
-        carry = (buf, buf, buf, g0_layers, g0_shared, jnp.zeros(2, jnp.float32), zeros_x, zeros_x)
-        carry, _ = jax.lax.scan(tick, carry, (ops, mbs, chunks, slot_t, recv_f, recv_b))
-        _, _, _, g_layers, g_shared, loss, _, _ = carry
-        g_layers = {
-            k: stage_weights.reduce(g, chunked[k], rules, batch, auto) for k, g in g_layers.items()
-        }
-        if v > 1:  # the reduced shards, in the stored dtype, back to the stored placement
-            g_layers = _shuffle(g_layers, shuffle_plan(p, v, back=True), s, axis, p, v)
-        g_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), g_layers)
-        # Shared weights got contributions on the first and last stage only.
-        g_shared = {
-            k: stage_weights.reduce(g, ax[k], rules, batch, auto, extra=(axis,))
-            for k, g in g_shared.items()
-        }
-        return jax.lax.psum(loss, (axis, *batch)), g_layers, g_shared
-
+    tables = _tables(schedule)
     # Inside, the batch is already split (manual axes; `constrain` names only the others). The
     # vocabulary stays split over `tensor` as outside: with only `pipeline` manual, XLA 0.11's
     # partitioner aborted on it ("Check failed: partition_group_list"), not with the batch
@@ -315,7 +318,7 @@ def value_and_grad(
     layer_spec = {k: specs[k] for k in layers}
     shared_spec = {k: specs[k] for k in shared}
     losses, g_layers, g_shared = jax.shard_map(
-        per_stage,
+        partial(_per_stage, pipe),
         mesh=mesh,
         axis_names={axis, *batch},
         in_specs=(layer_spec, shared_spec, P(None, batch), *[P()] * len(tables)),

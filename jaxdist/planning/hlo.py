@@ -120,16 +120,8 @@ def _axes_of(groups, mesh_shape: dict[str, int]) -> tuple[str, ...]:
     return tuple(names[k] for k in sorted(varying))
 
 
-def collectives(
-    hlo_text: str,
-    mesh_shape: dict[str, int],
-    branch_share: dict[int, tuple[float, ...]] | None = None,
-) -> list[Collective]:
-    """Every collective in the module with how often it runs in one execution of ENTRY.
-
-    `branch_share`: for conditionals of n branches, the share of executions each branch takes,
-    where the caller knows it (the pipeline's tick switch: idle, forward, backward, from its
-    schedule); other conditionals count every branch as taken every time, an upper bound."""
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """Each computation's instruction lines by name, and the ENTRY computation's name."""
     comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -143,8 +135,14 @@ def collectives(
             comps[current].append(line)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
 
-    # Multiplicity of each computation: walk calls from ENTRY, multiplying loop trip counts.
+
+def _multiplicities(
+    comps: dict[str, list[str]], entry: str, branch_share: dict[int, tuple[float, ...]] | None
+) -> dict[str, float]:
+    """Times each computation runs per execution of ENTRY: the calls walked from ENTRY, loop
+    trip counts and branch shares multiplied in."""
     mult: dict[str, float] = {entry: 1}
     order = [entry]
     while order:
@@ -167,7 +165,36 @@ def collectives(
                 )
                 mult[callee] = mult.get(callee, 0) + times
                 order.append(callee)
+    return mult
 
+
+def _moved_bytes(kind: str, result: str, rest: str, mesh_shape: dict[str, int]) -> int:
+    """Bytes per device of one execution: the result's, or for a reduce-scatter the full
+    buffer it reduces (the result times the group size)."""
+    size = shape_bytes(result)
+    if kind == "reduce-scatter":
+        groups = _groups(rest, mesh_shape)
+        group_size = (
+            int(np.prod([mesh_shape[a] for a in groups]))
+            if isinstance(groups, tuple)
+            else len(groups[0])
+        )
+        size *= group_size
+    return size
+
+
+def collectives(
+    hlo_text: str,
+    mesh_shape: dict[str, int],
+    branch_share: dict[int, tuple[float, ...]] | None = None,
+) -> list[Collective]:
+    """Every collective in the module with how often it runs in one execution of ENTRY.
+
+    `branch_share`: for conditionals of n branches, the share of executions each branch takes,
+    where the caller knows it (the pipeline's tick switch: idle, forward, backward, from its
+    schedule); other conditionals count every branch as taken every time, an upper bound."""
+    comps, entry = _computations(hlo_text)
+    mult = _multiplicities(comps, entry, branch_share)
     starts: dict[str, tuple[str, str]] = {}
     found: list[Collective] = []
     for comp, lines in comps.items():
@@ -187,15 +214,7 @@ def collectives(
             if op.endswith("-done"):
                 operand = re.match(r"\s*%([\w.\-]+)", rest)
                 kind, rest = starts.get(operand.group(1) if operand else "", (kind, rest))
-            size = shape_bytes(result)
-            if kind == "reduce-scatter":
-                groups = _groups(rest, mesh_shape)
-                group_size = (
-                    int(np.prod([mesh_shape[a] for a in groups]))
-                    if isinstance(groups, tuple)
-                    else len(groups[0])
-                )
-                size *= group_size
+            size = _moved_bytes(kind, result, rest, mesh_shape)
             axes = _axes_of(_groups(rest, mesh_shape), mesh_shape)
             if not axes:
                 continue  # every group is one device: nothing moves

@@ -83,6 +83,54 @@ def tensors_bytes(
     return total
 
 
+def _weights(
+    abstract_params: nnx.State, rules: AxisRules, mesh_shape: dict[str, int], compute_bytes: int
+) -> tuple[float, float, float, float, float]:
+    """Bytes per device of (parameters, their gradients, one scanned layer's weights gathered,
+    the other weights gathered, a pipeline stage's layers as its ticks read them)."""
+    pipelined = mesh_shape.get("pipeline", 1) > 1
+    params = grads = gathered_layer = gathered_other = stage_layers = 0.0
+    for var in variables(abstract_params):
+        logical = logical_axes(var)
+        local = local_elements(var.shape, logical, rules, mesh_shape, "param")
+        params += 4 * local
+        grads += 4 * local
+        if pipelined and "layers" in logical:  # as the stage's ticks read and accumulate them
+            used = local_elements(var.shape, logical, rules, mesh_shape, "activation")
+            stage_layers += max(local, used / mesh_shape["pipeline"])
+        param_axes = {a for n in logical if n for a in rules.mesh_axes(n, "param")}
+        act_axes = {a for n in logical if n for a in rules.mesh_axes(n, "activation")}
+        # A pipeline stage keeps its own layers: their split over `pipeline` is never gathered.
+        if ways(mesh_shape, param_axes - act_axes - {"pipeline"}) > 1:
+            used = compute_bytes * local_elements(
+                var.shape, logical, rules, mesh_shape, "activation"
+            )
+            if pipelined:
+                stage = used / (mesh_shape["pipeline"] if "layers" in logical else 1)
+                gathered_other += stage
+                grads += 4 * stage / compute_bytes - 4 * local
+            elif "layers" in logical:
+                gathered_layer += used / var.shape[logical.index("layers")]
+            else:
+                gathered_other += used
+    return params, grads, gathered_layer, gathered_other, stage_layers
+
+
+def _tpu_copies(
+    inventory: Inventory,
+    rules: AxisRules,
+    mesh_shape: dict[str, int],
+    stage_layers: float,
+    compute_bytes: int,
+) -> float:
+    """What the TPU compiler counts twice (see `predict`): the fp32 logits chunk and a
+    pipeline stage's layers."""
+    fp32_logits = [t for t in inventory.once if t.logical[-1:] == ("vocab",)]
+    fp32_logits = tuple(t for t in fp32_logits if t.dtype_bytes == 4)
+    # The stage's layers: fp32 gradient accumulators and weights in the compute dtype.
+    return tensors_bytes(fp32_logits, rules, mesh_shape) + stage_layers * (4 + compute_bytes)
+
+
 def predict(
     abstract_params: nnx.State,
     rules: AxisRules,
@@ -113,30 +161,9 @@ def predict(
     come out about a quarter under (README, "Compile for a TPU slice").
     """
     pipelined = mesh_shape.get("pipeline", 1) > 1
-    params = grads = gathered_layer = gathered_other = stage_layers = 0.0
-    for var in variables(abstract_params):
-        logical = logical_axes(var)
-        local = local_elements(var.shape, logical, rules, mesh_shape, "param")
-        params += 4 * local
-        grads += 4 * local
-        if pipelined and "layers" in logical:  # as the stage's ticks read and accumulate them
-            used = local_elements(var.shape, logical, rules, mesh_shape, "activation")
-            stage_layers += max(local, used / mesh_shape["pipeline"])
-        param_axes = {a for n in logical if n for a in rules.mesh_axes(n, "param")}
-        act_axes = {a for n in logical if n for a in rules.mesh_axes(n, "activation")}
-        # A pipeline stage keeps its own layers: their split over `pipeline` is never gathered.
-        if ways(mesh_shape, param_axes - act_axes - {"pipeline"}) > 1:
-            used = compute_bytes * local_elements(
-                var.shape, logical, rules, mesh_shape, "activation"
-            )
-            if pipelined:
-                stage = used / (mesh_shape["pipeline"] if "layers" in logical else 1)
-                gathered_other += stage
-                grads += 4 * stage / compute_bytes - 4 * local
-            elif "layers" in logical:
-                gathered_layer += used / var.shape[logical.index("layers")]
-            else:
-                gathered_other += used
+    params, grads, gathered_layer, gathered_other, stage_layers = _weights(
+        abstract_params, rules, mesh_shape, compute_bytes
+    )
     batch = (
         4 * batch_size * (seq_len + 1) / ways(mesh_shape, rules.mesh_axes("batch", "activation"))
     )
@@ -149,12 +176,7 @@ def predict(
     activations = (max(backward, once) if pipelined else backward + once) + stash_bytes
     tpu_copies = 0.0
     if platform == "tpu":
-        fp32_logits = [t for t in inventory.once if t.logical[-1:] == ("vocab",)]
-        fp32_logits = tuple(t for t in fp32_logits if t.dtype_bytes == 4)
-        # The stage's layers: fp32 gradient accumulators and weights in the compute dtype.
-        tpu_copies = tensors_bytes(fp32_logits, rules, mesh_shape) + stage_layers * (
-            4 + compute_bytes
-        )
+        tpu_copies = _tpu_copies(inventory, rules, mesh_shape, stage_layers, compute_bytes)
     out = {
         "params": params,
         "optimizer": ADAM_MOMENTS * params,

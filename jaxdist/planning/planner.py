@@ -145,15 +145,63 @@ def _axis_link(label: str, sizes: dict[str, int], hw) -> tuple[int, Link]:
 OVERLAPPABLE = {"all-gather", "reduce-scatter", "collective-permute"}
 
 
+def _memory(
+    sizes: dict[str, int],
+    model: PlanModel,
+    rules: AxisRules,
+    cfg: PlanConfig,
+    stash: float,
+    platform: str,
+) -> dict[str, float]:
+    """Predicted bytes per device by term (jaxdist.planning.memory); `stash`: a pipeline
+    stage's buffers of microbatch inputs."""
+    stages = sizes.get("pipeline", 1)
+    m = _microbatches(cfg, stages)
+    inventory = model.inventory(cfg.batch_size // m)
+    if cfg.loss_chunk_tokens:  # the fused loss, a pipeline's last stage's too
+        inventory = memory.with_fused_loss(inventory, cfg.loss_chunk_tokens, model.compute_bytes)
+    return memory.predict(
+        model.abstract_params,
+        rules,
+        dict(_abstract_mesh(sizes).shape),
+        inventory,
+        model.num_layers // stages,
+        cfg.batch_size,
+        model.seq_len,
+        model.compute_bytes,
+        stash,
+        platform,
+    )
+
+
+def _comm_seconds(
+    expected: dict, sizes: dict[str, int], model: PlanModel, rules: AxisRules, m: int, hw
+) -> tuple[float, float, dict]:
+    """(exposed seconds, seconds that may hide behind compute, each axis and kind's bytes and
+    seconds) of the expected traffic, on the links its groups span."""
+    stages = sizes.get("pipeline", 1)
+    exposed = hidden_candidates = 0.0
+    by_axis = {}
+    for (label, kind), nbytes in expected.items():
+        group, link = _axis_link(label, sizes, hw)
+        # One collective per layer and microbatch: each pays the latency term.
+        messages = max(1, model.num_layers * m // max(1, stages))
+        t = costmodel.collective_time(kind, nbytes / messages, group, link) * messages
+        by_axis[f"{label} {kind}"] = {"bytes": nbytes, "seconds": t}
+        if kind in OVERLAPPABLE or (kind == "all-reduce" and not _is_activation(label, rules)):
+            hidden_candidates += t
+        else:
+            exposed += t
+    return exposed, hidden_candidates, by_axis
+
+
 def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: PlanConfig) -> dict:
     """Predicted memory and step time of one layout."""
     hw = get_hardware(cfg.hardware)
     stages = sizes.get("pipeline", 1)
     m = _microbatches(cfg, stages)
-    batch_axes = rules.mesh_axes("batch", "activation")
-    batch_ways = ways(sizes, batch_axes)
+    batch_ways = ways(sizes, rules.mesh_axes("batch", "activation"))
     mesh = _abstract_mesh(sizes)
-    micro_rows = cfg.batch_size // m
     v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
     schedule = pipeline.make_schedule(cfg.schedule, stages, m, v) if stages > 1 else None
     micro_act = pipeline.microbatch_bytes(
@@ -162,21 +210,7 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
     # Three buffers (forward inbox, backward inbox, stash), each of `capacity` microbatch inputs
     # per virtual stage: all m for GPipe, at most p for 1F1B.
     stash = 3 * v * schedule.capacity * micro_act if schedule else 0.0
-    inventory = model.inventory(micro_rows)
-    if cfg.loss_chunk_tokens:  # the fused loss, a pipeline's last stage's too
-        inventory = memory.with_fused_loss(inventory, cfg.loss_chunk_tokens, model.compute_bytes)
-    mem = memory.predict(
-        model.abstract_params,
-        rules,
-        dict(mesh.shape),
-        inventory,
-        model.num_layers // stages,
-        cfg.batch_size,
-        model.seq_len,
-        model.compute_bytes,
-        stash,
-        hw.platform,
-    )
+    mem = _memory(sizes, model, rules, cfg, stash, hw.platform)
     expected = traffic.expected(
         model.abstract_params,
         mesh,
@@ -197,18 +231,7 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
     # (p-1)/m for GPipe and 1F1B, (p-1)/(vm) interleaved.
     idle = schedule.bubble() if schedule else 0.0
     bubble = compute * idle / (1 - idle)
-    exposed = hidden_candidates = 0.0
-    by_axis = {}
-    for (label, kind), nbytes in expected.items():
-        group, link = _axis_link(label, sizes, hw)
-        # One collective per layer and microbatch: each pays the latency term.
-        messages = max(1, model.num_layers * m // max(1, stages))
-        t = costmodel.collective_time(kind, nbytes / messages, group, link) * messages
-        by_axis[f"{label} {kind}"] = {"bytes": nbytes, "seconds": t}
-        if kind in OVERLAPPABLE or (kind == "all-reduce" and not _is_activation(label, rules)):
-            hidden_candidates += t
-        else:
-            exposed += t
+    exposed, hidden_candidates, by_axis = _comm_seconds(expected, sizes, model, rules, m, hw)
     t_comm = exposed + hidden_candidates
     t_overlap = min(compute, hw.overlap * hidden_candidates)
     sync = hw.jitter * compute * math.sqrt(2 * math.log(cfg.devices)) if cfg.devices > 1 else 0.0
