@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist.errors import ConfigError
+from jaxdist.inference.generate import Decoder
 from jaxdist.rules import constrain
 from models.transformer import _LOGICAL, TransformerConfig, after_attention, logits, qkv
 
@@ -25,6 +26,17 @@ CACHE_LOGICAL = {
 def check(c: TransformerConfig) -> None:
     if c.num_experts:
         raise ConfigError("generation with mixture-of-experts layers is not supported yet")
+
+
+def decoder(c: TransformerConfig) -> Decoder:
+    """The model as jaxdist.inference's Decoder."""
+    check(c)
+    return Decoder(
+        forward=lambda p, t, cache, pos: forward(c, p, t, cache, pos),
+        init_cache=lambda rows, length: init_cache(c, rows, length),
+        cache_logical=CACHE_LOGICAL,
+        context=c.seq_len,
+    )
 
 
 def init_cache(c: TransformerConfig, batch: int, length: int) -> dict[str, jax.Array]:

@@ -25,7 +25,20 @@ from jaxdist.data import padded_vocab
 from jaxdist.errors import ConfigError
 from models.transformer import TransformerConfig, _param_shapes
 
-SUPPORTED = ("LlamaForCausalLM", "GPT2LMHeadModel")
+# Each architecture by our style, and the config.json keys of the sizes it maps one to one.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+_SIZE_KEYS = {
+    "LlamaForCausalLM": dict(
+        d_model="hidden_size",
+        num_layers="num_hidden_layers",
+        num_heads="num_attention_heads",
+        seq_len="max_position_embeddings",
+    ),
+    "GPT2LMHeadModel": dict(
+        d_model="n_embd", num_layers="n_layer", num_heads="n_head", seq_len="n_positions"
+    ),
+}
+SUPPORTED = tuple(_ARCHITECTURES.values())
 # Non-weights that some saved checkpoints carry: attention-mask and RoPE buffers.
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
@@ -116,15 +129,10 @@ def config_from_hf(hf: dict, name: str, where: str) -> tuple[TransformerConfig, 
                 raise ConfigError(
                     f"{where}: head_dim {hf['head_dim']} is not hidden_size / heads ({D // N})"
                 )
-            vocab = hf["vocab_size"]
             fields = dict(
                 style="llama",
-                num_layers=hf["num_hidden_layers"],
-                d_model=D,
-                num_heads=N,
                 num_kv_heads=hf.get("num_key_value_heads") or N,
                 d_mlp=hf["intermediate_size"],
-                seq_len=hf["max_position_embeddings"],
                 rope_theta=_rope_theta(hf, where),
                 norm_eps=hf.get("rms_norm_eps", 1e-6),
                 attention_bias=bool(hf.get("attention_bias", False)),
@@ -138,20 +146,17 @@ def config_from_hf(hf: dict, name: str, where: str) -> tuple[TransformerConfig, 
             for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
                 if hf.get(flag):
                     raise ConfigError(f"{where}: {flag} is not supported")
-            D, vocab = hf["n_embd"], hf["vocab_size"]
             fields = dict(
                 style="gpt2",
-                num_layers=hf["n_layer"],
-                d_model=D,
-                num_heads=hf["n_head"],
                 num_kv_heads=hf["n_head"],
-                d_mlp=hf.get("n_inner") or 4 * D,
-                seq_len=hf["n_positions"],
+                d_mlp=hf.get("n_inner") or 4 * hf["n_embd"],
                 norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                 attention_bias=True,
                 mlp_bias=True,
                 tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
             )
+        fields |= {ours: hf[key] for ours, key in _SIZE_KEYS[arch].items()}
+        vocab = hf["vocab_size"]
         return TransformerConfig(name=name, vocab_size=padded_vocab(vocab), **fields), vocab
     except KeyError as e:
         raise ConfigError(f"{where}: config.json lacks {e.args[0]!r}") from None
@@ -235,7 +240,7 @@ def pieces(c: TransformerConfig, vocab: int, positions: int, prefix: str = "") -
     return out
 
 
-def _layered(ours: str) -> bool:
+def layered(ours: str) -> bool:
     return "_L" in ours
 
 
@@ -247,7 +252,7 @@ def check_weights(model: HFModel, tensors: dict) -> list[Piece]:
     plan = pieces(c, model.vocab_size, positions, model.prefix)
     expected = {}
     for piece in plan:
-        for layer in range(c.num_layers) if _layered(piece.ours) else [None]:
+        for layer in range(c.num_layers) if layered(piece.ours) else [None]:
             expected[piece.name(layer)] = piece.hf_shape
     for name, shape in expected.items():
         if name not in tensors:
@@ -318,7 +323,7 @@ def filler(reader, model: HFModel, plan: list[Piece]):
         return np.concatenate(parts, axis=by_name[ours][0].qkv_axis)
 
     def fill(ours: str, index: tuple[slice, ...]) -> np.ndarray:
-        if not _layered(ours):
+        if not layered(ours):
             return one_layer(ours, None, index)
         layers = range(index[0].start, index[0].stop)
         return np.stack([one_layer(ours, layer, index[1:]) for layer in layers])
@@ -348,17 +353,14 @@ def export_config(
 ) -> dict:
     """config.json for our model: the source's own with sizes refreshed, if it came from one;
     else EOS as BOS too (jaxdist's token data opens every document with EOS)."""
+    arch = _ARCHITECTURES[c.style]
+    hf = {"architectures": [arch], "model_type": c.style}
+    hf |= {key: getattr(c, ours) for ours, key in _SIZE_KEYS[arch].items()}
     if c.style == "llama":
-        hf = dict(
-            architectures=["LlamaForCausalLM"],
-            model_type="llama",
-            hidden_size=c.d_model,
+        hf |= dict(
             intermediate_size=c.d_mlp,
-            num_hidden_layers=c.num_layers,
-            num_attention_heads=c.num_heads,
             num_key_value_heads=c.num_kv_heads,
             head_dim=c.head_dim,
-            max_position_embeddings=c.seq_len,
             rms_norm_eps=c.norm_eps,
             rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
             hidden_act="silu",
@@ -366,17 +368,7 @@ def export_config(
             mlp_bias=c.mlp_bias,
         )
     else:
-        hf = dict(
-            architectures=["GPT2LMHeadModel"],
-            model_type="gpt2",
-            n_embd=c.d_model,
-            n_layer=c.num_layers,
-            n_head=c.num_heads,
-            n_inner=c.d_mlp,
-            n_positions=c.seq_len,
-            layer_norm_epsilon=c.norm_eps,
-            activation_function="gelu_new",
-        )
+        hf |= dict(n_inner=c.d_mlp, layer_norm_epsilon=c.norm_eps, activation_function="gelu_new")
     hf |= {"vocab_size": vocab, "tie_word_embeddings": c.tie_embeddings, "dtype": dtype}
     if base and base.get("architectures") == hf["architectures"]:
         if "rope_theta" in base:  # written by transformers before rope_parameters

@@ -8,6 +8,7 @@ fixed ids and their greedy generations."""
 import json
 import math
 import pathlib
+import re
 import shutil
 
 import jax
@@ -18,13 +19,17 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from jaxdist.cli import cmd_hf, hf_source
+from jaxdist.cli.main import main
 from jaxdist.errors import ConfigError
+from jaxdist.hf.export import export
+from jaxdist.hf.generation import generation_mesh, run_generation
 from jaxdist.hf.safetensors_io import SafetensorsDir
+from jaxdist.hf.source import Source, check
 from jaxdist.inference.generate import SampleConfig, pick
 from jaxdist.rules import activation_rules, state_shardings
 from meshes.presets import STANDARD_RULES
 from models import hf
+from models.hf_family import FAMILY
 from models.transformer import Transformer
 from tests.helpers import mesh_for
 
@@ -91,17 +96,18 @@ def _params_host(params: dict) -> dict:
 
 def _source(name: str, layout: str = "data=2,fsdp=2,tensor=2"):
     model, mesh, params = load_on(name, layout)
-    src = hf_source.Source(
-        model.config,
-        params,
-        mesh,
-        STANDARD_RULES,
-        model.vocab_size,
-        0,
-        model.path / "tokenizer.json",
-        model.hf_config,
-        model.path,
-        "float32",
+    src = Source(
+        config=model.config,
+        params=params,
+        mesh=mesh,
+        rules=STANDARD_RULES,
+        vocab_size=model.vocab_size,
+        eos_id=0,
+        tokenizer=model.path / "tokenizer.json",
+        hf_config=model.hf_config,
+        source_dir=model.path,
+        dtype="float32",
+        family=FAMILY,
     )
     return model, src
 
@@ -117,7 +123,7 @@ def _tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("name", MODELS)
 def test_export_of_import_is_bitwise(name, tmp_path):
     _, src = _source(name)
-    files = cmd_hf.export(src, tmp_path / "out", None, 1 << 30)
+    files = export(src, tmp_path / "out", None, 1 << 30)
     assert "model.safetensors" in files and "config.json" in files
     original, exported = _tensors(FIX / name), _tensors(tmp_path / "out")
     assert sorted(exported) == sorted(original)
@@ -136,7 +142,7 @@ def test_export_of_import_is_bitwise(name, tmp_path):
 def test_sharded_export_reimports(tmp_path):
     """Past the shard size: several files and an index, which import reads back."""
     _, src = _source("llama-gqa")
-    files = cmd_hf.export(src, tmp_path / "out", "bfloat16", 40_000)
+    files = export(src, tmp_path / "out", "bfloat16", 40_000)
     shards = [f for f in files if f.startswith("model-")]
     assert len(shards) > 1 and "model.safetensors.index.json" in files
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
@@ -157,7 +163,7 @@ def test_greedy_generate_equals_transformers(name):
     ref = reference(name)
     _, src = _source(name)
     prompt = ref["prompt_ids"].tolist()
-    out = cmd_hf.run_generation(src, prompt, SampleConfig(max_new_tokens=32))
+    out = run_generation(src, prompt, SampleConfig(max_new_tokens=32))
     assert out.new_ids == ref["greedy_ids"].tolist()
     assert out.tokens_per_s > 0
 
@@ -167,9 +173,9 @@ def test_generation_stops_after_eos_and_at_the_context():
     _, src = _source("llama-gqa")
     prompt, greedy = ref["prompt_ids"].tolist(), ref["greedy_ids"].tolist()
     eos = greedy[5]  # as if this token were EOS: generation ends with it, as transformers' does
-    out = cmd_hf.run_generation(src._replace(eos_id=eos), prompt, SampleConfig(32))
+    out = run_generation(src._replace(eos_id=eos), prompt, SampleConfig(32))
     assert out.new_ids == greedy[: greedy.index(eos) + 1]
-    out = cmd_hf.run_generation(src, prompt, SampleConfig(max_new_tokens=500))
+    out = run_generation(src, prompt, SampleConfig(max_new_tokens=500))
     assert len(out.new_ids) == 64 - len(prompt)  # the fixture's context is 64
     assert out.new_ids[:32] == greedy
 
@@ -179,7 +185,7 @@ def test_sampling_is_seeded_and_never_padded():
     _, src = _source("gpt2")
     prompt = reference("gpt2")["prompt_ids"].tolist()
     runs = [
-        cmd_hf.run_generation(src, prompt, SampleConfig(16, 1.5, top_k, seed)).new_ids
+        run_generation(src, prompt, SampleConfig(16, 1.5, top_k, seed)).new_ids
         for top_k, seed in ((None, 1), (None, 1), (None, 2))
     ]
     assert runs[0] == runs[1] and runs[0] != runs[2]
@@ -253,13 +259,15 @@ def test_missing_and_unknown_weights(tmp_path):
 def test_run_dir_without_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="holds no checkpoint"):
-        hf_source.load_source(str(tmp_path), "data=2,fsdp=2,tensor=2", "cpu:8", "off")
+        check(str(tmp_path), FAMILY)
 
 
-def test_prompt_longer_than_context():
-    args = cmd_hf.Generate(f"hf:{FIX / 'gpt2'}", prompt="return " * 80, devices="cpu:8")
-    with pytest.raises(ConfigError, match=r"the prompt is \d+ tokens.*context is 64"):
-        cmd_hf.generate(args)
+def test_prompt_longer_than_context(capsys):
+    argv = ["generate", f"hf:{FIX / 'gpt2'}", "--prompt", "return " * 80, "--devices", "cpu:8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1  # one line, naming cause and fix
+    assert re.match(r"jaxdist: error: the prompt is \d+ tokens.*context is 64.*shorten", err)
 
 
 def test_each_device_reads_only_its_shard(monkeypatch):
@@ -312,5 +320,5 @@ def test_models_without_a_hugging_face_form_are_refused():
 
 
 def test_generation_mesh_splits_kv_heads_then_data():
-    assert cmd_hf._generation_mesh(f"hf:{FIX / 'llama-gqa'}", "cpu:8") == "data=4,tensor=2"
-    assert cmd_hf._generation_mesh(f"hf:{FIX / 'gpt2'}", "cpu:8") == "data=2,tensor=4"
+    assert generation_mesh(check(f"hf:{FIX / 'llama-gqa'}", FAMILY), "cpu:8") == "data=4,tensor=2"
+    assert generation_mesh(check(f"hf:{FIX / 'gpt2'}", FAMILY), "cpu:8") == "data=2,tensor=4"

@@ -14,11 +14,15 @@ import subprocess
 import numpy as np
 import pytest
 
-from jaxdist.cli import hf_source
-from tests.helpers import cli, losses
+from jaxdist.cli.main import main
+from jaxdist.hf.source import check, load
+from meshes.presets import STANDARD_RULES
+from models.hf_family import FAMILY
+from tests.helpers import cli, losses, mesh_for
 from tests.test_hf import FIX, logits_of
 
 MESH = "data=2,fsdp=2,tensor=2"
+COMMON = ["--devices", "cpu:8", "--mesh", MESH]
 _LIVE = """
 import sys, numpy as np, torch, transformers
 model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
@@ -42,35 +46,57 @@ def _ok(result: subprocess.CompletedProcess) -> str:
     return result.stdout
 
 
+def _tokenized(tmp: pathlib.Path, name: str, text: str) -> pathlib.Path:
+    """`text` 200 times, tokenized with fixture `name`'s tokenizer: the data directory."""
+    corpus, data = tmp / "corpus.txt", tmp / "data"
+    corpus.write_text(text * 200)
+    tokenizer = FIX / name / "tokenizer.json"
+    _ok(cli("tokenize", "--input", str(corpus), "--out", str(data), "--tokenizer", str(tokenizer)))
+    return data
+
+
+def _init_from(name: str, data: pathlib.Path) -> list[str]:
+    """`train` from fixture `name`'s weights on `data`: 8 rows of 32 tokens on MESH."""
+    return [
+        "train", "--init-from", f"hf:{FIX / name}", "--data", str(data), "--batch-size", "8",
+        "--seq-len", "32", "--mesh", MESH,
+    ]  # fmt: skip
+
+
+def _run_source(run: pathlib.Path, step: int | None = None):
+    """The run's parameters on MESH, loaded as generate and export-hf load them."""
+    return load(check(str(run), FAMILY), mesh_for(MESH), STANDARD_RULES, "float32", step)
+
+
+def _transformers_agrees(python: str, export, run, vocab: int, seed: int, tmp) -> str:
+    """transformers loads `export` and computes, for random ids, the logits we compute from
+    the run's checkpoint; returns the class transformers chose."""
+    ids = np.random.default_rng(seed).integers(0, vocab, size=(8, 16))
+    np.save(tmp / "ids.npy", ids)
+    res = subprocess.run(
+        [python, "-c", _LIVE, str(export), str(tmp / "ids.npy"), str(tmp / "theirs.npy")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    src = _run_source(run)
+    ours = logits_of(src.config, src.mesh, src.params, ids)[..., :vocab]
+    np.testing.assert_allclose(np.load(tmp / "theirs.npy"), ours, atol=1e-4, rtol=0)
+    return res.stdout.split()[-1]
+
+
 @pytest.fixture(scope="module", params=["llama-gqa", "gpt2"])
 def fine_tuned(request, tmp_path_factory):
     """A run fine-tuned 3 steps from a fixture model, and its export."""
     name = request.param
     tmp = tmp_path_factory.mktemp(name)
-    text = tmp / "corpus.txt"
-    text.write_text("def main(args):\n    return [arg for arg in args]\n" * 200)
-    tokenizer = FIX / name / "tokenizer.json"
-    _ok(
-        cli(
-            "tokenize",
-            "--input",
-            str(text),
-            "--out",
-            str(tmp / "data"),
-            "--tokenizer",
-            str(tokenizer),
-        )
-    )
+    data = _tokenized(tmp, name, "def main(args):\n    return [arg for arg in args]\n")
     run = tmp / "run"
-    common = ["--devices", "cpu:8", "--mesh", MESH]
     _ok(
-        cli(
-            "train", "--init-from", f"hf:{FIX / name}", "--data", str(tmp / "data"),
-            "--steps", "3", "--batch-size", "8", "--seq-len", "32", "--run-dir", str(run),
-            "--lr", "1e-2", *common,
-        )
-    )  # fmt: skip
-    out = json.loads(_ok(cli("export-hf", str(run), str(tmp / "export"), *common)).splitlines()[-1])
+        cli(*_init_from(name, data), "--steps", "3", "--run-dir", str(run), "--lr", "1e-2", *COMMON)
+    )
+    out = json.loads(_ok(cli("export-hf", str(run), str(tmp / "export"), *COMMON)).splitlines()[-1])
     return name, tmp, run, tmp / "export", out
 
 
@@ -119,28 +145,17 @@ def python():
 @pytest.mark.slow
 def test_transformers_loads_export_with_our_logits(python, fine_tuned):
     name, tmp, run, export, _ = fine_tuned
-    ids = np.random.default_rng(1).integers(0, 300, size=(8, 16))
-    np.save(tmp / "ids.npy", ids)
-    res = subprocess.run(
-        [python, "-c", _LIVE, str(export), str(tmp / "ids.npy"), str(tmp / "theirs.npy")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    src = hf_source.load_source(str(run), MESH, "cpu:8", "off")
-    ours = logits_of(src.config, src.mesh, src.params, ids)[..., :300]
-    np.testing.assert_allclose(np.load(tmp / "theirs.npy"), ours, atol=1e-4, rtol=0)
+    chosen = _transformers_agrees(python, export, run, 300, 1, tmp)
+    assert chosen == ("GPT2LMHeadModel" if name == "gpt2" else "LlamaForCausalLM")
 
 
-@pytest.mark.slow
-def test_init_from_refuses_data_of_another_tokenizer(tmp_path):
-    res = cli(
+def test_init_from_refuses_data_of_another_tokenizer(tmp_path, capsys):
+    argv = [
         "train", "--init-from", f"hf:{FIX / 'gpt2'}", "--steps", "1", "--devices", "cpu:8",
-        "--run-dir", str(tmp_path / "run"),
-    )  # fmt: skip
-    assert res.returncode == 2
-    assert "not tokenized with the model's tokenizer" in res.stderr
+        "--compile-cache", "off", "--run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    assert main(argv) == 2
+    assert "not tokenized with the model's tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 
@@ -148,37 +163,23 @@ def test_init_from_refuses_data_of_another_tokenizer(tmp_path):
 def test_transformers_loads_export_of_a_run_from_scratch(python, tmp_path):
     """A preset trained here, with no Hugging Face source: GPT-2 style without biases (zeros
     in the export) and an untied head. (Llama-style exports: the fine-tuned run above.)"""
-    preset = "tiny"
     run, export = tmp_path / "run", tmp_path / "export"
-    common = ["--devices", "cpu:8", "--mesh", MESH]
     _ok(
         cli(
             "train",
             "--model",
-            preset,
+            "tiny",
             "--steps",
             "3",
             "--batch-size",
             "8",
             "--run-dir",
             str(run),
-            *common,
+            *COMMON,
         )
     )
-    _ok(cli("export-hf", str(run), str(export), "--dtype", "float32", *common))
-    ids = np.random.default_rng(2).integers(0, 256, size=(8, 16))
-    np.save(tmp_path / "ids.npy", ids)
-    res = subprocess.run(
-        [python, "-c", _LIVE, str(export), str(tmp_path / "ids.npy"), str(tmp_path / "theirs.npy")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split()[-1] == "GPT2LMHeadModel"
-    src = hf_source.load_source(str(run), MESH, "cpu:8", "off")
-    ours = logits_of(src.config, src.mesh, src.params, ids)[..., :256]
-    np.testing.assert_allclose(np.load(tmp_path / "theirs.npy"), ours, atol=1e-4, rtol=0)
+    _ok(cli("export-hf", str(run), str(export), "--dtype", "float32", *COMMON))
+    assert _transformers_agrees(python, export, run, 256, 2, tmp_path) == "GPT2LMHeadModel"
 
 
 @pytest.mark.slow
@@ -187,7 +188,7 @@ def test_model_hf_is_the_architecture_randomly_initialized(tmp_path):
     _ok(
         cli(
             "train", "--model", f"hf:{FIX / 'gpt2'}", "--steps", "2", "--batch-size", "8",
-            "--run-dir", str(run), "--devices", "cpu:8", "--mesh", MESH,
+            "--run-dir", str(run), *COMMON,
         )
     )  # fmt: skip
     record = json.loads((run / "config.json").read_text())
@@ -201,31 +202,16 @@ def test_model_hf_is_the_architecture_randomly_initialized(tmp_path):
     )
     assert model["tie_embeddings"] and model["attention_bias"] and model["mlp_bias"]
     # Random init (std 0.02), not the fixture's weights (drawn with std 0.2), two small steps on.
-    src = hf_source.load_source(str(run), MESH, "cpu:8", "off")
-    embed = np.asarray(src.params["tok_embed_VD"])[:300]
+    embed = np.asarray(_run_source(run).params["tok_embed_VD"])[:300]
     assert 0.01 < embed.std() < 0.05
 
 
 @pytest.mark.slow
 def test_init_from_run_resumes_from_its_own_checkpoint(tmp_path):
-    text = tmp_path / "corpus.txt"
-    text.write_text("def main(args):\n    return args\n" * 200)
-    tokenizer = FIX / "llama-tied" / "tokenizer.json"
-    _ok(
-        cli(
-            "tokenize",
-            "--input",
-            str(text),
-            "--out",
-            str(tmp_path / "data"),
-            "--tokenizer",
-            str(tokenizer),
-        )
-    )
+    data = _tokenized(tmp_path, "llama-tied", "def main(args):\n    return args\n")
     train = [
-        "train", "--init-from", f"hf:{FIX / 'llama-tied'}", "--data", str(tmp_path / "data"),
-        "--batch-size", "8", "--seq-len", "32", "--run-dir", str(tmp_path / "run"),
-        "--devices", "cpu:8", "--mesh", MESH, "--log-every", "1", "--checkpoint-every", "2",
+        *_init_from("llama-tied", data), "--run-dir", str(tmp_path / "run"), "--devices",
+        "cpu:8", "--log-every", "1", "--checkpoint-every", "2",
     ]  # fmt: skip
     _ok(cli(*train, "--steps", "2"))
     res = cli(*train, "--steps", "4")
@@ -238,24 +224,9 @@ def test_init_from_run_resumes_from_its_own_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_init_from_on_two_processes_matches_one(tmp_path):
     """Each process reads only its own devices' slices; the run is the one-process run."""
-    text = tmp_path / "corpus.txt"
-    text.write_text("class Reader:\n    def read(self):\n        return self.path\n" * 200)
-    tokenizer = FIX / "llama-gqa" / "tokenizer.json"
-    _ok(
-        cli(
-            "tokenize",
-            "--input",
-            str(text),
-            "--out",
-            str(tmp_path / "data"),
-            "--tokenizer",
-            str(tokenizer),
-        )
-    )
-    train = [
-        "train", "--init-from", f"hf:{FIX / 'llama-gqa'}", "--data", str(tmp_path / "data"),
-        "--steps", "3", "--batch-size", "8", "--seq-len", "32", "--mesh", MESH, "--log-every", "1",
-    ]  # fmt: skip
+    text = "class Reader:\n    def read(self):\n        return self.path\n"
+    train = [*_init_from("llama-gqa", _tokenized(tmp_path, "llama-gqa", text)), "--steps", "3"]
+    train += ["--log-every", "1"]
     launch = ["launch", "--processes", "2", "--devices-per-process", "4", "--"]
     _ok(cli(*launch, *train, "--run-dir", str(tmp_path / "two")))
     _ok(cli(*train, "--devices", "cpu:8", "--run-dir", str(tmp_path / "one")))
@@ -265,12 +236,12 @@ def test_init_from_on_two_processes_matches_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_of_a_given_step(fine_tuned):
+def test_export_of_a_given_step(fine_tuned, capsys):
     from jaxdist.errors import ConfigError
 
     _, tmp, run, export, _ = fine_tuned
     with pytest.raises(ConfigError, match=r"no checkpoint of step 7; it has \[0, 2\]"):
-        hf_source.load_source(str(run), MESH, "cpu:8", "off", step=7)
+        _run_source(run, step=7)
     out = tmp / f"export-step-2-{os.getpid()}"
     _ok(
         cli(
@@ -278,8 +249,8 @@ def test_export_of_a_given_step(fine_tuned):
         )
     )
     assert (out / "model.safetensors").read_bytes() == (export / "model.safetensors").read_bytes()
-    res = cli("export-hf", str(run), str(out), "--devices", "cpu:8")
-    assert res.returncode == 2 and "exists" in res.stderr
+    assert main(["export-hf", str(run), str(out), "--devices", "cpu:8"]) == 2
+    assert "exists" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -1,30 +1,24 @@
 """`jaxdist export-hf` and `jaxdist generate`: Hugging Face models out, and text out of a model
-(a run's checkpoint or hf:PATH, loaded onto a mesh by jaxdist/cli/hf_source.py).
-
-Export gathers one tensor (one layer of it) at a time and streams it into the safetensors files
-of a temporary directory, renamed to OUT_DIR when complete: a failure leaves nothing half made.
+(a run's checkpoint or hf:PATH). The work is the library's (jaxdist/hf/: source, export,
+generation); this wires the transformer's family (models/hf_family.py) and the mesh into it.
 """
 
 import dataclasses
 import json as jsonlib
-import os
 import pathlib
-import shutil
 from typing import Annotated, Literal
 
-import numpy as np
 import tyro
 
-from jaxdist.cli.hf_source import TOKENIZER, Source, load_source
-from jaxdist.cli.options import DEFAULT_CACHE, MESH_HELP
+from jaxdist.cli.options import DEFAULT_CACHE, MESH_HELP, Common, setup
 from jaxdist.errors import ConfigError
+from jaxdist.hf.source import Checked, check, load
+from models.hf_family import FAMILY
 
 GENERATE_MESH_HELP = MESH_HELP.partition("; auto:")[0] + (
     "; auto: the kv heads over as many devices as divide them (tensor), the rest data (FSDP "
     "would gather every weight again for each token)"
 )
-# Beside tokenizer.json in a model directory: what transformers' AutoTokenizer reads too.
-_TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,94 +61,22 @@ class Generate:
     compile_cache: str = DEFAULT_CACHE
 
 
-def _gather(x) -> np.ndarray:
-    import jax
-
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def export(
-    src: Source, out_dir: pathlib.Path, dtype: str | None, max_shard_bytes: int
-) -> list[str]:
-    """Writes `src` as a Hugging Face model directory; returns the files written."""
-    import jax
-    import ml_dtypes
-
-    from jaxdist.hf.safetensors_io import Planned, write
-    from models.hf import export_config, export_pieces, hf_tensor
-
-    out_dir = pathlib.Path(out_dir)
-    if out_dir.exists():
-        raise ConfigError(f"{out_dir} exists; export-hf writes a new directory, pass another")
-    dtype = dtype or src.dtype
-    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
-    pieces, cfg = export_pieces(src.config, src.vocab_size)
-    plan, source = [], {}
-    for piece in pieces:
-        for layer in range(cfg.num_layers) if "_L" in piece.ours else [None]:
-            p = Planned(piece.name(layer), piece.hf_shape, np_dtype)
-            plan.append(p)
-            source[p.name] = (piece, layer)
-    last: dict = {}
-
-    def produce(p: Planned) -> np.ndarray:
-        piece, layer = source[p.name]
-        if piece.ours not in src.params:
-            return hf_tensor(piece, None).astype(np_dtype)
-        key = (piece.ours, layer)
-        if key not in last:  # one gathered tensor (layer) at a time, reused by q, k and v
-            last.clear()
-            x = src.params[piece.ours]
-            last[key] = _gather(x if layer is None else x[layer])
-        return hf_tensor(piece, last[key]).astype(np_dtype)
-
-    writer = jax.process_index() == 0
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    try:
-        if writer:
-            tmp.mkdir(parents=True)
-        files = write(tmp, plan, produce, max_shard_bytes) if writer else []
-        if not writer:  # the other processes take part in every gather, in the same order
-            for p in plan:
-                produce(p)
-            return []
-        config = export_config(cfg, src.vocab_size, src.hf_config, dtype, src.eos_id)
-        (tmp / "config.json").write_text(jsonlib.dumps(config, indent=2) + "\n")
-        gen_src = src.source_dir / "generation_config.json" if src.source_dir else None
-        if gen_src is not None and gen_src.is_file():
-            shutil.copyfile(gen_src, tmp / "generation_config.json")
-        else:
-            gen = {"eos_token_id": src.eos_id, "bos_token_id": config.get("bos_token_id")}
-            gen = {k: v for k, v in gen.items() if v is not None}
-            (tmp / "generation_config.json").write_text(jsonlib.dumps(gen, indent=2) + "\n")
-        extras = [src.tokenizer] if src.tokenizer else []
-        theirs = src.source_dir / TOKENIZER if src.source_dir is not None else None
-        if src.tokenizer and theirs and theirs.is_file():
-            if theirs.read_bytes() == src.tokenizer.read_bytes():  # the source's tokenizer
-                extras += [src.source_dir / n for n in _TOKENIZER_EXTRAS]
-        for f in extras:
-            if f.is_file():
-                shutil.copyfile(f, tmp / f.name)
-        files += [p.name for p in sorted(tmp.iterdir()) if p.name not in files]
-        os.rename(tmp, out_dir)
-        return files
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+def _load(checked: Checked, mesh: str, devices: str, cache: str, step: int | None = None):
+    mesh_, rules, platform_cfg, _ = setup(Common(mesh=mesh, devices=devices, compile_cache=cache))
+    return load(checked, mesh_, rules, platform_cfg.compute_dtype, step)
 
 
 def export_hf(args: ExportHF) -> int:
+    from jaxdist.hf.export import export
+
     if args.shard_size_mb < 1:
         raise ConfigError(f"--shard-size-mb {args.shard_size_mb} must be at least 1")
     if pathlib.Path(args.out_dir).exists():
         raise ConfigError(f"{args.out_dir} exists; export-hf writes a new directory, pass another")
     if args.run_dir.startswith("hf:"):
         raise ConfigError("export-hf exports a run directory; hf:PATH already is a HF model")
-    src = load_source(args.run_dir, args.mesh, args.devices, args.compile_cache, args.step)
+    checked = check(args.run_dir, FAMILY)  # before any device starts
+    src = _load(checked, args.mesh, args.devices, args.compile_cache, args.step)
     files = export(src, pathlib.Path(args.out_dir), args.dtype, args.shard_size_mb << 20)
     import jax
 
@@ -163,74 +85,21 @@ def export_hf(args: ExportHF) -> int:
     return 0
 
 
-def _tokenizer(src: Source):
-    from jaxdist.data.tokenizer import Tokenizer
-
-    if src.tokenizer is None:
-        return Tokenizer(None)  # UTF-8 bytes (raw-byte or byte-tokenized runs)
-    return Tokenizer(src.tokenizer.read_text(), str(src.tokenizer))
-
-
-def _generation_mesh(source: str, devices: str) -> str:
-    """For one prompt: tensor parallelism as wide as the kv heads and MLP allow, the rest data
-    (every row of which repeats the prompt)."""
-    import jax
-
-    from jaxdist.cli.hf_source import check_source, read_record
-    from jaxdist.mesh import setup_devices
-
-    check_source(source)
-    if source.startswith("hf:"):
-        from models.hf import open_model
-
-        config = open_model(source).config
-    else:
-        from models.presets import from_record
-
-        config = from_record(read_record(pathlib.Path(source)).get("model", {}))
-    setup_devices(devices)
-    n = jax.device_count()
-    t = max(
-        d
-        for d in range(1, n + 1)
-        if n % d == 0
-        and config.num_kv_heads % d == 0
-        and config.d_mlp % d == 0
-        and config.vocab_size % d == 0
-    )
-    return f"data={n // t},tensor={t}"
-
-
 def generate(args: Generate) -> int:
+    from jaxdist.hf.generation import check_prompt, generate_text, generation_mesh
     from jaxdist.inference.generate import SampleConfig
 
     sample = SampleConfig(args.max_new_tokens, args.temperature, args.top_k, args.seed)
     sample.validate()
     if not args.prompt:
         raise ConfigError('pass the text to continue with --prompt "..."')
-    if args.source.startswith("hf:"):
-        from jaxdist.inference.generate import check_prompt
-        from models.hf import open_model
-
-        model = open_model(args.source)  # the prompt is checked before anything is loaded
-        tok_path = model.path / TOKENIZER
-        if not tok_path.is_file():
-            raise ConfigError(f"{model.path} has no {TOKENIZER}; generation needs its tokenizer")
-        from jaxdist.data.tokenizer import Tokenizer
-
-        check_prompt(
-            Tokenizer(tok_path.read_text(), str(tok_path)).encode(args.prompt).tolist(),
-            model.config.seq_len,
-        )
-    mesh = args.mesh if args.mesh != "auto" else _generation_mesh(args.source, args.devices)
-    src = load_source(args.source, mesh, args.devices, args.compile_cache)
-    tokenizer = _tokenizer(src)
-    # Text as plain text: special tokens written in the prompt are not control tokens.
-    prompt_ids = [int(i) for i in tokenizer.encode(args.prompt)]
-    out = run_generation(src, prompt_ids, sample)
+    check_prompt(args.source, FAMILY, args.prompt)  # hf:PATH: before anything is loaded
+    checked = check(args.source, FAMILY)  # before any device starts
+    mesh = args.mesh if args.mesh != "auto" else generation_mesh(checked, args.devices)
+    src = _load(checked, mesh, args.devices, args.compile_cache)
+    prompt_ids, out, text = generate_text(src, args.prompt, sample)
     import jax
 
-    text = tokenizer.decode(np.asarray([i for i in out.new_ids if i != src.eos_id], np.int64))
     if jax.process_index() == 0:
         if args.json:
             print(
@@ -247,21 +116,3 @@ def generate(args: Generate) -> int:
             print(args.prompt + text)
             print(f"[{len(out.new_ids)} tokens, {out.tokens_per_s:.1f} tokens/s]")
     return 0
-
-
-def run_generation(src: Source, prompt_ids: list[int], sample):
-    from jaxdist.inference.generate import Decoder
-    from jaxdist.inference.generate import generate as gen
-    from models import decode
-
-    c = src.config
-    decode.check(c)
-    decoder = Decoder(
-        forward=lambda p, t, cache, pos: decode.forward(c, p, t, cache, pos),
-        init_cache=lambda rows, length: decode.init_cache(c, rows, length),
-        cache_logical=decode.CACHE_LOGICAL,
-        context=c.seq_len,
-    )
-    return gen(
-        decoder, src.params, src.rules, src.mesh, prompt_ids, sample, src.vocab_size, src.eos_id
-    )

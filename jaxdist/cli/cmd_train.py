@@ -51,9 +51,10 @@ def run(args: Train) -> int:
     args.eval.validate()
     init = None
     if args.init_from:
-        from jaxdist.cli.hf_source import init_from
+        from jaxdist.hf.init_from import init_from
+        from models.hf_family import FAMILY
 
-        args, init = init_from(args)
+        args, init = init_from(FAMILY, args)
     mesh, rules, model_cfg, args = setup(
         args,
         profiling=bool(args.loop.profile or args.loop.watch_comm),
@@ -68,9 +69,10 @@ def run(args: Train) -> int:
     # The data decides the vocabulary (the preset's is for bytes or GPT-2's tokens).
     vocab_size, eos_id = data_vocab(args.data)
     if args.model.startswith("hf:"):  # a pretrained architecture keeps its vocabulary
-        from jaxdist.cli.hf_source import hf_vocab
+        from jaxdist.hf.init_from import hf_vocab
+        from models.hf_family import FAMILY
 
-        checked = hf_vocab(model_cfg, args.model, args.data, vocab_size, init is not None)
+        checked = hf_vocab(FAMILY, model_cfg, args.model, args.data, vocab_size, init is not None)
         model = model_spec(checked)
     else:
         model = model_spec(with_data_vocab(model_cfg, vocab_size))
@@ -81,11 +83,12 @@ def run(args: Train) -> int:
     record = {"cli": dataclasses.asdict(args)}
     first = None
     if init is not None:  # the run's record names the weights it started from
-        from jaxdist.cli.hf_source import initial_state
+        from jaxdist.hf.init_from import initial_state
         from jaxdist.hf.safetensors_io import SafetensorsDir
+        from models.hf_family import FAMILY
 
         record["init_from"] = {**init.record(), "dtype": SafetensorsDir(init.path).dtype()}
-        first = initial_state(init, args.optim, args.loop.steps)
+        first = initial_state(FAMILY, init, args.optim, args.loop.steps)
     loop.fit(model, mesh, rules, config, record=record, init_state=first)
     return 0
 

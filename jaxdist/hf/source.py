@@ -1,0 +1,189 @@
+"""Where a model comes from, for generation and export: a run's checkpoint restored onto a mesh
+(any mesh: it is resharded), or a local Hugging Face directory (`hf:PATH`) read straight into
+one; with the vocabulary, EOS and tokenizer that go with it.
+
+`check` finds everything a user can get wrong before any device starts; `load` then puts the
+checked source on a mesh. What is model-specific comes from a ModelFamily (jaxdist/hf/family.py).
+"""
+
+import json
+import pathlib
+from typing import Any, NamedTuple
+
+from jaxdist.errors import ConfigError
+from jaxdist.hf.family import ModelFamily, OpenedModel
+
+TOKENIZER = "tokenizer.json"
+
+
+class Source(NamedTuple):
+    """A model ready to use: its config, parameters on the mesh, and its vocabulary."""
+
+    config: Any  # the family's config, as this platform computes it
+    params: dict  # name -> global jax array
+    mesh: Any
+    rules: Any
+    vocab_size: int  # the real vocabulary (ids past it are padding)
+    eos_id: int | None
+    tokenizer: pathlib.Path | None  # tokenizer.json; None: UTF-8 bytes
+    hf_config: dict | None  # the Hugging Face config the model came from
+    source_dir: pathlib.Path | None  # the Hugging Face directory it came from
+    dtype: str  # the source weights' dtype
+    family: ModelFamily
+
+
+class Checked(NamedTuple):
+    """A source found usable, nothing loaded yet."""
+
+    source: str  # RUN_DIR or hf:PATH
+    family: ModelFamily
+    config: Any  # the family's config of the model
+    model: OpenedModel | None  # hf:PATH, opened
+    record: dict | None  # RUN_DIR's config.json
+
+
+def read_record(run_dir: pathlib.Path) -> dict:
+    try:
+        return json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{run_dir}/config.json is missing or unreadable ({e}); pass a run directory made by "
+            "jaxdist train, or hf:PATH for a Hugging Face model directory"
+        ) from None
+
+
+def eos_id(hf: dict, directory: pathlib.Path | None) -> int | None:
+    """EOS as generation_config.json says (transformers' generate stops there), else config.json."""
+    gen = {}
+    if directory is not None and (directory / "generation_config.json").is_file():
+        gen = json.loads((directory / "generation_config.json").read_text())
+    eos = gen.get("eos_token_id", hf.get("eos_token_id"))
+    return eos[0] if isinstance(eos, list) else eos
+
+
+def check(source: str, family: ModelFamily) -> Checked:
+    """What can be wrong with the source, found before any device starts."""
+    if source.startswith("hf:"):
+        from jaxdist.hf.safetensors_io import SafetensorsDir
+
+        model = family.open(source)
+        family.check_weights(model, SafetensorsDir(model.path).tensors)
+        return Checked(source, family, model.config, model, None)
+    run_dir = pathlib.Path(source)
+    record = read_record(run_dir)
+    steps = [p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
+    if not steps:
+        raise ConfigError(
+            f"{run_dir} holds no checkpoint; train it first (jaxdist train --run-dir {run_dir})"
+        )
+    return Checked(source, family, family.from_record(record.get("model", {})), None, record)
+
+
+def load(checked: Checked, mesh, rules, compute_dtype: str, step: int | None = None) -> Source:
+    """The checked source's parameters on `mesh` as `rules` lay them out; a run's checkpoint of
+    `step` (default: the newest good one)."""
+    family = checked.family
+    config = family.computing(checked.config, compute_dtype)
+    model = checked.model
+    if model is not None:
+        from jaxdist.hf.safetensors_io import SafetensorsDir
+
+        params = family.load(model, _targets(family, config, mesh, rules))
+        tok = model.path / TOKENIZER
+        return Source(
+            config,
+            params,
+            mesh,
+            rules,
+            model.vocab_size,
+            eos_id(model.hf_config, model.path),
+            tok if tok.is_file() else None,
+            model.hf_config,
+            model.path,
+            SafetensorsDir(model.path).dtype(),
+            family,
+        )
+    run_dir, record, spec = pathlib.Path(checked.source), checked.record, family.model_spec(config)
+    params = _restore_params(run_dir, record, spec, mesh, rules, step)
+    init = record.get("init_from") or {}
+    data = record.get("data_source") or {}
+    vocab = data.get("vocab_size") or init.get("vocab_size") or spec.vocab_size
+    hf_dir = pathlib.Path(init["path"]) if init else None
+    eos = data.get("eos_id")
+    if eos is None and init:
+        eos = eos_id(init.get("config", {}), hf_dir)
+    return Source(
+        config,
+        params,
+        mesh,
+        rules,
+        min(vocab, init.get("vocab_size", vocab)),
+        eos,
+        _run_tokenizer(record, hf_dir),
+        init.get("config"),
+        hf_dir,
+        init.get("dtype", "float32"),
+        family,
+    )
+
+
+def _targets(family: ModelFamily, config, mesh, rules) -> dict:
+    """name -> ShapeDtypeStruct with the sharding `rules` give the parameter on `mesh`."""
+    import jax
+    from flax import nnx
+
+    from jaxdist.rules import state_shardings
+
+    init = family.model_spec(config).init
+    abstract = nnx.state(nnx.eval_shape(lambda: init(nnx.Rngs(0))))
+    shardings = state_shardings(abstract, rules, mesh)
+    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    by_path = dict(jax.tree_util.tree_flatten_with_path(shardings)[0])
+    return {
+        path[0].key: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=by_path[path])
+        for path, a in flat
+    }
+
+
+def _run_tokenizer(record: dict, hf_dir: pathlib.Path | None) -> pathlib.Path | None:
+    data_path = (record.get("data") or {}).get("path")
+    if data_path and (pathlib.Path(data_path) / TOKENIZER).is_file():
+        return pathlib.Path(data_path) / TOKENIZER
+    if hf_dir is not None and (hf_dir / TOKENIZER).is_file():
+        return hf_dir / TOKENIZER
+    return None
+
+
+def _restore_params(run_dir, record, spec, mesh, rules, step) -> dict:
+    import jax
+
+    from jaxdist.checkpoint.store import Checkpointer, param_shapes
+    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.rules import batch_sharding, batch_ways
+    from jaxdist.step import StepConfig, build
+
+    class OneStep(Checkpointer):
+        """Restores `step` only, verified as any restore is."""
+
+        def steps(self) -> list[int]:
+            return [s for s in super().steps() if step is None or s == step]
+
+    # The optimizer's structure must match the checkpoint's, though only parameters are used.
+    tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
+    rows = batch_ways(batch_sharding(rules, mesh))
+    jitted = build(spec.init, tx, lr, rules, mesh, StepConfig(), 0, rows)
+    checkpointer = OneStep(run_dir / "checkpoints")
+    try:
+        if step is not None and step not in checkpointer.steps():
+            have = Checkpointer.steps(checkpointer)
+            raise ConfigError(
+                f"{run_dir} holds no checkpoint of step {step}; it has {have or 'none'}"
+            )
+        shapes = param_shapes(jitted.abstract_state.params)
+        restored = checkpointer.restore_latest(jitted.abstract_state, shapes)
+    finally:
+        checkpointer.close()
+    if restored is None:
+        raise ConfigError(f"{run_dir} holds no valid checkpoint (all were set aside as damaged)")
+    flat = jax.tree_util.tree_flatten_with_path(restored.state.params)[0]
+    return {path[0].key: x for path, x in flat}
