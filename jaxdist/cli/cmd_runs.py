@@ -8,6 +8,7 @@ from typing import Annotated
 import tyro
 
 from jaxdist.cli.options import HARDWARE_HELP
+from jaxdist.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,33 +52,33 @@ class Profile:
     and idle, per step and device."""
 
     path: tyro.conf.Positional[str]
-    """a trace directory (jax.profiler's log dir, or a run's profile/) or one .xplane.pb"""
+    """a run directory (its profile/), a trace directory (jax.profiler's log dir) or one
+    .xplane.pb"""
     json: str | None = None
     """write breakdown.json here"""
     plot: str | None = None
     """write the PNG here"""
     hardware: Annotated[str, tyro.conf.arg(help=HARDWARE_HELP)] = "cpu"
     hlo: str | None = None
-    """compiled HLO text of the traced program (default: hlo.txt beside the trace)"""
+    """compiled HLO text of the traced program (default: hlo.txt in the trace's log dir)"""
     mesh: str | None = None
-    """mesh as axis=size list (default: mesh.json beside the trace)"""
+    """mesh as axis=size list (default: mesh.json in the trace's log dir)"""
 
 
 def profile(args: Profile) -> int:
     from jaxdist.mesh import parse_mesh
     from jaxdist.profiling import report as profile_report
-    from jaxdist.profiling.xplane import find_xplane
 
-    trace = find_xplane(args.path)
-    here = pathlib.Path(args.path) if pathlib.Path(args.path).is_dir() else trace.parent
-    hlo_path = pathlib.Path(args.hlo) if args.hlo else here / "hlo.txt"
-    hlo_text = hlo_path.read_text() if hlo_path.exists() else None
+    trace, hlo_text, mesh_shape = profile_report.beside(args.path)
+    if args.hlo:
+        if not pathlib.Path(args.hlo).is_file():
+            raise ConfigError(
+                f"--hlo {args.hlo} does not exist; pass the traced program's compiled HLO text "
+                "(a run's profile/hlo.txt)"
+            )
+        hlo_text = pathlib.Path(args.hlo).read_text()
     if args.mesh:
         mesh_shape = parse_mesh(args.mesh).sizes()
-    elif (here / "mesh.json").exists():
-        mesh_shape = json.loads((here / "mesh.json").read_text())
-    else:
-        mesh_shape = None
     report = profile_report.profile(trace, hlo_text, mesh_shape, args.hardware)
     profile_report.print_report(report)
     profile_report.write(

@@ -9,7 +9,39 @@ from rich.table import Table
 from jaxdist.hardware import Hardware, get_hardware
 from jaxdist.planning import costmodel, hlo
 from jaxdist.profiling.breakdown import breakdown
-from jaxdist.profiling.xplane import load
+from jaxdist.profiling.xplane import find_xplane, load
+
+NO_PROJECTION = (
+    "no projection: the gradient bytes come from the compiled HLO and the mesh (hlo.txt and "
+    "mesh.json beside the trace, as a run's profile/ has them, or --hlo and --mesh)"
+)
+
+
+def locate(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """The trace to read and the folder its `hlo.txt` and `mesh.json` lie in (or would).
+
+    A run directory means the trace of its `--profile` window, RUN_DIR/profile. jax.profiler
+    writes a trace to LOGDIR/plugins/profile/<time>/<host>.xplane.pb and the trainer puts
+    hlo.txt and mesh.json in LOGDIR, so a log directory, a trace's own folder and the trace
+    file itself all lead to the same three files.
+    """
+    p = pathlib.Path(path)
+    if p.is_dir() and not (p / "hlo.txt").exists() and (p / "profile").is_dir():
+        p = p / "profile"
+    trace = find_xplane(p)
+    here = trace.parent
+    if not (here / "hlo.txt").exists() and here.parent.name == "profile":
+        if here.parent.parent.name == "plugins":
+            here = here.parents[2]
+    return trace, here
+
+
+def beside(path: str | pathlib.Path) -> tuple[pathlib.Path, str | None, dict[str, int] | None]:
+    """The trace of `path` (see `locate`) with the compiled HLO and mesh saved beside it."""
+    trace, here = locate(path)
+    hlo_text = (here / "hlo.txt").read_text() if (here / "hlo.txt").exists() else None
+    mesh = here / "mesh.json"
+    return trace, hlo_text, json.loads(mesh.read_text()) if mesh.exists() else None
 
 
 def profile(
@@ -18,7 +50,8 @@ def profile(
     mesh_shape: dict[str, int] | None = None,
     hardware: str = "cpu",
 ) -> dict:
-    """Loads a trace and attributes it; with the compiled HLO and mesh, also per mesh axis."""
+    """Loads a trace and attributes it; with the compiled HLO and mesh, also per mesh axis,
+    and the fleet-law projection (which needs the gradient bytes only the HLO holds)."""
     hw = get_hardware(hardware)
     trace = load(path)
     axes_of: dict[str, str] = {}
@@ -34,59 +67,45 @@ def profile(
     report = breakdown(trace, axes_of, bytes_of)
     report["hardware"] = hw.name
     report["mesh"] = mesh_shape
-    report["model"] = _model(report, mesh_shape or {}, hw)
+    report["model"] = _model(report, mesh_shape or {}, hw, bool(hlo_text and mesh_shape))
     return report
 
 
-def _model(report: dict, mesh_shape: dict[str, int], hw: Hardware) -> dict:
-    """Alpha-beta predictions beside the measured per-axis times, and the N-device projection."""
+def _model(report: dict, mesh_shape: dict[str, int], hw: Hardware, known: bool) -> dict:
+    """Alpha-beta predictions beside the measured per-axis times, and the N-device projection.
+
+    `known`: the compiled HLO and the mesh were given. Without them no collective has bytes,
+    and a projection from zero gradient bytes would promise perfect scaling: there is none.
+    """
     s = report["summary"]
-    axes_order = list(mesh_shape)
     per_axis = []
     grad_bytes = 0.0
     for key, v in s["per_axis_per_step"].items():
         axis, kind = key.split("/")
-        p = costmodel.group_size(mesh_shape, axis)
-        if not p or not v["bytes"]:
+        row = _axis_row(report["steps"], mesh_shape, hw, axis, kind, v)
+        if row is None:
             continue
-        inner = [a for a in axes_order[axes_order.index(axis.split("+")[-1]) + 1 :]]
-        stride = 1
-        for a in inner:
-            stride *= mesh_shape[a]
-        link = costmodel.link_for(hw, p, stride)
-        rows = [r for r in report["steps"] if axis in r["by_axis"] and kind in r["by_axis"][axis]]
-        count = sum(r["by_axis"][axis][kind]["count"] for r in rows) / max(len(rows), 1)
-        predicted = costmodel.collective_time(kind, v["bytes"] / max(count, 1), p, link) * count
-        per_axis.append(
-            {
-                "axis": axis,
-                "kind": kind,
-                "group_size": p,
-                "bytes": v["bytes"],
-                "measured_s": v["time_s"],
-                "exposed_s": v["exposed_s"],
-                "predicted_s": predicted,
-                "bus_gbytes_per_s": v["bytes"]
-                * costmodel.ring_bytes_factor(kind, p)
-                / v["time_s"]
-                / 1e9
-                if v["time_s"]
-                else None,
-            }
-        )
+        per_axis.append(row)
         if kind in ("all-reduce", "reduce-scatter") and any(
             a in ("data", "fsdp") for a in axis.split("+")
         ):
             grad_bytes += v["bytes"]
+    if not known:
+        return {
+            "per_axis": per_axis,
+            "gradient_bytes_per_step": None,
+            "projection": [],
+            "projection_missing": NO_PROJECTION,
+            "comm_dominates_at": None,
+        }
     mean = s["mean_per_device"]
     comm = mean["comm_s"] or 1e-30
-    devices = s["devices"]
     projection = costmodel.project(
         mean["compute_s"],
         grad_bytes,
         mean["comm_overlapped_s"] / comm,
         mean["sync_s"] / comm,
-        devices,
+        s["devices"],
         hw,
     )
     return {
@@ -94,6 +113,38 @@ def _model(report: dict, mesh_shape: dict[str, int], hw: Hardware) -> dict:
         "gradient_bytes_per_step": grad_bytes,
         "projection": projection,
         "comm_dominates_at": costmodel.comm_dominates_at(projection),
+    }
+
+
+def _axis_row(
+    rows: list[dict], mesh_shape: dict[str, int], hw: Hardware, axis: str, kind: str, v: dict
+) -> dict | None:
+    """One axis and kind of collective, per device-step: measured beside the alpha-beta model.
+
+    `v` holds means over every device-step, steps without this collective counting as zero; its
+    executions are counted the same way, so bytes / count is one execution's buffer however
+    few of the traced steps ran it."""
+    p = costmodel.group_size(mesh_shape, axis)
+    if not p or not v["bytes"]:
+        return None
+    axes_order = list(mesh_shape)
+    stride = 1
+    for a in axes_order[axes_order.index(axis.split("+")[-1]) + 1 :]:
+        stride *= mesh_shape[a]
+    link = costmodel.link_for(hw, p, stride)
+    count = sum(r["by_axis"].get(axis, {}).get(kind, {}).get("count", 0) for r in rows)
+    count /= len(rows)
+    predicted = costmodel.collective_time(kind, v["bytes"] / count, p, link) * count
+    bus = v["bytes"] * costmodel.ring_bytes_factor(kind, p)
+    return {
+        "axis": axis,
+        "kind": kind,
+        "group_size": p,
+        "bytes": v["bytes"],
+        "measured_s": v["time_s"],
+        "exposed_s": v["exposed_s"],
+        "predicted_s": predicted,
+        "bus_gbytes_per_s": bus / v["time_s"] / 1e9 if v["time_s"] else None,
     }
 
 
@@ -179,12 +230,15 @@ def print_report(report: dict, console: Console | None = None) -> None:
             highlight=False,
         )
     proj = report["model"]["projection"]
-    line = ", ".join(
-        f"N={r['devices']}: {r['efficiency']:.0%}"
-        for r in proj
-        if r["devices"] in (1, 8, 64, 512, 4096)
-    )
-    console.print(f"projected scaling efficiency ({report['hardware']}): {line}")
+    if proj:
+        line = ", ".join(
+            f"N={r['devices']}: {r['efficiency']:.0%}"
+            for r in proj
+            if r["devices"] in (1, 8, 64, 512, 4096)
+        )
+        console.print(f"projected scaling efficiency ({report['hardware']}): {line}")
+    else:
+        console.print(report["model"]["projection_missing"], highlight=False)
     for w in warnings(report):
         console.print(f"[yellow]warning:[/] {w}")
 
@@ -226,15 +280,23 @@ def plot(report: dict, path: pathlib.Path) -> None:
     ax1.set_ylabel("ms")
     ax1.set_title("where each step went")
     ax1.legend(fontsize=7)
-    proj = report["model"]["projection"]
-    ns = [r["devices"] for r in proj]
-    ax2.loglog(ns, [r["compute_s"] for r in proj], label="T_compute/N")
-    ax2.loglog(ns[1:], [r["comm_s"] for r in proj[1:]], label="T_comm(N)")  # none at N=1
-    ax2.loglog(ns, [r["step_s"] for r in proj], label="T_step(N)", linewidth=2)
-    ax2.set_xlabel("devices N")
-    ax2.set_ylabel("s")
-    ax2.set_title(f"fleet-law projection ({report['hardware']})")
-    ax2.legend(fontsize=7)
+    _plot_projection(ax2, report)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_projection(ax, report: dict) -> None:
+    ax.set_title(f"fleet-law projection ({report['hardware']})")
+    proj = report["model"]["projection"]
+    if not proj:
+        ax.text(0.5, 0.5, "no projection:\nno compiled HLO and mesh", ha="center", va="center")
+        ax.set_axis_off()
+        return
+    ns = [r["devices"] for r in proj]
+    ax.loglog(ns, [r["compute_s"] for r in proj], label="T_compute/N")
+    ax.loglog(ns[1:], [r["comm_s"] for r in proj[1:]], label="T_comm(N)")  # none at N=1
+    ax.loglog(ns, [r["step_s"] for r in proj], label="T_step(N)", linewidth=2)
+    ax.set_xlabel("devices N")
+    ax.set_ylabel("s")
+    ax.legend(fontsize=7)

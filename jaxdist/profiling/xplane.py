@@ -2,7 +2,7 @@
 
 Reads any JAX trace (`.xplane.pb`, through `jax.profiler.ProfileData`), finds the steps, and
 splits each step window W of each device into compute C, collectives M and memory copies X by
-interval-set arithmetic, so the parts add up exactly:
+interval-set arithmetic. Exposed time and idle are what the sets leave, so by construction
 
     |W| = |C| + |M \\ C| + |X \\ (C u M)| + idle
 
@@ -66,7 +66,8 @@ def _classify(name: str, hlo_op: str | None) -> str | None:
         return None
     if op in COLLECTIVES or _NCCL.search(name):
         return "collective"
-    if _MEMCPY.search(name) or op in ("copy-start", "copy-done"):
+    # `opcode` folds an async pair into its op, and a plain copy (a layout change) is compute.
+    if _MEMCPY.search(name) or (op == "copy" and hlo_op != opcode(hlo_op)):
         return "memcpy"
     return "compute"
 
