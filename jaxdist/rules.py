@@ -205,6 +205,10 @@ def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     if manual:  # inside a shard_map: its manual axes are already split, per device
         spec = PartitionSpec(*(_without(entry, manual) for entry in spec))
+        # The context's abstract mesh (those axes Manual), not the concrete all-Auto one: a
+        # value carrying the latter fails jnp's mesh check when broadcast against another
+        # (the padded-vocabulary mask of the loss inside a pipeline stage did).
+        mesh = jax.sharding.get_abstract_mesh()
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
