@@ -5,11 +5,16 @@ The eval batches are batches 0..n-1 of their own stream (its own shuffle, its ow
 same every time, and run through the step's own `eval_fn` on the training mesh: evaluating
 never touches the training stream, the state, or what a resume restores. It pays in wall-clock
 (the loop waits for it, reported apart from step time), not in step time.
+
+Held-out data smaller than what one evaluation reads is read again, reshuffled: the loss is
+then over fewer distinct tokens than it averages, which `coverage` counts and
+`small_data_warning` says once.
 """
 
 import dataclasses
 import math
 
+import grain
 import jax
 import numpy as np
 
@@ -76,19 +81,70 @@ def evaluate(jitted: JittedStep, params, batches: TokenBatches, steps) -> float:
     return float(np.mean([local_value(x) for x in losses]))
 
 
-def report(loss: float, batches: TokenBatches, num_batches: int) -> dict:
-    """What `jaxdist eval` prints: loss, perplexity, tokens, bits per byte."""
+def distinct_windows(batches: TokenBatches, num_batches: int) -> int:
+    """Sequences (windows) that batches 0..num_batches-1 read, each counted once.
+
+    Row g of the stream reads window g of its source's windows shuffled afresh each pass
+    (jaxdist.data.batches): rows within the first pass read different windows; past it the
+    same windows come again, in grain's order, a function of the seed and the count alone."""
+    B = batches.global_shape[0]
+    rows = np.arange(num_batches * B)
+    which = np.concatenate([batches.draw.sources(s) for s in range(num_batches)])
+    seen = 0
+    for k, source in enumerate(batches.sources):
+        g = rows[which == k]
+        if len(g) and g[-1] >= source.num_windows:
+            order = grain.MapDataset.range(source.num_windows)
+            order = order.shuffle(seed=batches.config.seed).repeat()
+            seen += len({order[int(i)] for i in g})
+        else:
+            seen += len(g)
+    return seen
+
+
+def coverage(batches: TokenBatches, num_batches: int) -> dict[str, int]:
+    """Target tokens one evaluation averages over, and how many of them are distinct."""
     B, T1 = batches.global_shape
-    tokens = num_batches * B * (T1 - 1)
+    distinct = distinct_windows(batches, num_batches)
+    return {
+        "tokens": num_batches * B * (T1 - 1),
+        "distinct_tokens": distinct * (T1 - 1),
+        "distinct_windows": distinct,
+    }
+
+
+def small_data_warning(batches: TokenBatches, num_batches: int, flag: str) -> str | None:
+    """One line when one evaluation reads more sequences than the held-out data holds (they
+    repeat), naming the ways out; None when every sequence read is a different one. `flag`:
+    the option that sets the number of batches."""
+    c = coverage(batches, num_batches)
+    B, T1 = batches.global_shape
+    if c["distinct_windows"] == num_batches * B:
+        return None
+    where = batches.config.path or "the embedded corpus"
+    where = f"the eval split of {where}" if batches.split == "eval" else where
+    return (
+        f"held-out data too small: {where} holds {batches.num_windows:,} sequences of "
+        f"{T1 - 1} tokens, one evaluation reads {num_batches * B:,} ({num_batches} batches of "
+        f"{B}), so batches repeat and the loss is over {c['distinct_tokens']:,} distinct tokens, "
+        f"not {c['tokens']:,}; tokenize with a larger --eval-fraction, pass more held-out data, "
+        f"or lower {flag}"
+    )
+
+
+def report(loss: float, batches: TokenBatches, num_batches: int) -> dict:
+    """What `jaxdist eval` prints: loss, perplexity, tokens (and how many distinct), bits
+    per byte."""
     # Bits per byte: nats per token x tokens per byte of text (the split's own ratio) / ln 2;
     # comparable across tokenizers, unlike the loss itself.
     tpb = batches.tokens_per_byte
+    c = coverage(batches, num_batches)
     return {
         "loss": loss,
         "perplexity": math.exp(loss) if loss < 700 else float("inf"),
-        "tokens": tokens,
+        "tokens": c["tokens"],
+        "distinct_tokens": c["distinct_tokens"],
         "bits_per_byte": loss * tpb / math.log(2) if tpb else None,
         "batches": num_batches,
-        # More rows than the held-out data has windows: some are read twice (reshuffled).
-        "distinct_windows": min(batches.num_windows, num_batches * B),
+        "distinct_windows": c["distinct_windows"],
     }

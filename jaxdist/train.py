@@ -1,9 +1,14 @@
 """The training loop: plain code, top to bottom, one jitted step.
 
-Stages of a step as they appear in `run`: (1) distribute work: the mesh layout, and each batch
-placed by the rules (`place`); (2) compute and (4) synchronize: the jitted `train_step`;
-(3) move tensors: the collectives XLA compiled into it; (5) checkpoint and recover: async
-saves on an interval, resume from the newest good checkpoint, preemption and non-finite steps.
+Stages of a step as they appear in `_loop`: (1) distribute work: the mesh layout, and each
+batch placed by the rules (`Attempt.place`); (2) compute and (4) synchronize: the jitted
+`train_step`; (3) move tensors: the collectives XLA compiled into it; (5) checkpoint and
+recover: async saves on an interval (`Attempt.save`), resume from the newest good checkpoint,
+preemption and non-finite steps.
+
+`fit` checks everything and takes the run directory; one attempt at the run is then
+`open_attempt` (the record, the first state, the logs), `_loop` (the steps) and
+`close_attempt` (the last save committed, summary.json), in jaxdist.attempt.
 """
 
 import dataclasses
@@ -12,33 +17,28 @@ import pathlib
 import time
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from jaxdist import hardware
-from jaxdist.checkpoint.interval import CheckpointConfig, Interval
+from jaxdist.attempt import Attempt, close_attempt, open_attempt
+from jaxdist.checkpoint.interval import CheckpointConfig
 from jaxdist.checkpoint.lock import RunLock
 from jaxdist.checkpoint.recovery import (
     NonFinitePolicy,
     PreemptionSignal,
     apply_nonfinite_policy,
 )
-from jaxdist.checkpoint.resume import restore_or_init, write_record
-from jaxdist.checkpoint.store import Checkpointer, param_shapes
+from jaxdist.checkpoint.resume import finished_step
 from jaxdist.cluster.join import process_rows
-from jaxdist.cluster.watchdog import Watchdog
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
-from jaxdist.evaluation import EvalConfig, eval_batches, evaluate
-from jaxdist.metrics.goodput import Ledger, read_report, totals
-from jaxdist.metrics.records import MetricsLog, print_summary
-from jaxdist.metrics.steptimer import StepTimer, summarize
-from jaxdist.metrics.tensorboard import TensorBoardLog
+from jaxdist.evaluation import EvalConfig, eval_batches, small_data_warning
+from jaxdist.metrics import wandb_log
 from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.profiling.capture import Capture, parse_range
+from jaxdist.profiling.capture import parse_range
 from jaxdist.rules import AxisRules
 from jaxdist.step import JittedStep, StepConfig, Vocab, build
 
@@ -48,8 +48,8 @@ class LoopConfig:
     steps: int = 300
     log_every: int = 10
     run_dir: str | None = None
-    """directory for config.json, metrics.jsonl, summary.json, checkpoints (default
-    runs/<time>)"""
+    """directory for config.json, metrics.jsonl, summary.json, checkpoints (none: a new
+    runs/<time>); pass the same one again to resume"""
     peak_tflops: float | None = None
     """peak TFLOP/s per device for MFU, where the device kind is not known"""
     seed: int = 0
@@ -68,6 +68,12 @@ class LoopConfig:
     """report a step slower than this many times the p50 step, naming lagging processes"""
     fault_stall: str | None = None
     """fault injection, for testing the watchdog: STEP:PROCESS:SECONDS to stall"""
+    wandb: str | None = None
+    """also log the TensorBoard scalars to this Weights & Biases project (pip install
+    'jaxdist[wandb]'); offline, into RUN_DIR/wandb, without an API key; a resumed run
+    continues its W&B run"""
+    wandb_entity: str | None = None
+    """the W&B team or user to log under (none: the API key's own)"""
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -89,6 +95,12 @@ class LoopConfig:
         self.stall()
         if self.hardware != "auto":
             hardware.get_hardware(self.hardware)
+        if self.wandb is not None:
+            if not self.wandb.strip():
+                raise ConfigError("--wandb needs a project name: --wandb my-project")
+            wandb_log.require()
+        elif self.wandb_entity is not None:
+            raise ConfigError("--wandb-entity names who logs to --wandb PROJECT; add --wandb")
 
     def stall(self) -> tuple[int, int, float] | None:
         if self.fault_stall is None:
@@ -152,118 +164,95 @@ def fit(
     state of a new run (e.g. pretrained weights) instead of the model's random init."""
     # Bad input ends here, before the run directory is created or anything compiles.
     jitted, batches = prepare(model, mesh, rules, config)
-    data = config.data
-    explicit_eval = bool(config.eval.eval_every) or config.eval.eval_data is not None
+    console = console or Console(stderr=True)
+    if jax.process_index() != 0:
+        console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
+    held_out = _held_out(model, config, jitted, batches, console)
+    run_dir = _run_dir(config.loop.run_dir)
+    # One trainer per run directory: a second is refused here, before anything compiles.
+    with RunLock(run_dir, jax.process_index()):
+        done = finished_step(run_dir, config.loop.steps)
+        if done is not None:
+            return _finished(run_dir, done, console)
+        prepared = jitted, batches, held_out
+        attempt, state = open_attempt(
+            model, mesh, rules, config, prepared, run_dir, console, record, init_state
+        )
+        # From here, SIGTERM or Ctrl-C stops the run at the next step boundary, saved; a second
+        # Ctrl-C ends it at once, the save in flight abandoned (end_now), also while the last
+        # save commits in close_attempt.
+        with PreemptionSignal(attempt.checkpointer.end_now) as signal_flag:
+            try:
+                preempted = _loop(attempt, state, signal_flag)
+            except Exception:
+                if attempt.log:
+                    attempt.log.close()  # what the sinks have queued still reaches their files
+                raise
+            return close_attempt(attempt, preempted)
+
+
+def _held_out(model, config: RunConfig, jitted, batches, console) -> TokenBatches | None:
+    """The eval stream, checked against the training data; a warning when it is smaller than
+    one evaluation reads."""
+    explicit = bool(config.eval.eval_every) or config.eval.eval_data is not None
     held_out = eval_batches(
-        config.eval, data, model.seq_len, model.vocab_size, jitted.batch_sharding, explicit_eval
+        config.eval, config.data, model.seq_len, model.vocab_size, jitted.batch_sharding, explicit
     )
-    if held_out is not None and held_out.vocab_size > batches.vocab_size:
+    if held_out is None:
+        return None
+    if held_out.vocab_size > batches.vocab_size:
         raise ConfigError(
             f"eval data {config.eval.eval_data} has a vocabulary of {held_out.vocab_size}, the "
             f"training data {batches.vocab_size}; evaluate on data of the same tokenizer"
         )
-    prepared = jitted, batches, held_out
-    run_dir = pathlib.Path(config.loop.run_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
-    # One trainer per run directory: a second is refused here, before anything compiles.
-    with RunLock(run_dir, jax.process_index()):
-        return _run(model, mesh, rules, config, prepared, run_dir, console, record, init_state)
-
-
-def _run(
-    model, mesh, rules, config: RunConfig, prepared, run_dir, console, extra, init_state=None
-) -> dict:
-    console = console or Console(stderr=True)
-    if jax.process_index() != 0:
-        console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
-    jitted, batches, held_out = prepared
-    loop, data, ckpt = config.loop, config.data, config.checkpoint
-    data_record = {
-        "fingerprint": batches.fingerprint,
-        "tokenizer": batches.tokenizer,
-        "vocab_size": batches.vocab_size,
-        "eos_id": batches.eos_id,
-        "sources": batches.names,
-    }
-    # Checked against the checkpoint's record before anything is written or compiled.
-    record = write_record(run_dir, model, mesh, rules, config, data_record, extra, console)
-    checkpointer = Checkpointer(run_dir / "checkpoints", ckpt.keep)
-    shapes = param_shapes(jitted.abstract_state.params)
-    ckpt_meta = {"config": record, "param_shapes": shapes, "mesh": dict(mesh.shape)}
-    t_start = time.perf_counter()
-    ledger = Ledger()  # goodput: every second of this attempt, from its process's start
-    state, start, restored = restore_or_init(
-        checkpointer, jitted, shapes, run_dir, console, init_state
-    )
-    ledger.begin(start, run_dir / "metrics.jsonl")
-    log = None
-    if jax.process_index() == 0:
-        tb = TensorBoardLog(run_dir / "tb", first_step=start)
-        log = MetricsLog(run_dir / "metrics.jsonl", tb, stamp=ledger.fields)
-    interval = Interval(ckpt, jax.device_count())
-    if restored is not None:
-        interval.last_saved = restored.step
-    global_shape = (data.batch_size, model.seq_len + 1)
-    hw = loop.hardware if loop.hardware != "auto" else hardware.preset_name(jax.devices()[0])
-    capture = Capture(run_dir, loop, jitted, global_shape, mesh, hw, console, log)
-    watchdog = Watchdog(Console(stderr=True), loop.slow_step_factor)
-    timer = StepTimer(model, data, loop, start, capture, watchdog, log, console, ledger)
-    saves: list[float] = []
-    mixture = np.zeros(len(batches.sources), np.int64)  # rows drawn per source, from step 0
-    for s in range(start) if len(mixture) > 1 else ():
-        mixture += np.bincount(batches.draw.sources(s), minlength=len(mixture))
-    eval_every = config.eval.eval_every or 0
-
-    def run_eval(s: int) -> None:
-        # The loop waits for it: its time is the run's, not the step's (excluded from it).
-        # Step s itself must finish first: that wait is step time, as before a save.
-        jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        n = config.eval.eval_batches
-        with ledger.part("eval"):
-            loss = evaluate(jitted, state.params, held_out, range(n))
-        seconds = time.perf_counter() - t0
-        timer.exclude(seconds)
-        tokens = n * data.batch_size * model.seq_len
-        if log:
-            log.write({"step": s, "eval_loss": loss, "eval_tokens": tokens, "eval_s": seconds})
+    warning = small_data_warning(held_out, config.eval.eval_batches, "--eval-batches")
+    if warning:
         console.print(
-            f"step {s:5d}  eval_loss {loss:.4f} over {tokens:,} tokens ({seconds:.1f} s)",
-            highlight=False,
+            f"warning: {warning}", style="yellow", markup=False, highlight=False, soft_wrap=True
         )
+    return held_out
 
-    def place(s: int) -> jax.Array:
-        # Stage 1: each process hands over only its own rows; JAX assembles the global batch.
-        with ledger.part("data"):
-            return jax.make_array_from_process_local_data(
-                jitted.batch_sharding, batches.batch(s), global_shape
-            )
 
-    def save(s: int) -> None:
-        # Stage 5. Wait for step s itself first: that wait is step time; the rest is the save's.
-        jax.block_until_ready(state)
-        with ledger.part("checkpoint"):
-            blocked = checkpointer.save(s, state, ckpt_meta)
-        timer.exclude(blocked)  # the device idles while the loop is blocked: reported apart
-        saves.append(blocked)
-        if log:  # per save, so a run that is killed still leaves its save costs behind
-            log.write({"event": "save", "step": s, "blocked_s": blocked})
-        chosen = interval.observe(s, blocked, timer.p50())
-        if chosen and log:
-            log.write({"event": "checkpoint_interval", "step": s, **chosen})
-            console.print(
-                f"checkpoint interval (Young-Daly): every {chosen['interval_steps']} "
-                f"steps = {chosen['interval_s']:.1f} s, from save cost "
-                f"{chosen['save_blocked_s'] * 1e3:.0f} ms and system MTBF "
-                f"{chosen['mtbf_system_s'] / 3600:.1f} h",
-                highlight=False,
-            )
+def _run_dir(given: str | None) -> pathlib.Path:
+    """The run directory given, or a new one: runs/<time>, with -2, -3, ... when that name is
+    taken, so that a new run never resumes another by accident."""
+    if given:
+        return pathlib.Path(given)
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"a run of {jax.process_count()} processes needs --run-dir DIR: every process "
+            "must name the same directory, and a relaunch must name it again to resume"
+        )
+    # The default is new each time; the messages that say how to resume name it exactly
+    # (rerun_hint). A default that resumes (a fixed runs/latest) would make every plain
+    # `jaxdist train` continue, or be refused by, whatever ran there last: a new user's second
+    # experiment would quietly resume the first.
+    base = time.strftime("runs/%Y%m%d-%H%M%S")
+    path, n = pathlib.Path(base), 1
+    while path.exists():
+        n += 1
+        path = pathlib.Path(f"{base}-{n}")
+    return path
 
+
+def _finished(run_dir: pathlib.Path, step: int, console) -> dict:
+    """A run with no step left to do: one line, nothing written, its summary returned."""
     console.print(
-        f"[bold]jaxdist[/] {model.name} ({jitted.num_params / 1e6:.2f}M params) on mesh "
-        f"{dict(mesh.shape)} x {jax.devices()[0].platform}, steps {start}..{loop.steps - 1}, "
-        f"batch {data.batch_size} x {model.seq_len}; run dir {run_dir}"
+        f"run {run_dir} already finished step {step}; pass --steps N (N > {step + 1}) to "
+        "train further",
+        markup=False,
+        soft_wrap=True,
+        highlight=False,
     )
-    progress = Progress(
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {"run_dir": str(run_dir)}
+    return {**summary, "already_finished": step}
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
@@ -272,72 +261,58 @@ def _run(
         transient=True,
         disable=not console.is_terminal,
     )
+
+
+def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] | None:
+    """Steps a.start..steps-1, then the last evaluation; returns (step, signal) when a signal
+    stopped the run after that step (saved), None when it ran to its end."""
+    loop, jitted, console = a.config.loop, a.jitted, a.console
+    eval_every = a.config.eval.eval_every or 0
+    progress = _progress(console)
     preempted = None
     pending: tuple[int, dict] | None = None
     stall = loop.stall()
-    ledger.mark("startup")
-    with progress, PreemptionSignal() as signal_flag, watchdog:
-        task = progress.add_task("compiling", total=loop.steps, completed=start)
-        s = start
+    a.ledger.mark("startup")
+    with progress, a.watchdog:
+        task = progress.add_task("compiling", total=loop.steps, completed=a.start)
+        s = a.start
         while s < loop.steps:
             if stall and stall[:2] == (s, jax.process_index()):
                 time.sleep(stall[2])
             # Stages 2-4: forward/backward, the collectives, the update; dispatched, not awaited.
-            with capture.step(s, state):
-                state, metrics = jitted.step_fn(state, place(s))
-            capture.after(s, metrics)
+            with a.capture.step(s, state):
+                state, metrics = jitted.step_fn(state, a.place(s))
+            a.capture.after(s, metrics)
             # Step s-1's scalars: s is already queued, so the device never idles for logging.
             if pending is not None:
-                rec = timer.finish(*pending)
+                rec = a.timer.finish(*pending)
                 progress.update(task, completed=s, description=f"loss {rec['loss']:.3f}")
                 if not rec["finite"]:
                     rolled = apply_nonfinite_policy(
-                        loop.nonfinite, rec["step"], checkpointer, jitted, shapes, console
+                        loop.nonfinite, rec["step"], a.checkpointer, jitted, a.shapes, console
                     )
                     if rolled is not None:  # drop the step in flight; resume past the bad batch
                         state, s, pending = rolled, rec["step"] + 1, None
                         continue
             pending = (s, metrics)
-            if len(mixture) > 1:
-                mixture += np.bincount(batches.draw.sources(s), minlength=len(mixture))
-                timer.extra = {
-                    "mixture": dict(
-                        zip(batches.names, (mixture / mixture.sum()).tolist(), strict=True)
-                    )
-                }
-            if held_out is not None and eval_every and (s + 1) % eval_every == 0:
-                run_eval(s)
+            a.count_mixture(s)
+            if a.held_out is not None and eval_every and (s + 1) % eval_every == 0:
+                a.evaluate(state, s)
             stop = signal_flag.stop_at(s)
-            if stop or interval.due(s) or s == loop.steps - 1:
-                save(s)
+            if stop or a.interval.due(s) or s == loop.steps - 1:
+                a.save(state, s)
             if stop:
                 preempted = (s, signal_flag.received)
                 break
             s += 1
         if pending is not None:
-            rec = timer.finish(*pending)
+            rec = a.timer.finish(*pending)
             if not rec["finite"]:
                 policy = "skip" if loop.nonfinite == "rollback" else loop.nonfinite
-                apply_nonfinite_policy(policy, rec["step"], checkpointer, jitted, shapes, console)
+                apply_nonfinite_policy(
+                    policy, rec["step"], a.checkpointer, jitted, a.shapes, console
+                )
         last_eval = eval_every and loop.steps % eval_every == 0
-        if held_out is not None and not preempted and not last_eval and start < loop.steps:
-            run_eval(loop.steps - 1)
-    capture.close()
-    with ledger.part("checkpoint"):
-        checkpointer.close()  # waits for the last save to commit
-    if log:
-        log.write({"event": "end"})  # the attempt's final accounting
-        log.close()
-    if preempted:
-        console.print(
-            f"{preempted[1]} received: saved step {preempted[0]} and committed it; "
-            "rerun the same command to resume"
-        )
-    wall = time.perf_counter() - t_start
-    summary = summarize(model, jitted, mesh, loop, start, preempted, timer, saves, wall)
-    summary["run_dir"] = str(run_dir)
-    if jax.process_index() == 0:
-        summary["goodput"] = totals(read_report(run_dir))  # over every attempt of the run
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print_summary(console, summary)
-    return summary
+        if a.held_out is not None and not preempted and not last_eval and a.start < loop.steps:
+            a.evaluate(state, loop.steps - 1)
+    return preempted

@@ -17,7 +17,7 @@ from jaxdist.errors import ConfigError
 from jaxdist.metrics.records import latest_per_step, read_metrics
 from jaxdist.optim import OptimConfig
 from jaxdist.step import StepConfig
-from jaxdist.train import LoopConfig, RunConfig, run
+from jaxdist.train import LoopConfig, RunConfig, fit
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config, model_spec
 from tests.helpers import compiled_for, mesh_for
@@ -129,7 +129,7 @@ def test_nonfinite_state_is_never_committed(tmp_path):
 
 def _run(tmp_path, nonfinite="skip", fault=(), every="2", steps=8):
     mc = get_model_config("tiny")
-    return run(
+    return fit(
         model_spec(mc),
         mesh_for("data=8"),
         STANDARD_RULES,
@@ -199,7 +199,7 @@ def test_daly_matches_the_paper_and_auto_interval_adapts():
 @pytest.mark.slow
 def test_auto_interval_is_logged_with_its_inputs(tmp_path):
     mc = get_model_config("tiny")
-    run(
+    fit(
         model_spec(mc),
         mesh_for("data=8"),
         STANDARD_RULES,

@@ -9,11 +9,12 @@ from rich.console import Console
 
 from jaxdist.cli.cmd_train import Train
 from jaxdist.cli.config_file import build, read
+from jaxdist.cli.main import main
 from jaxdist.data import DataConfig
 from jaxdist.errors import ConfigError
 from jaxdist.optim import OptimConfig
 from jaxdist.step import StepConfig
-from jaxdist.train import LoopConfig, RunConfig, run
+from jaxdist.train import LoopConfig, RunConfig, fit
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config, model_spec
 
@@ -166,7 +167,7 @@ def _run(run_dir, steps=2, batch_size=16, seed=0, lr=3e-3):
         LoopConfig(steps=steps, log_every=1, run_dir=str(run_dir), seed=seed),
     )
     console = Console(record=True, width=200, quiet=False, file=open("/dev/null", "w"))  # noqa: SIM115
-    run(model, mesh_for("data=8"), STANDARD_RULES, config, console)
+    fit(model, mesh_for("data=8"), STANDARD_RULES, config, console)
     return console.export_text()
 
 
@@ -185,3 +186,37 @@ def test_a_resume_with_another_batch_size_and_seed_is_refused_naming_both(tmp_pa
     assert "optim.learning_rate 0.003 -> 0.001" in out
     attempts = sorted((tmp_path / "attempts").glob("*.json"))
     assert [json.loads(a.read_text())["loop"]["steps"] for a in attempts] == [2, 4]
+
+
+TINY = ["--model", "tiny", "--batch-size", "8", "--log-every", "1", "--devices", "cpu:8"]
+
+
+@pytest.mark.slow
+def test_a_replay_is_a_new_run_and_a_finished_run_says_so_in_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)  # where runs/<time> goes
+    first = tmp_path / "first"
+    assert main(["train", *TINY, "--steps", "2", "--run-dir", str(first)]) == 0
+    before = (first / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    # --config alone: a new run of the recorded config, in a directory of its own, named.
+    assert main(["train", "--config", str(first / "config.json")]) == 0
+    err = capsys.readouterr().err
+    (replay,) = (tmp_path / "runs").iterdir()
+    assert f"run dir runs/{replay.name}" in " ".join(err.split())
+    assert losses(replay) == losses(first) and sorted(losses(first)) == [0, 1]
+    assert (first / "metrics.jsonl").read_text() == before  # the recorded run is untouched
+    # --run-dir beside --config: that directory, as usual; finished, it says so and stops.
+    again = ["train", "--config", str(first / "config.json"), "--run-dir", str(first)]
+    assert main(again) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"run {first} already finished step 1; pass --steps N (N > 2) to train further"
+    ]
+    assert (first / "metrics.jsonl").read_text() == before
+    assert len(list((first / "attempts").glob("*.json"))) == 1  # nothing written
+    # What it says to do trains further: the run resumes at step 2.
+    assert main([*again, "--steps", "3"]) == 0
+    assert "at step 2" in " ".join(capsys.readouterr().err.split())
+    assert sorted(losses(first)) == [0, 1, 2]

@@ -20,7 +20,7 @@ from jaxdist.errors import ConfigError
 from jaxdist.evaluation import EvalConfig, evaluate
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.step import StepConfig, Vocab, build, cross_entropy
-from jaxdist.train import LoopConfig, RunConfig, run
+from jaxdist.train import LoopConfig, RunConfig, fit
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config, model_spec, with_data_vocab
 
@@ -184,7 +184,7 @@ def _run(data_dir, run_dir, eval_cfg, steps=6, document_mask=True):
         LoopConfig(steps=steps, log_every=1, run_dir=str(run_dir)),
         eval=eval_cfg,
     )
-    run(model, mesh_for("data=2,fsdp=2,tensor=2"), STANDARD_RULES, config, QUIET)
+    fit(model, mesh_for("data=2,fsdp=2,tensor=2"), STANDARD_RULES, config, QUIET)
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return losses(run_dir), [r for r in records if "eval_loss" in r]
 

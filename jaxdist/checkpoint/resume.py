@@ -4,6 +4,7 @@ check a resume must pass, and the newest good checkpoint or a fresh state."""
 import dataclasses
 import json
 import pathlib
+import shlex
 from typing import Any
 
 import jax
@@ -66,6 +67,19 @@ def _checkpointed_record(run_dir: pathlib.Path) -> tuple[int, dict] | None:
         except (OSError, KeyError, ValueError):
             continue  # restore_latest sets an unreadable checkpoint aside
     return None
+
+
+def rerun_hint(run_dir: pathlib.Path) -> str:
+    """How to resume this run: its directory, exactly. A run started without --run-dir got a
+    new directory of its own (runs/<time>), so "the same command" alone would start over."""
+    return f"rerun the same command with --run-dir {shlex.quote(str(run_dir))}"
+
+
+def finished_step(run_dir: pathlib.Path, steps: int) -> int | None:
+    """The newest checkpoint's step when it is the last of `steps` or later (the run has
+    nothing left to do), else None; read from its record alone, before anything is built."""
+    found = _checkpointed_record(run_dir)
+    return found[0] if found is not None and found[0] >= steps - 1 else None
 
 
 def compare_with_checkpoint(run_dir: pathlib.Path, record: dict) -> list[str]:

@@ -15,7 +15,7 @@ last one committed, or the state's bytes before there is one) and a warning give
 is still room. A save that fails for want of space (or another file-system error), whether at
 once or in Orbax's background thread (surfacing at the next save or wait), stops the run with
 one message (CheckpointWriteFailed): its partial directory is removed, and every checkpoint
-committed before stays for the rerun to resume from.
+committed before stays for the rerun to resume from; so does a second Ctrl-C (`end_now`).
 """
 
 import concurrent.futures
@@ -26,7 +26,7 @@ import os
 import pathlib
 import shutil
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxdist.checkpoint import abandon
 from jaxdist.checkpoint.writefail import (
     FULL,
     CheckpointWriteFailed,
@@ -47,6 +48,7 @@ from jaxdist.cluster.join import local_value
 from jaxdist.errors import ConfigError
 
 log = logging.getLogger("jaxdist.checkpoint")
+RERUN = "rerun the same command"  # how to resume, where the run directory is not known
 
 
 @jax.jit
@@ -98,11 +100,13 @@ class Checkpointer:
     """Async saves into `directory`, keeping the newest `keep`; restores with fallback.
 
     A save that cannot be written raises CheckpointWriteFailed, from save() when the write
-    fails at once, else from the next save(), wait() or close(), which wait for it.
+    fails at once, else from the next save(), wait() or close(), which wait for it. `rerun`:
+    how the messages tell to resume (the run's directory to pass, where it has one).
     """
 
-    def __init__(self, directory: pathlib.Path, keep: int = 3):
+    def __init__(self, directory: pathlib.Path, keep: int = 3, rerun: str = RERUN):
         self.directory = directory.absolute()
+        self.rerun = rerun
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -192,6 +196,11 @@ class Checkpointer:
         finally:
             self._manager.close()  # Orbax raises a failed save once per thread: not again here
 
+    def end_now(self) -> NoReturn:
+        """Ends the process at once, the save in flight abandoned and its directory removed
+        once no thread is left to write or commit it (jaxdist.checkpoint.abandon)."""
+        abandon.end_now(self.directory, self.rerun)
+
     def _needed(self, state=None) -> int | None:
         """Bytes the next checkpoint takes: the last one's, or else the state's (the last
         state given, when none is)."""
@@ -271,13 +280,12 @@ class Checkpointer:
                 else ""
             )
             cause = f"{os.strerror(code).lower()} ({human_bytes(free)} free there now{size})"
-            fix = f"Free {short} there{oldest}{peak}; then rerun the same command"
+            fix = f"Free {short} there{oldest}{peak}; then {self.rerun}"
         else:
             first = str(exc).partition("\n")[0][:300]
             cause = f"{os.strerror(code).lower()} ({first})"
             fix = (
-                "Fix the file system that holds it (permissions, mount, hardware), then rerun "
-                "the same command"
+                "Fix the file system holding it (permissions, mount, hardware), then " + self.rerun
             )
         self._failed = CheckpointWriteFailed(
             f"checkpoint step {step} could not be written to {self.directory}: {cause}. Its "
@@ -359,14 +367,7 @@ def list_checkpoints(directory: pathlib.Path) -> list[dict]:
         if not path.is_dir():
             continue
         size = dir_bytes(path)
-        row = {
-            "name": path.name,
-            "step": None,
-            "bytes": size,
-            "mesh": None,
-            "valid": False,
-            "why": "",
-        }
+        row = dict(name=path.name, step=None, bytes=size, mesh=None, valid=False, why="")
         head = path.name.split(".")[0]
         row["step"] = int(head) if head.isdigit() else None
         if not path.name.isdigit():

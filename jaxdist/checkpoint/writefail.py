@@ -10,10 +10,10 @@ import re
 import shutil
 import time
 
+from jaxdist.checkpoint.abandon import TMP_SUFFIX
 from jaxdist.checkpoint.recovery import TrainingStopped
 
 log = logging.getLogger("jaxdist.checkpoint")
-TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's in-progress directories: <step>.orbax-checkpoint-tmp
 
 
 class CheckpointWriteFailed(TrainingStopped):

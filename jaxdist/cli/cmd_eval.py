@@ -1,9 +1,11 @@
 """`jaxdist eval RUN_DIR`: the held-out loss of a run's newest checkpoint, on any mesh, as one
-JSON object (loss, perplexity, tokens, bits per byte)."""
+JSON object (loss, perplexity, tokens and how many are distinct, bits per byte); a warning line
+first when the held-out data is smaller than what the evaluation reads."""
 
 import dataclasses
 import json
 import pathlib
+import sys
 from typing import Annotated
 
 import tyro
@@ -55,7 +57,7 @@ def evaluate(args: Eval) -> int:
     from jaxdist.checkpoint.store import restore
     from jaxdist.cluster.join import process_rows
     from jaxdist.data import DataConfig, TokenBatches
-    from jaxdist.evaluation import evaluate, report
+    from jaxdist.evaluation import evaluate, report, small_data_warning
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.step import StepConfig, Vocab, build
     from models.presets import from_record, model_spec
@@ -84,6 +86,9 @@ def evaluate(args: Eval) -> int:
             f"the run was trained on tokenizer {trained['tokenizer']!r} data, --data holds "
             f"{batches.tokenizer!r}; evaluate on data made with the run's tokenizer"
         )
+    warning = small_data_warning(batches, args.batches, "--batches")
+    if warning and jax.process_index() == 0:
+        print(f"jaxdist: warning: {warning}", file=sys.stderr)
     # The optimizer's structure must match the checkpoint's, though only parameters are used.
     tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
     step_cfg = StepConfig(document_mask=record["step"].get("document_mask", True))

@@ -12,8 +12,12 @@ The tree is the command's own dataclasses, nested as on the command line: top-le
     optim: {learning_rate: 0.003, schedule: cosine, weight_decay: 0.1}
 
 A run's `config.json` holds the tree it was started with under `cli`, so it is such a file:
-`jaxdist train --config runs/X/config.json` replays the run. Unknown keys and values of the
-wrong type are errors that name the key, never silently dropped.
+`jaxdist train --config runs/X/config.json` replays the run, as a new run: its run directory
+is not taken over (that would resume X, or find it finished), so the replay gets a new one,
+runs/<time> like any run started without --run-dir, named in the run's first line and in every
+message that says how to resume it. `--run-dir DIR` beside `--config` chooses the directory
+(`--run-dir runs/X` resumes X). Unknown keys and values of the wrong type are errors that name
+the key, never silently dropped.
 """
 
 import dataclasses
@@ -52,12 +56,20 @@ def read(path: str) -> dict:
     if "cli" in tree and "versions" in tree:  # a run's config.json
         if not isinstance(tree["cli"], dict):
             raise ConfigError(f"{path} is a run record without a `cli` tree to replay")
-        return tree["cli"]
+        return _as_new_run(tree["cli"])
     if "versions" in tree:
         raise ConfigError(
             f"{path} is a run record written by a script (jaxdist.fit), not by `jaxdist train`; "
             "replay it with that script"
         )
+    return tree
+
+
+def _as_new_run(tree: dict) -> dict:
+    """A recorded run's tree without its run directory: a replay is a new run."""
+    loop = tree.get("loop")
+    if isinstance(loop, dict) and "run_dir" in loop:
+        tree = {**tree, "loop": {k: v for k, v in loop.items() if k != "run_dir"}}
     return tree
 
 

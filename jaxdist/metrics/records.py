@@ -46,18 +46,14 @@ class MetricsLog:
     file stays one valid object per line. A resumed run appends: where it recomputes steps,
     the later line for a step is the one that counts.
 
-    `tensorboard`: a sink that gets every record too (jaxdist.metrics.tensorboard.TensorBoardLog,
-    which writes off the loop's path). `stamp`: fields added to every record as it is written
+    `sinks`: each gets every record too, and must not make the loop wait (they queue it for a
+    thread of their own: jaxdist.metrics.tensorboard.TensorBoardLog,
+    jaxdist.metrics.wandb_log.WandbLog). `stamp`: fields added to every record as it is written
     (the goodput ledger's running totals, so that a killed run's accounting survives).
     """
 
-    def __init__(
-        self,
-        path: pathlib.Path,
-        tensorboard=None,
-        stamp: Callable[[], dict] | None = None,
-    ):
-        self.path, self.tensorboard, self.stamp = path, tensorboard, stamp
+    def __init__(self, path: pathlib.Path, *sinks, stamp: Callable[[], dict] | None = None):
+        self.path, self.sinks, self.stamp = path, sinks, stamp
         if path.exists():
             data = path.read_bytes()
             if data and not data.endswith(b"\n"):
@@ -70,13 +66,16 @@ class MetricsLog:
         record = {**record, **(self.stamp() if self.stamp else {}), "time": time.time()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self.tensorboard is not None:
-            self.tensorboard.write(record)
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
-        self._file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        """Closes the file, then each sink (which writes out what it has queued)."""
+        if not self._file.closed:
+            self._file.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = ()
 
 
 def read_metrics(path: pathlib.Path) -> list[dict]:

@@ -9,17 +9,18 @@ TensorBoard keeps scalars as float32.
 import logging
 import os
 import pathlib
-import queue
-import threading
 import time
 
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 
+from jaxdist.metrics.sink import BackgroundSink
+
 log = logging.getLogger("jaxdist.tensorboard")
 
-# Record field -> scalar tag. Skipped steps: train/skipped, 1 where the record's finite is false.
+# Record field -> scalar tag, for TensorBoard and W&B alike (jaxdist.metrics.wandb_log logs
+# `scalars` too). Skipped steps: train/skipped, 1 where the record's finite is false.
 TAGS = {
     "loss": "train/loss",
     "lr": "train/lr",
@@ -46,30 +47,16 @@ def _event(step: int, wall_time: float, values: dict[str, float]) -> Event:
     return Event(wall_time=wall_time, step=step, summary=summary)
 
 
-class TensorBoardLog:
-    """Queues records; a background thread writes and flushes them, so the loop never waits
-    on the disk. tensorboardX's own SummaryWriter queues through a worker that flushes on a
-    timer (flush() does not drain it): a kill -9 would lose up to that long. Here each batch
-    taken from the queue is written and flushed at once."""
+class TensorBoardLog(BackgroundSink):
+    """TensorBoard event files, written and flushed batch by batch from a thread of its own.
+    tensorboardX's own SummaryWriter queues through a worker that flushes on a timer (flush()
+    does not drain it): a kill -9 would lose up to that long."""
 
     def __init__(self, directory: pathlib.Path, first_step: int = 0):
-        self.directory = directory
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        # A daemon: a loop that dies of an exception (close never called) still exits.
-        self._thread = threading.Thread(
-            target=self._run, args=(first_step,), name="tensorboard", daemon=True
-        )
-        self._thread.start()
+        self.directory, self.first_step = directory, first_step
+        super().__init__("tensorboard")
 
-    def write(self, record: dict) -> None:
-        self._queue.put(record)
-
-    def close(self) -> None:
-        """Writes what is queued, flushes, and joins the thread."""
-        self._queue.put(None)
-        self._thread.join()
-
-    def _open(self, first_step: int) -> EventsWriter | None:
+    def _open(self) -> EventsWriter | None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             # The writer names the file by the time in whole seconds and the host, and
@@ -78,32 +65,26 @@ class TensorBoardLog:
             suffix = f".{time.time_ns()}.{os.getpid()}"
             writer = EventsWriter(str(self.directory / "events"), suffix)
             start = SessionLog(status=SessionLog.START)
-            writer.write_event(Event(wall_time=time.time(), step=first_step, session_log=start))
+            writer.write_event(
+                Event(wall_time=time.time(), step=self.first_step, session_log=start)
+            )
             writer.flush()
             return writer
         except OSError as e:
             log.warning("no TensorBoard events: cannot write %s (%s)", self.directory, e)
             return None
 
-    def _run(self, first_step: int) -> None:
-        writer = self._open(first_step)
-        done = False
-        while not done:
-            batch = [self._queue.get()]
-            while not self._queue.empty():
-                batch.append(self._queue.get())
-            if None in batch:
-                batch, done = batch[: batch.index(None)], True
-            if writer is None:
-                continue  # drained and dropped: the run goes on without events
-            try:
-                for r in batch:
-                    values = scalars(r)
-                    if values and "step" in r:
-                        writer.write_event(_event(r["step"], r.get("time", time.time()), values))
-                writer.flush()
-            except OSError as e:
-                log.warning("TensorBoard events stopped: %s", e)
-                writer = None
-        if writer is not None:
-            writer.close()
+    def _emit(self, writer: EventsWriter, records: list[dict]) -> EventsWriter | None:
+        try:
+            for r in records:
+                values = scalars(r)
+                if values and "step" in r:
+                    writer.write_event(_event(r["step"], r.get("time", time.time()), values))
+            writer.flush()
+            return writer
+        except OSError as e:
+            log.warning("TensorBoard events stopped: %s", e)
+            return None
+
+    def _finish(self, writer: EventsWriter) -> None:
+        writer.close()
