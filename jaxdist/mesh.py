@@ -125,6 +125,26 @@ def setup_devices(spec: str) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
+def _across(processes: int) -> str:
+    return f" ({processes} processes together)" if processes > 1 else ""
+
+
+def devices_hint(needed: int, processes: int = 1) -> str:
+    """The --devices that gives a mesh `needed` devices: cpu:N is per process, so N is the
+    mesh's share of each of the run's `processes`."""
+    if processes == 1:
+        return f"--devices cpu:{needed} on a CPU host"
+    if needed % processes:
+        return (
+            f"on a CPU host a mesh whose size divides over the {processes} processes "
+            f"(--devices cpu:N gives each N)"
+        )
+    return (
+        f"--devices cpu:{needed // processes} on a CPU host (per process: {processes} "
+        f"processes x {needed // processes} = {needed})"
+    )
+
+
 def make_mesh(layout: str, devices: list | None = None) -> Mesh:
     """A mesh from a layout string such as `data=2,fsdp=2,tensor=2` over `devices` (all by
     default); `single` is one device."""
@@ -138,10 +158,11 @@ def build_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     config = resolve_fill(config, len(devices))
     if config.num_devices != len(devices):
+        processes = jax.process_count()
         raise ConfigError(
             f"mesh {config.describe()} needs {config.num_devices} devices but "
-            f"{len(devices)} are present; change --mesh so the sizes multiply to "
-            f"{len(devices)}, or --devices cpu:{config.num_devices} on a CPU host"
+            f"{len(devices)} are present{_across(processes)}; change --mesh so the sizes "
+            f"multiply to {len(devices)}, or {devices_hint(config.num_devices, processes)}"
         )
     sizes = config.sizes()
     shape = tuple(sizes[a] for a in MESH_AXES)

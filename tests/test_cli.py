@@ -3,9 +3,15 @@
 import json
 import math
 import re
+import time
 
 import pytest
 
+from jaxdist.cli.cmd_train import Train
+from jaxdist.cli.main import COMMANDS, main
+from jaxdist.mesh import devices_hint
+from jaxdist.planning import hostfit
+from tests.extras import needs_gpu_aot
 from tests.helpers import cli
 
 
@@ -109,6 +115,10 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
     assert re.search(message, errors[0]), errors[0]
 
 
+# tiny's training FLOPs per token, 6N + 12LDT, N counted by hand (see the test below).
+TINY_FLOPS = 6 * (2 * (4 * 128 * 128 + 2 * 128 * 512) + 128 * 256) + 12 * 2 * 128 * 128
+
+
 @pytest.mark.slow
 def test_bench_prints_one_json_line_with_the_figures():
     r = cli("bench", "--model", "tiny", "--devices", "cpu:8", "--mesh", "fsdp=8", "--steps", "5")
@@ -132,10 +142,104 @@ def test_bench_prints_one_json_line_with_the_figures():
     assert out["step_ms_p90"] >= out["step_ms_p50"] > 0
     # 16 rows of 128 tokens in the median step.
     assert out["tokens_per_s"] * out["step_ms_p50"] / 1e3 == pytest.approx(16 * 128)
-    # MFU follows from the FLOPs formula, tokens/s x (6N + 12LDT) over 8 devices x 989 TFLOP/s,
-    # with tiny's N counted here by hand: 2 layers of attention (4 D^2) and MLP (2 D F) and the
-    # head (D V), for D = 128, F = 512, V = 256, T = 128.
-    n = 2 * (4 * 128 * 128 + 2 * 128 * 512) + 128 * 256
-    flops = 6 * n + 12 * 2 * 128 * 128  # 2,949,120 per token
-    assert out["model_tflops"] == pytest.approx(out["tokens_per_s"] * flops / 1e12, rel=1e-6)
-    assert out["mfu"] == pytest.approx(out["tokens_per_s"] * flops / (8 * 989e12), rel=1e-6)
+    # Model FLOP/s follow from the FLOPs formula, tokens/s x (6N + 12LDT), with tiny's N
+    # counted here by hand: 2 layers of attention (4 D^2) and MLP (2 D F) and the head (D V), for
+    # D = 128, F = 512, V = 256, T = 128.
+    assert out["model_tflops"] == pytest.approx(out["tokens_per_s"] * TINY_FLOPS / 1e12, rel=1e-6)
+    # No peak FLOP/s is known for a CPU: no MFU is made up, and the output says why.
+    assert out["mfu"] is None and out["peak_tflops_per_device"] is None
+    assert "--peak-tflops" in out["mfu_note"]
+
+
+@pytest.mark.slow
+def test_bench_mfu_is_against_the_peak_given(capsys):
+    rc = main(
+        [
+            "bench",
+            "--model",
+            "tiny",
+            "--devices",
+            "cpu:8",
+            "--mesh",
+            "fsdp=8",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--peak-tflops",
+            "0.5",
+            "--compile-cache",
+            "off",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    # MFU = model FLOP/s over 8 devices x 0.5 TFLOP/s each, tiny's FLOPs per token by hand.
+    assert out["mfu"] == pytest.approx(out["model_tflops"] / (8 * 0.5), rel=1e-9)
+    assert out["mfu"] == pytest.approx(out["tokens_per_s"] * TINY_FLOPS / (8 * 0.5e12), rel=1e-6)
+    assert out["peak_tflops_per_device"] == 0.5 and "mfu_note" not in out
+
+
+def test_fault_nan_steps_takes_a_comma_list_as_well_as_spaces(monkeypatch):
+    seen = []
+    monkeypatch.setitem(COMMANDS, "train", (Train, lambda args: seen.append(args) or 0))
+    for given in (["5,9"], ["5", "9"], ["5,", "9"]):
+        assert main(["train", "--fault-nan-steps", *given, "--steps", "3"]) == 0
+    assert main(["train", "--fault-nan-steps=5,9"]) == 0
+    assert [a.step.fault_nan_steps for a in seen] == [(5, 9)] * 4
+    assert seen[0].loop.steps == 3  # the flag after the list is still its own
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["bench", "--batch-size", "32"],
+        ["train", "--batch-size", "32", "--steps", "1"],
+    ],
+)
+def test_a_step_too_big_for_host_memory_is_refused_before_compiling(
+    command, monkeypatch, capsys, tmp_path
+):
+    # 8 fake devices share the host: gpt2-124m at batch 32 needs tens of GB of it.
+    monkeypatch.setattr(hostfit, "available_bytes", lambda: 20_000_000_000)
+    run_dir = tmp_path / "run"
+    t0 = time.perf_counter()
+    rc = main(
+        [
+            *command,
+            "--model",
+            "gpt2-124m",
+            "--devices",
+            "cpu:8",
+            "--compile-cache",
+            "off",
+            *(["--run-dir", str(run_dir)] if command[0] == "train" else []),
+        ]
+    )
+    assert rc == 2 and time.perf_counter() - t0 < 60  # a compile alone takes longer
+    (line,) = capsys.readouterr().err.splitlines()
+    assert re.search(r"needs about \d+\.\d GB of host memory \(8 devices x ", line), line
+    assert "but 20.0 GB is available" in line
+    assert re.search(r"--batch-size \(\d+ needs \d+\.\d GB\), --remat full, or a smaller", line)
+    assert not run_dir.exists()
+
+
+def test_the_devices_hint_is_per_process():
+    # --devices cpu:N gives each process N devices: 2 processes make a mesh of 8 with cpu:4.
+    assert devices_hint(8, 1) == "--devices cpu:8 on a CPU host"
+    assert devices_hint(8, 2).startswith("--devices cpu:4 on a CPU host")
+    assert "cpu:" not in devices_hint(6, 4).replace("cpu:N", "")
+
+
+@pytest.mark.slow
+@needs_gpu_aot
+def test_a_target_compile_leaves_the_persistent_cache_alone(tmp_path):
+    # The deviceless GPU compiler cannot load an executable back from the cache (it warned
+    # "PjRtCompiler must be constructed with a Client" on every later compile), and nothing
+    # runs: the cache is neither written nor read.
+    cache = tmp_path / "xla"
+    args = ["train", "--model", "tiny", "--compile-only", "--target", "h200:1"]
+    r = cli(*args, "--compile-cache", str(cache), timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert not cache.exists() or not any(cache.iterdir())
+    assert "persistent compilation cache" not in r.stderr

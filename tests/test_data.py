@@ -75,3 +75,41 @@ def test_bad_data_is_a_clear_error(tmp_path, content, message):
 def test_default_corpus_is_the_standard_library():
     d = TokenBatches(DataConfig(batch_size=4), 128, 256)
     assert d.num_windows > 10_000
+
+
+def test_a_directory_of_text_is_read_as_bytes_leaving_hidden_files_out(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha " * 20)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("beta " * 20)
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "index").write_bytes(b"\x00" * 500)
+    d = TokenBatches(DataConfig(path=str(tmp_path), batch_size=2), 16, 256)
+    # "alpha " x 20 and "beta " x 20 joined by one newline: 120 + 1 + 100 bytes, 15 per window.
+    assert d.num_windows == (221 - 1) // 16
+    assert all(0 not in row for row in d.batch(0))  # nothing of .git/index
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        # A folder that is not there is not called a file, and the message says what --data
+        # takes, tokenized directories first.
+        (None, r"my_txts/ does not exist \(no directory there.*tokenized directory \(made by: "),
+        ("empty", r"is a directory with no files in it; --data takes a tokenized directory"),
+        ("gz", r"a\.txt\.gz and 1 more is compressed .* jaxdist tokenize --input "),
+        ("shards", r"holds token shards but no manifest\.json .* jaxdist tokenize"),
+    ],
+)
+def test_a_data_directory_that_cannot_be_read_says_what_data_takes(tmp_path, make, message):
+    path = tmp_path / "my_txts"
+    if make:
+        path.mkdir()
+    if make == "gz":
+        (path / "a.txt.gz").write_bytes(b"\x1f\x8b" + b"x" * 100)
+        (path / "b.txt.gz").write_bytes(b"\x1f\x8b" + b"x" * 100)
+        (path / "c.txt").write_text("text " * 50)
+    if make == "shards":
+        (path / "train-00000.tokens").write_bytes(b"\x00" * 64)
+        (path / "train-00000.docs").write_bytes(b"\x00" * 8)
+    with pytest.raises(ConfigError, match=message):
+        TokenBatches(DataConfig(path=f"{path}/", batch_size=2), 32, 256)

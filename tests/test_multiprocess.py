@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxdist.cluster.launch import free_port
 from jaxdist.metrics.records import read_metrics
 from tests.helpers import cli, cli_popen, losses, tiny_train
 
@@ -125,3 +126,37 @@ def test_slow_step_is_reported_with_the_process_not_yet_arrived(tmp_path):
     line = [x for x in r.stderr.splitlines() if "slow step" in x and x.startswith("[p0]")]
     assert line, r.stderr[-3000:]
     assert "not yet arrived: process 1" in line[0]
+
+
+def test_launch_output_holds_no_gloo_connection_lines(tmp_path):
+    # Gloo prints one such line per communicator it connects (32 before the first step here).
+    r = cli(*LAUNCH_2X4, "train", "--steps", "3", "--run-dir", str(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "[p0] step" in r.stderr
+    assert "[Gloo]" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+
+
+def test_a_mesh_too_small_for_the_processes_devices_names_the_per_process_count(tmp_path):
+    # Two processes without --devices: 8 fake devices each, 16 in all, for an 8-device mesh.
+    port = free_port()
+    procs = [
+        cli_popen(
+            "train",
+            "--steps",
+            "1",
+            "--run-dir",
+            str(tmp_path),
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(i),
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    for out in outs:
+        assert "needs 8 devices but 16 are present (2 processes together)" in out, out[-2000:]
+        assert "--devices cpu:4 on a CPU host" in out

@@ -3,7 +3,8 @@
 import dataclasses
 import json
 
-from jaxdist.cli.options import Common, setup
+from jaxdist.cli.options import Common, check_host_memory, setup
+from jaxdist.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,12 +14,19 @@ class Bench(Common):
     seed: int = 0
     steps: int = 30
     warmup: int = 3
-    peak: float = 989.0
-    """peak TFLOP/s per device for MFU (989: H100/H200 bf16 datasheet)"""
+    peak_tflops: float | None = None
+    """peak TFLOP/s per device for MFU; default: the hardware table's for the devices present
+    (none for CPUs: mfu is then null)"""
 
 
 def run(args: Bench) -> int:
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ConfigError(f"--peak-tflops {args.peak_tflops} must be > 0")
+    for flag, value in (("--steps", args.steps), ("--warmup", args.warmup)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be at least 1")
     mesh, rules, model_cfg, args = setup(args)
+    check_host_memory(args, model_cfg, mesh, rules)
     from jaxdist import train as loop
     from jaxdist.data import DataConfig
     from jaxdist.profiling.bench import bench
@@ -33,6 +41,8 @@ def run(args: Bench) -> int:
         loop=loop.LoopConfig(steps=args.steps + args.warmup + 1, seed=args.seed),
     )
     jitted, batches = loop.prepare(model, mesh, rules, config)
-    result = bench(jitted, batches, model, args.batch_size, args.steps, args.warmup, args.peak)
+    result = bench(
+        jitted, batches, model, args.batch_size, args.steps, args.warmup, args.peak_tflops
+    )
     print(json.dumps(result))
     return 0

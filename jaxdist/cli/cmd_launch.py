@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 import tyro
 
+from jaxdist.cluster import manifests
+
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
@@ -34,19 +36,32 @@ class Slurm:
 
 @dataclasses.dataclass(frozen=True)
 class K8s:
-    """Print a Kubernetes JobSet manifest for a run: jaxdist k8s --hosts 4 -- train ..."""
+    """Print a Kubernetes JobSet manifest for a run: jaxdist k8s --image IMAGE --run-volume
+    CLAIM --hosts 4 -- train ... (build IMAGE from this repository: docker build -f
+    jaxdist/cluster/Dockerfile -t IMAGE . and push it where the cluster pulls from)"""
 
+    image: Annotated[str, tyro.conf.arg(metavar="IMAGE")]
+    """the container image with jaxdist installed: docker build -f jaxdist/cluster/Dockerfile
+    -t IMAGE . (from the repository's root), then push it"""
+    run_volume: Annotated[str, tyro.conf.arg(metavar="CLAIM")]
+    """a PersistentVolumeClaim every pod mounts at --run-mount (ReadWriteMany): the run
+    directory lives there, so checkpoints outlive the pods and a restarted set resumes"""
+    run_mount: str = manifests.RUN_MOUNT
+    """where the claim is mounted; the train command's --run-dir must lie under it (without
+    one, it is --run-mount/--name: /runs/jaxdist by default)"""
     hosts: int = 2
     gpus_per_host: int = 8
     """GPUs each pod asks for (0: none); one process per pod, pod 0 coordinates"""
-    image: Annotated[str, tyro.conf.arg(metavar="IMAGE")] = "jaxdist:latest"
-    """a container image with jaxdist installed"""
     name: str = "jaxdist"
 
 
 def passthrough(argv: list[str]) -> int:
     """Commands that carry a train command line after `--`."""
     name, rest = argv[0], argv[1:]
+    kind = {"launch": Launch, "slurm": Slurm, "k8s": K8s}[name]
+    own = rest[: rest.index("--")] if "--" in rest else rest
+    if "-h" in own or "--help" in own:
+        tyro.cli(kind, args=["--help"], prog=f"jaxdist {name}")  # prints the help, exits 0
     if "--" not in rest:
         print(
             f"jaxdist: error: {name} needs the train command after --, e.g. "
@@ -54,9 +69,7 @@ def passthrough(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    cut = rest.index("--")
-    own, train_args = rest[:cut], rest[cut + 1 :]
-    kind = {"launch": Launch, "slurm": Slurm, "k8s": K8s}[name]
+    train_args = rest[rest.index("--") + 1 :]
     args = tyro.cli(kind, args=own, prog=f"jaxdist {name}")
     if train_args and train_args[0] != "train":
         train_args = ["train", *train_args]
@@ -66,8 +79,6 @@ def passthrough(argv: list[str]) -> int:
         return launch(
             args.processes, args.devices_per_process, train_args, args.platform, args.port
         )
-    from jaxdist.cluster import manifests
-
     if isinstance(args, Slurm):
         print(
             manifests.sbatch(args.nodes, args.gpus_per_node, train_args, args.job_name, args.time),
@@ -75,7 +86,15 @@ def passthrough(argv: list[str]) -> int:
         )
     else:
         print(
-            manifests.jobset(args.hosts, train_args, args.image, args.gpus_per_host, args.name),
+            manifests.jobset(
+                args.hosts,
+                train_args,
+                args.image,
+                args.run_volume,
+                args.gpus_per_host,
+                args.name,
+                run_mount=args.run_mount,
+            ),
             end="",
         )
     return 0

@@ -7,7 +7,7 @@ import json
 import tyro
 
 from jaxdist.checkpoint.interval import CheckpointConfig
-from jaxdist.cli.options import Common, setup
+from jaxdist.cli.options import Common, check_host_memory, setup
 from jaxdist.cluster.join import DistributedConfig
 from jaxdist.evaluation import EvalConfig
 from jaxdist.optim import OptimConfig
@@ -61,6 +61,7 @@ def run(args: Train) -> int:
         cluster=args.cluster,
         target=args.target,
     )
+    check_host_memory(args, model_cfg, mesh, rules, args.data, runs=not args.compile_only)
     from jaxdist import train as loop
     from jaxdist.data import DataConfig
     from jaxdist.data.batches import data_vocab

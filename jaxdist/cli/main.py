@@ -24,6 +24,25 @@ from jaxdist.cli import (
 from jaxdist.cli.cmd_launch import passthrough
 from jaxdist.errors import ConfigError
 
+# Integer lists (--fault-nan-steps) as users type them, `5,9`, as well as tyro's own `5 9`.
+INT_LISTS = tyro.constructors.ConstructorRegistry()
+
+
+@INT_LISTS.primitive_rule
+def _int_list(info: tyro.constructors.PrimitiveTypeInfo):
+    if info.type != tuple[int, ...]:
+        return None
+    return tyro.constructors.PrimitiveConstructorSpec(
+        nargs="*",
+        metavar="INT[,INT...]",
+        instance_from_str=lambda args: tuple(
+            int(x) for a in args for x in a.split(",") if x.strip()
+        ),
+        is_instance=lambda v: isinstance(v, tuple) and all(isinstance(x, int) for x in v),
+        str_from_instance=lambda v: [str(x) for x in v],
+    )
+
+
 COMMANDS = {
     "train": (cmd_train.Train, cmd_train.run),
     "tokenize": (cmd_data.Tokenize, cmd_data.tokenize),
@@ -60,16 +79,17 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"jaxdist: error: {e}", file=sys.stderr)
             return 2
-    if defaults is not None:
-        args = tyro.cli(cmd_train.Train, default=defaults, args=argv[1:], prog="jaxdist train")
-    else:
-        args = tyro.extras.subcommand_cli_from_dict(
-            {name: kind for name, (kind, _) in COMMANDS.items()},
-            args=argv,
-            prog="jaxdist",
-            description="Also: jaxdist launch|slurm|k8s [options] -- train [train options] "
-            "(several processes on this host; a Slurm script; a Kubernetes JobSet).",
-        )
+    with INT_LISTS:
+        if defaults is not None:
+            args = tyro.cli(cmd_train.Train, default=defaults, args=argv[1:], prog="jaxdist train")
+        else:
+            args = tyro.extras.subcommand_cli_from_dict(
+                {name: kind for name, (kind, _) in COMMANDS.items()},
+                args=argv,
+                prog="jaxdist",
+                description="Also: jaxdist launch|slurm|k8s [options] -- train [train options] "
+                "(several processes on this host; a Slurm script; a Kubernetes JobSet).",
+            )
     command = next(fn for kind, fn in COMMANDS.values() if type(args) is kind)
     try:
         return command(args)
@@ -79,3 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as e:
         print(f"jaxdist: stopped: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C outside the training loop's own handler (setup, compile, restore, the other
+        # commands): one line, not a traceback; 130 is the shell's code for death by SIGINT.
+        print("jaxdist: interrupted (Ctrl-C); committed checkpoints are kept", file=sys.stderr)
+        return 130

@@ -128,47 +128,78 @@ def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | 
     """Devices, mesh, rules and model config, all checked before anything compiles.
 
     `profiling`: op-level trace events; `cluster`: a DistributedConfig to join (multi-process);
-    `target`: compile for a TPU slice this host does not have. Returns (mesh, rules, model
-    config, args with the batch size resolved)."""
-    from jaxdist.mesh import build_mesh, parse_mesh, setup_devices
-    from meshes.presets import STANDARD_RULES, get_mesh_preset
-    from models.presets import get_model_config
+    `target`: compile for a TPU slice or GPUs this host does not have. Returns (mesh, rules,
+    model config, args with the batch size resolved)."""
+    from jaxdist.mesh import setup_devices
 
     args.validate()
-
     if profiling:
         # Op-level events in traces: XLA:CPU emits them only with this flag; on GPU, command
         # buffers (CUDA graphs) would hide the ops behind one launch.
         flags = "--xla_cpu_enable_xprof_traceme=true --xla_gpu_enable_command_buffer="
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
-    gpu_target = None
-    if target:
-        from jaxdist.planning import gpu
-
-        if gpu.is_gpu_target(target):
-            gpu_target = gpu.parse_target(target)
-            gpu.prepare()  # compiler flags, read when JAX starts
+    gpu_target = _gpu_target(target)
     setup_devices(args.devices)
     if cluster is not None:
         from jaxdist.cluster.join import initialize
 
         initialize(cluster, cpu=True)
+    # A target's compile runs nothing, and the deviceless compiler that makes it cannot load
+    # an executable back (XLA: "PjRtCompiler must be constructed with a Client"): no cache.
+    if args.compile_cache != "off" and not target:
+        _persistent_cache(args.compile_cache)
+    platform, target_devices = _target_devices(target, gpu_target)
+    model_cfg = _model_config(args, platform)
+    mesh, rules = _mesh(args.mesh, platform, gpu_target, target_devices)
+    if args.batch_size is None:
+        batch_ways = ways(mesh.shape, rules.mesh_axes("batch", "activation"))
+        batch_size = max(16, batch_ways * args.step.microbatches)
+        args = dataclasses.replace(args, batch_size=batch_size)
+    return mesh, rules, model_cfg, args
 
+
+def _gpu_target(target: str | None):
+    """The GPU target to compile for, its compiler's flags set (read when JAX starts)."""
+    if not target:
+        return None
+    from jaxdist.planning import gpu
+
+    if not gpu.is_gpu_target(target):
+        return None
+    parsed = gpu.parse_target(target)
+    gpu.prepare()
+    return parsed
+
+
+def _persistent_cache(directory: str) -> None:
+    """A restarted run (preemption, crash) then skips recompiling: restart time is part of
+    what every failure costs. Small programs too: Orbax compiles dozens on a first save."""
     import jax
 
-    if args.compile_cache != "off":
-        # A restarted run (preemption, crash) then skips recompiling: restart time is part of
-        # what every failure costs. Small programs too: Orbax compiles dozens on a first save.
-        jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(args.compile_cache)))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    platform, target_devices = jax.default_backend(), None
+    jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(directory)))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _target_devices(target: str | None, gpu_target) -> tuple[str, list | None]:
+    """The platform compiled for, and the target's abstract devices (None: this host's)."""
+    import jax
+
     if gpu_target:
-        platform, target_devices = "gpu", gpu.gpu_devices(gpu_target)
-    elif target:
+        from jaxdist.planning import gpu
+
+        return "gpu", gpu.gpu_devices(gpu_target)
+    if target:
         from jaxdist.planning.tpu import parse_target, tpu_devices
 
-        platform, target_devices = "tpu", tpu_devices(parse_target(target))
+        return "tpu", tpu_devices(parse_target(target))
+    return jax.default_backend(), None
+
+
+def _model_config(args: Common, platform: str):
+    """The model preset with the flags' overrides, for the platform's dtype and attention."""
+    from models.presets import get_model_config
+
     dtype = args.compute_dtype
     if dtype == "auto":
         dtype = "float32" if platform == "cpu" else "bfloat16"
@@ -182,7 +213,7 @@ def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | 
         moe["dropless"] = args.dropless
         if args.capacity_factor is not None:
             moe["capacity_factor"] = args.capacity_factor
-    model_cfg = get_model_config(
+    return get_model_config(
         args.model,
         **moe,
         **args.model_overrides(),
@@ -190,19 +221,47 @@ def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | 
         **({} if args.remat == "preset" else {"remat": args.remat}),
         attention=_attention(platform, dtype),
     )
-    if args.mesh == "auto":
+
+
+def _mesh(name: str, platform: str, gpu_target, target_devices):
+    """The mesh of --mesh over the devices (a target's, or this host's), and its rules."""
+    from jaxdist.mesh import build_mesh, parse_mesh
+    from meshes.presets import STANDARD_RULES, get_mesh_preset
+
+    if name == "auto":
         rules = STANDARD_RULES
         mesh_cfg = get_mesh_preset("cpu8").mesh if platform == "cpu" else parse_mesh("fsdp=-1")
     else:
-        preset = get_mesh_preset(args.mesh)
+        preset = get_mesh_preset(name)
         mesh_cfg, rules = preset.mesh, preset.rules
     if gpu_target and mesh_cfg.dcn:
         # The target's devices come host-major, so the outer axes (the preset's across-host
         # part) land across hosts without a hybrid mesh, which needs real slice indices.
         mesh_cfg = dataclasses.replace(mesh_cfg, ici=tuple(mesh_cfg.sizes().items()), dcn=())
-    mesh = build_mesh(mesh_cfg, target_devices)
-    if args.batch_size is None:
-        batch_ways = ways(mesh.shape, rules.mesh_axes("batch", "activation"))
-        batch_size = max(16, batch_ways * args.step.microbatches)
-        args = dataclasses.replace(args, batch_size=batch_size)
-    return mesh, rules, model_cfg, args
+    return build_mesh(mesh_cfg, target_devices), rules
+
+
+def check_host_memory(
+    args: Common, model_cfg, mesh, rules, data: str | None = None, runs: bool = True
+) -> None:
+    """Fake CPU devices all share this host's memory: a step that cannot fit in it is refused
+    here, before it compiles (jaxdist.planning.hostfit). `data`: the --data whose vocabulary
+    the model takes; `runs`: False for a compile alone, which holds none of the step's buffers."""
+    if not runs or mesh.devices.flat[0].platform != "cpu":
+        return
+    from jaxdist.data.batches import data_vocab
+    from jaxdist.planning.hostfit import check
+    from models.inventory import plan_model
+    from models.presets import with_data_vocab
+
+    if not args.model.startswith("hf:"):  # a pretrained architecture keeps its vocabulary
+        model_cfg = with_data_vocab(model_cfg, data_vocab(data)[0])
+    check(
+        plan_model(model_cfg),
+        rules,
+        dict(mesh.shape),
+        args.batch_size,
+        args.step,
+        len(mesh.local_devices),
+        remat=model_cfg.remat,
+    )

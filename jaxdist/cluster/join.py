@@ -6,8 +6,12 @@ the heartbeat timeout and ends the others (fate sharing), naming the lost task; 
 resumes from the last checkpoint.
 """
 
+import atexit
 import dataclasses
 import os
+import re
+import sys
+import threading
 from typing import Annotated
 
 import jax
@@ -18,6 +22,20 @@ from jaxdist.errors import ConfigError
 
 # JAX's own cluster detection reads these (Slurm, Open MPI, Kubernetes).
 _CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST")
+# Gloo, the CPU collectives, prints this on stdout for every communicator it connects (32 lines
+# before a two-process run's first step) from C++, unconditionally: no flag or environment
+# variable turns it off (gloo/transport/tcp/context.cc, printConnectivityInfo). Only the line
+# saying every expected peer connected is dropped; "is NOT connected" and the rest pass.
+_GLOO_CONNECTED = re.compile(
+    rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+    rb"Expected number of connected peer ranks is : (\d+)\s*"
+)
+# Communicators connect on several threads at once, whose messages interleave piece by piece
+# (each `<<` apart): such a line holds these pieces and numbers, and nothing else.
+_GLOO_PIECES = re.compile(
+    rb"\[Gloo\] Rank |is connected to |peer ranks\. |Expected number of connected peer ranks is : "
+)
+_quieted = False  # stdout already goes through the filter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +83,7 @@ def initialize(config: DistributedConfig, cpu: bool) -> bool:
         return False
     if cpu:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        quiet_gloo()
     kwargs = {"heartbeat_timeout_seconds": config.heartbeat_timeout_s}
     if config.explicit():
         kwargs |= {
@@ -75,6 +94,61 @@ def initialize(config: DistributedConfig, cpu: bool) -> bool:
         }
     jax.distributed.initialize(**kwargs)
     return True
+
+
+def gloo_noise(line: bytes) -> bool:
+    """A line of gloo's saying communicators connected to all their peers, as expected (or
+    pieces of several such messages, interleaved)."""
+    whole = _GLOO_CONNECTED.fullmatch(line)
+    if whole:
+        return whole[1] == whole[2]
+    rest = _GLOO_PIECES.sub(b"", line)
+    return rest != line and re.fullmatch(rb"[\d\s]+", rest) is not None
+
+
+def quiet_gloo() -> None:
+    """This process's stdout (fd 1, which gloo's C++ writes to) through a pipe whose reader
+    drops gloo's all-connected lines and passes everything else on, line by line; restored at
+    exit, once the reader has passed on what was left. Once per process."""
+    global _quieted
+    if _quieted:
+        return
+    try:
+        sys.stdout.flush()
+        real = os.dup(1)
+        read, write = os.pipe()
+    except (OSError, ValueError):  # no usable stdout: nothing to keep quiet
+        return
+    os.dup2(write, 1)
+    os.close(write)
+    reader = threading.Thread(target=_forward, args=(read, real), daemon=True, name="gloo-quiet")
+    reader.start()
+    _quieted = True
+
+    def restore():
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(real, 1)  # closes the pipe's last writer: the reader sees the end
+        reader.join(timeout=5)
+
+    atexit.register(restore)
+
+
+def _forward(read: int, real: int) -> None:
+    pending = b""
+    while chunk := os.read(read, 1 << 16):
+        *lines, pending = (pending + chunk).split(b"\n")
+        kept = b"".join(line + b"\n" for line in lines if not gloo_noise(line))
+        _write_all(real, kept)
+    _write_all(real, pending)
+    os.close(read)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 def local_value(x: jax.Array) -> np.ndarray:

@@ -14,6 +14,8 @@ from jaxdist.cluster.join import local_value
 from jaxdist.metrics.records import distribution, throughput
 from jaxdist.planning.memory import xla_peak
 
+_NO_PEAK = "no peak FLOP/s known for {} devices; pass --peak-tflops to get an MFU"
+
 
 def bench(
     jitted,
@@ -22,8 +24,10 @@ def bench(
     batch_size: int,
     steps: int,
     warmup: int = 3,
-    peak_tflops: float | None = 989.0,
+    peak_tflops: float | None = None,
 ) -> dict:
+    """The step's figures; MFU against `peak_tflops` per device, else the hardware table's
+    peak for the devices present, else (CPUs) null with a note saying why."""
     global_shape = (batch_size, model.seq_len + 1)
 
     def place(s):
@@ -78,6 +82,7 @@ def bench(
         "tokens_per_s": tp["tokens_per_s"],
         "model_tflops": tp["model_tflops"],
         "mfu": tp["mfu"],
+        "peak_tflops_per_device": None if peak is None else peak / 1e12,
         "step_ms_p50": stats["p50"] * 1e3,
         "step_ms_p90": stats["p90"] * 1e3,
         "step_ms_bare": bare * 1e3,
@@ -89,4 +94,4 @@ def bench(
         "compile_s": compile_s,
         "steps": steps,
         "final_loss": float(np.asarray(local_value(m["loss"]))),
-    }
+    } | ({} if peak else {"mfu_note": _NO_PEAK.format(jax.devices()[0].device_kind)})
