@@ -29,6 +29,13 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+# One persistent compilation cache for the session, in this process and (through
+# JAXDIST_COMPILE_CACHE) in the CLI's subprocesses: many tests compile the same program (tiny on
+# the same mesh, the single-device reference), and compiling is most of what the suite does.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAXDIST_COMPILE_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 
 def pytest_report_header(config):
     # Which optional extras this run has, so a log says why tests skipped (or did not).

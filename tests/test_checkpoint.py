@@ -1,8 +1,14 @@
-"""Checkpoints: restore onto other meshes, damaged checkpoints, non-finite steps, Young-Daly."""
+"""Checkpoints: restore onto other meshes, damaged checkpoints, non-finite steps, Young-Daly.
+
+Every run on the cpu8 layout here is one compiled program, built once: the tiny model on rows
+of 32 tokens, batch 8 (a step of ~0.05 s, not ~0.3 s: nothing here depends on the size), warmup
+2 then cosine over 6 steps whatever the run's length, NaN injected at step 6. The restore and
+auto-interval runs stop before step 6; the non-finite policy runs meet it."""
 
 import json
 import math
 import pathlib
+import shutil
 
 import jax
 import numpy as np
@@ -15,12 +21,28 @@ from jaxdist.checkpoint.store import Checkpointer, list_checkpoints, param_shape
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.metrics.records import latest_per_step, read_metrics
-from jaxdist.optim import OptimConfig
-from jaxdist.step import StepConfig
+from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.step import StepConfig, build
 from jaxdist.train import LoopConfig, RunConfig, fit
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config, model_spec
-from tests.helpers import compiled_for, mesh_for
+from models.transformer import Transformer
+from tests.helpers import mesh_for
+
+CPU8 = "data=2,fsdp=2,tensor=2"
+NAN_AT = 6
+OPTIM = OptimConfig(warmup_steps=2, decay_steps=6)
+STEP = StepConfig(fault_nan_steps=(NAN_AT,))
+SEQ, BATCH = 32, 8
+
+
+def compiled(layout: str, model: str = "tiny"):
+    """The model config, mesh and jitted step of this file's program on `layout`."""
+    mc = get_model_config(model, seq_len=SEQ)
+    mesh = mesh_for(layout)
+    tx, lr = make_optimizer(OPTIM, NAN_AT)
+    init = lambda r: Transformer(mc, r)  # noqa: E731
+    return mc, mesh, build(init, tx, lr, STANDARD_RULES, mesh, STEP, seed=0, batch_size=BATCH)
 
 
 def _steps(jitted, state, data, first, last):
@@ -35,66 +57,75 @@ def _leaves(state):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
 
 
-@pytest.mark.parametrize(
-    "src, dst",
-    [
-        pytest.param("data=2,fsdp=2,tensor=2", "fsdp=8", marks=pytest.mark.slow),
-        pytest.param("data=2,fsdp=2,tensor=2", "single", marks=pytest.mark.slow),
-        ("single", "data=2,fsdp=2,tensor=2"),
-    ],
-)
-def test_restore_onto_another_mesh_continues_the_run(tmp_path, src, dst):
-    mc, _, a = compiled_for(src, steps=6)
-    data = TokenBatches(DataConfig(batch_size=16), mc.seq_len, mc.vocab_size)
-    state, _ = _steps(a, a.init_fn(), data, 0, 3)
-    saved = _leaves(state)
-    ck = Checkpointer(tmp_path)
-    ck.save(2, state, {"param_shapes": param_shapes(a.abstract_state.params), "mesh": {}})
-    _, ref = _steps(a, state, data, 3, 6)  # the uninterrupted run
-    ck.close()
-
-    _, mesh_b, b = compiled_for(dst, steps=6)
-    restored = Checkpointer(tmp_path).restore_latest(
-        b.abstract_state, param_shapes(b.abstract_state.params)
-    )
-    assert restored.step == 2 and int(restored.state.step) == 3
-    for x, y in zip(_leaves(restored.state), saved, strict=True):
-        np.testing.assert_array_equal(x, y)  # resharding moves bytes, never changes them
-    some = restored.state.params["w_up_LDF"][...]
-    assert some.sharding.mesh.shape == mesh_b.shape
-    _, losses = _steps(b, restored.state, data, 3, 6)
-    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+# One run hops across meshes, a checkpoint at each hop: written on the cpu8 layout, restored
+# onto fsdp=8, written there, restored onto one device, written there, restored onto the cpu8
+# layout; each restore is checked against the bytes saved and continues the run.
+HOPS = ((CPU8, 3), ("fsdp=8", 4), ("single", 5), (CPU8, 6))
 
 
-def _saved_run(tmp_path, steps=(1, 3)):
-    mc, _, c = compiled_for("data=8", steps=6)
-    data = TokenBatches(DataConfig(batch_size=16), mc.seq_len, mc.vocab_size)
-    ck = Checkpointer(tmp_path, keep=5)
+@pytest.mark.slow
+def test_restore_onto_another_mesh_continues_the_run(tmp_path):
+    src, first = HOPS[0]
+    mc, _, a = compiled(src)
+    data = TokenBatches(DataConfig(batch_size=BATCH), mc.seq_len, mc.vocab_size)
+    state, ref = _steps(a, a.init_fn(), data, 0, first)
+    shapes = param_shapes(a.abstract_state.params)
+    for (_, done), (dst, until) in zip(HOPS, HOPS[1:], strict=False):
+        saved = _leaves(state)
+        ck = Checkpointer(tmp_path / str(done))
+        ck.save(done - 1, state, {"param_shapes": shapes, "mesh": {}})
+        if done == first:
+            ref += _steps(a, state, data, first, 6)[1]  # the uninterrupted run
+        ck.close()
+        _, mesh_b, b = compiled(dst)
+        ck = Checkpointer(tmp_path / str(done))
+        restored = ck.restore_latest(b.abstract_state, param_shapes(b.abstract_state.params))
+        ck.close()
+        assert restored.step == done - 1 and int(restored.state.step) == done, dst
+        for x, y in zip(_leaves(restored.state), saved, strict=True):
+            np.testing.assert_array_equal(x, y)  # resharding moves bytes, never changes them
+        some = restored.state.params["w_up_LDF"][...]
+        assert some.sharding.mesh.shape == mesh_b.shape
+        state, losses = _steps(b, restored.state, data, done, until)
+        np.testing.assert_allclose(losses, ref[done:until], rtol=1e-5, err_msg=dst)
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """Checkpoints of steps 1 and 3: the init state, marked as after 2 and 4 updates (what is
+    checked here is the store, not training). Each test damages its own copy."""
+    directory = tmp_path_factory.mktemp("saved")
+    _, _, c = compiled(CPU8)
+    ck = Checkpointer(directory, keep=5)
     shapes = param_shapes(c.abstract_state.params)
     state = c.init_fn()
-    for s in range(max(steps) + 1):
-        state, _ = _steps(c, state, data, s, s + 1)
-        if s in steps:
-            ck.save(s, state, {"param_shapes": shapes, "mesh": {"data": 8}})
+    for s in (1, 3):
+        state = state._replace(step=jax.device_put(np.int32(s + 1), state.step.sharding))
+        ck.save(s, state, {"param_shapes": shapes, "mesh": {"data": 2, "fsdp": 2, "tensor": 2}})
     ck.close()
-    return c, shapes
+    return directory, c, shapes
 
 
-def test_truncated_latest_checkpoint_falls_back_and_is_kept(tmp_path):
-    c, shapes = _saved_run(tmp_path)
+def _copy(saved_run, tmp_path):
+    shutil.copytree(saved_run[0], tmp_path, dirs_exist_ok=True)
+    return saved_run[1:]
+
+
+def test_truncated_latest_checkpoint_falls_back_and_is_kept(tmp_path, saved_run):
+    c, shapes = _copy(saved_run, tmp_path)
     files = [f for f in (tmp_path / "3" / "state").rglob("*") if f.is_file()]
     biggest = max(files, key=lambda f: f.stat().st_size)
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
     restored = Checkpointer(tmp_path, keep=5).restore_latest(c.abstract_state, shapes)
-    assert restored.step == 1
+    assert restored.step == 1 and int(restored.state.step) == 2
     assert (tmp_path / "3.damaged").is_dir() and (tmp_path / "1").is_dir()
     rows = {r["name"]: r for r in list_checkpoints(tmp_path)}
     assert rows["1"]["valid"] and not rows["3.damaged"]["valid"]
 
 
 @pytest.mark.slow
-def test_checkpoint_whose_contents_changed_is_caught_by_fingerprint(tmp_path):
-    c, shapes = _saved_run(tmp_path)
+def test_checkpoint_whose_contents_changed_is_caught_by_fingerprint(tmp_path, saved_run):
+    c, shapes = _copy(saved_run, tmp_path)
     meta_path = tmp_path / "3" / "meta" / "metadata"
     meta = json.loads(meta_path.read_text())
     meta["fingerprint"][0] += 1.0  # as if one array were altered after the fact
@@ -104,9 +135,9 @@ def test_checkpoint_whose_contents_changed_is_caught_by_fingerprint(tmp_path):
 
 
 @pytest.mark.slow
-def test_incompatible_checkpoint_is_refused_with_its_files_kept(tmp_path):
-    _, shapes = _saved_run(tmp_path)
-    _, _, other = compiled_for("data=8", "tiny-llama")
+def test_incompatible_checkpoint_is_refused_with_its_files_kept(tmp_path, saved_run):
+    _copy(saved_run, tmp_path)
+    _, _, other = compiled(CPU8, "tiny-llama")  # its shapes only: nothing compiles
     with pytest.raises(ConfigError, match="other parameter shapes"):
         Checkpointer(tmp_path).restore_latest(
             other.abstract_state, param_shapes(other.abstract_state.params)
@@ -115,7 +146,7 @@ def test_incompatible_checkpoint_is_refused_with_its_files_kept(tmp_path):
 
 
 def test_nonfinite_state_is_never_committed(tmp_path):
-    _, _, c = compiled_for("data=8")
+    _, _, c = compiled(CPU8)
     state = c.init_fn()
     bad = state._replace(params=jax.tree.map(lambda x: x * np.nan, state.params))
     ck = Checkpointer(tmp_path)
@@ -127,25 +158,23 @@ def test_nonfinite_state_is_never_committed(tmp_path):
     assert [r["name"] for r in list_checkpoints(tmp_path) if r["valid"]] == ["1"]
 
 
-def _run(tmp_path, nonfinite="skip", fault=(), every="2", steps=8):
-    mc = get_model_config("tiny")
+def _fit(tmp_path, steps, checkpoint: CheckpointConfig, nonfinite="skip", log_every=1):
     return fit(
-        model_spec(mc),
-        mesh_for("data=8"),
+        model_spec(get_model_config("tiny", seq_len=SEQ)),
+        mesh_for(CPU8),
         STANDARD_RULES,
         RunConfig(
-            optim=OptimConfig(warmup_steps=2),
-            data=DataConfig(batch_size=16),
-            step=StepConfig(fault_nan_steps=fault),
-            loop=LoopConfig(steps=steps, log_every=1, run_dir=str(tmp_path), nonfinite=nonfinite),
-            checkpoint=CheckpointConfig(every=every, keep=10),
+            optim=OPTIM,
+            data=DataConfig(batch_size=BATCH),
+            step=STEP,
+            loop=LoopConfig(steps, log_every, run_dir=str(tmp_path), nonfinite=nonfinite),
+            checkpoint=checkpoint,
         ),
         console=Console(quiet=True),
     )
 
 
 def _all_checkpoints_finite(tmp_path):
-    _, _, c = compiled_for("data=8")
     ck = Checkpointer(tmp_path / "checkpoints", keep=10)
     for step in ck.steps():
         restored = ck._manager.restore(step)  # noqa: SLF001 - raw read of every saved step
@@ -154,30 +183,32 @@ def _all_checkpoints_finite(tmp_path):
     return ck.steps()
 
 
+@pytest.mark.slow
 def test_nan_step_is_skipped(tmp_path):
-    summary = _run(tmp_path, "skip", fault=(3,))
-    assert summary["skipped_steps"] == [3]
+    # A save every step: that of the NaN step itself too, written before its NaN is seen.
+    summary = _fit(tmp_path, 8, CheckpointConfig(every="1", keep=10), "skip")
+    assert summary["skipped_steps"] == [6]
     recs = latest_per_step(read_metrics(tmp_path / "metrics.jsonl"))
-    assert math.isnan(recs[3]["loss"]) and all(math.isfinite(recs[s]["loss"]) for s in (4, 7))
-    assert _all_checkpoints_finite(tmp_path) == [1, 3, 5, 7]
+    assert math.isnan(recs[6]["loss"]) and all(math.isfinite(recs[s]["loss"]) for s in (5, 7))
+    assert _all_checkpoints_finite(tmp_path) == list(range(8))
 
 
 @pytest.mark.slow
 def test_nan_step_stops_with_checkpoints_kept(tmp_path):
-    with pytest.raises(TrainingStopped, match="step 4: loss or gradient is NaN"):
-        _run(tmp_path, "stop", fault=(4,))
-    # The saves before the bad step (every 2: steps 1 and 3) are committed; none after it.
-    assert _all_checkpoints_finite(tmp_path) == [1, 3]
+    with pytest.raises(TrainingStopped, match="step 6: loss or gradient is NaN"):
+        _fit(tmp_path, 8, CheckpointConfig(every="2", keep=10), "stop")
+    # The saves before the bad step (every 2: steps 1, 3 and 5) are committed; none after it.
+    assert _all_checkpoints_finite(tmp_path) == [1, 3, 5]
 
 
 @pytest.mark.slow
 def test_nan_step_rolls_back_and_skips_past_the_batch(tmp_path):
-    summary = _run(tmp_path, "rollback", fault=(4,), steps=10)
+    summary = _fit(tmp_path, 10, CheckpointConfig(every="2", keep=10), "rollback")
     recs = latest_per_step(read_metrics(tmp_path / "metrics.jsonl"))
-    assert math.isnan(recs[4]["loss"])
-    # Rolled back to the checkpoint of step 3 (state at 4 batches), skipped batch 4, and the
-    # step in flight (5) was discarded and rerun from the restored state.
-    assert 5 in recs and math.isfinite(recs[5]["loss"])
+    assert math.isnan(recs[6]["loss"])
+    # Rolled back to the checkpoint of step 5 (state at 6 batches), skipped batch 6, and the
+    # step in flight (7) was discarded and rerun from the restored state.
+    assert 7 in recs and math.isfinite(recs[7]["loss"])
     assert sorted(recs) == list(range(10))  # and the run went on to its end
     assert summary["final_loss"] == recs[9]["loss"] and math.isfinite(recs[9]["loss"])
     _all_checkpoints_finite(tmp_path)
@@ -198,23 +229,12 @@ def test_daly_matches_the_paper_and_auto_interval_adapts():
 
 @pytest.mark.slow
 def test_auto_interval_is_logged_with_its_inputs(tmp_path):
-    mc = get_model_config("tiny")
-    fit(
-        model_spec(mc),
-        mesh_for("data=8"),
-        STANDARD_RULES,
-        RunConfig(
-            optim=OptimConfig(),
-            data=DataConfig(batch_size=16),
-            step=StepConfig(),
-            loop=LoopConfig(steps=12, log_every=4, run_dir=str(tmp_path)),
-            checkpoint=CheckpointConfig(every="auto", mtbf_hours_per_device=0.05),
-        ),
-        console=Console(quiet=True),
-    )
+    # Six steps (the NaN of step 6 is not reached): a save at step 0 to learn the cost, then,
+    # with the step time known, the final one, which sets the interval.
+    _fit(tmp_path, 6, CheckpointConfig(every="auto", mtbf_hours_per_device=0.05), log_every=4)
     records = read_metrics(tmp_path / "metrics.jsonl")
     events = [r for r in records if r.get("event") == "checkpoint_interval"]
     assert events and {"interval_steps", "save_blocked_s", "mtbf_system_s"} <= set(events[0])
     saves = [r for r in records if r.get("event") == "save"]
-    assert saves and all(r["blocked_s"] > 0 for r in saves) and saves[-1]["step"] == 11
-    assert pathlib.Path(tmp_path / "checkpoints" / "11").is_dir()  # the final step is saved
+    assert saves and all(r["blocked_s"] > 0 for r in saves) and saves[-1]["step"] == 5
+    assert pathlib.Path(tmp_path / "checkpoints" / "5").is_dir()  # the final step is saved

@@ -1,5 +1,6 @@
 """Launch files for clusters: the sbatch script and the JobSet manifest, checked by structure
-(and by sbatch itself where Slurm is installed)."""
+(and by sbatch itself where Slurm is installed). The commands only print (or refuse): they run
+in this process, main() with its output read by capsys."""
 
 import pathlib
 import re
@@ -10,19 +11,21 @@ import yaml
 from jaxdist import cluster
 from jaxdist.cli.main import main
 from jaxdist.cluster.join import gloo_noise
-from tests.helpers import cli
 
 TRAIN = ["train", "--model", "1b", "--mesh", "gpu2x8", "--run-dir", "/shared/runs/a b"]
 
 
-def jaxdist(*args):
-    r = cli(*args, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
+def jaxdist(capsys, *args):
+    """`jaxdist *args` in this process, which must succeed: its stdout."""
+    capsys.readouterr()
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out
 
 
-def test_sbatch_script():
-    script = jaxdist("slurm", "--nodes", "2", "--gpus-per-node", "8", "--", *TRAIN)
+def test_sbatch_script(capsys):
+    script = jaxdist(capsys, "slurm", "--nodes", "2", "--gpus-per-node", "8", "--", *TRAIN)
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash"
     for want in (
@@ -40,15 +43,15 @@ def test_sbatch_script():
     assert "--coordinator" not in srun[0]  # JAX's Slurm detection supplies it
 
 
-def test_sbatch_cpu_tasks_get_fake_devices():
-    script = jaxdist("slurm", "--nodes", "2", "--gpus-per-node", "0", "--", "train")
+def test_sbatch_cpu_tasks_get_fake_devices(capsys):
+    script = jaxdist(capsys, "slurm", "--nodes", "2", "--gpus-per-node", "0", "--", "train")
     assert "#SBATCH --ntasks-per-node=1" in script and "--devices cpu:4" in script
     assert "--gpus-per-node" not in script
     # Every task needs the same run directory, and a requeue must find it again: without
     # --run-dir the script names one after the job (its id survives a requeue).
     (srun,) = [x for x in script.splitlines() if x.startswith("srun ")]
     assert srun.endswith('--run-dir "runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}"')
-    given = jaxdist("slurm", "--", *TRAIN)
+    given = jaxdist(capsys, "slurm", "--", *TRAIN)
     assert given.count("--run-dir") == 1
 
 
@@ -165,8 +168,9 @@ def test_gloo_connection_lines_are_noise_and_failures_are_not():
     assert not gloo_noise(b"[Gloo] Rank 0 is connected to [Gloo] Rank 0 is NOT connected to: [1]")
 
 
-def test_launch_refuses_what_it_sets_itself():
-    r = cli("launch", "--", "train", "--process-id", "0", timeout=60)
-    assert r.returncode == 2 and "launch sets --process-id itself" in r.stderr
-    r = cli("launch", "--processes", "2", timeout=60)
-    assert r.returncode == 2 and "needs the train command after --" in r.stderr
+def test_launch_refuses_what_it_sets_itself(capsys):
+    # Both are refused before any process starts: nothing runs apart from this one.
+    assert main(["launch", "--", "train", "--process-id", "0"]) == 2
+    assert "launch sets --process-id itself" in capsys.readouterr().err
+    assert main(["launch", "--processes", "2"]) == 2
+    assert "needs the train command after --" in capsys.readouterr().err

@@ -7,13 +7,14 @@ from jaxdist.rules import batch_ways
 from models.inventory import partial_sums
 from tests.helpers import compiled_for
 
-SLOW = pytest.mark.slow  # the quick loop (-m "not slow") keeps one dense and one MoE layout
+SLOW = pytest.mark.slow  # the quick loop (-m "not slow") keeps the default layout
+# One case per path of traffic.expected: dense weights gathered over FSDP and their gradients
+# reduced over data+FSDP, with tensor partial sums (the default layout; data=8, fsdp=8 and
+# data=2,tensor=4 took the same lines with other sizes); experts not gathered (all-to-all
+# only) and gathered over FSDP (reduce-scatter); microbatches and a llama's GQA.
 CASES = [
-    ("expert=4,data=2", "tiny-moe", 1),
+    pytest.param("expert=4,data=2", "tiny-moe", 1, marks=SLOW),
     pytest.param("expert=2,fsdp=2,tensor=2", "tiny-moe", 1, marks=SLOW),
-    pytest.param("data=8", "tiny", 1, marks=SLOW),
-    pytest.param("fsdp=8", "tiny", 1, marks=SLOW),
-    pytest.param("data=2,tensor=4", "tiny", 1, marks=SLOW),
     ("data=2,fsdp=2,tensor=2", "tiny", 1),
     pytest.param("fsdp=4,tensor=2", "tiny-llama", 2, marks=SLOW),
 ]

@@ -3,6 +3,11 @@
 The disk is real: a tmpfs just big enough for two checkpoints of the tiny model (mounting needs
 root; elsewhere those tests skip and say so). The lock is tested directly, in this process and
 against another process that holds it and is killed with SIGKILL.
+
+A run that must show what a user sees on its stderr (the full disk's warnings go through
+logging, which pytest captures in this process), or must hold the lock while another trainer
+tries it, is a process of its own; the other commands run here, main() read by capsys, on the
+8 fake devices tests/conftest.py started and with its compile cache left as it is.
 """
 
 import errno
@@ -23,6 +28,7 @@ import pytest
 from jaxdist.checkpoint.lock import RunLock
 from jaxdist.checkpoint.store import Checkpointer
 from jaxdist.checkpoint.writefail import CheckpointWriteFailed, QuietWriteErrors, write_errno
+from jaxdist.cli.main import main
 from jaxdist.errors import ConfigError
 from jaxdist.metrics.records import read_metrics
 from tests.helpers import cli, cli_popen, losses, tiny_train
@@ -66,24 +72,32 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def _train(run_dir: pathlib.Path) -> subprocess.CompletedProcess:
+def _train(run_dir: pathlib.Path) -> list[str]:
     args = [*tiny_train(STEPS, checkpoint_every=2), "--devices", "cpu:8"]
-    return cli(*args, "--checkpoint-keep", "100", "--run-dir", str(run_dir))
+    return [*args, "--checkpoint-keep", "100", "--run-dir", str(run_dir)]
 
 
-def _checkpoints(run_dir: pathlib.Path) -> list[dict]:
-    p = cli("checkpoints", str(run_dir), "--json")
-    assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout)
+def _here(capsys, *args: str) -> tuple[int, str, str]:
+    """`jaxdist *args` in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    rc = main([*args, *(["--compile-cache", "off"] if args[0] == "train" else [])])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _checkpoints(capsys, run_dir: pathlib.Path) -> list[dict]:
+    rc, out, err = _here(capsys, "checkpoints", str(run_dir), "--json")
+    assert rc == 0, err
+    return json.loads(out)
 
 
 @pytest.mark.slow
-def test_full_disk_stops_with_one_message_and_a_rerun_resumes(small_disk):
+def test_full_disk_stops_with_one_message_and_a_rerun_resumes(small_disk, capsys):
     mnt, filler = small_disk
     run_dir = mnt / "run"
     ckpt_dir = run_dir / "checkpoints"
-    p = _train(run_dir)
-    rows = _checkpoints(run_dir)
+    p = cli(*_train(run_dir))  # a process: its stderr is what the user reads
+    rows = _checkpoints(capsys, run_dir)
     sizes = [r["bytes"] for r in rows]
     assert sizes and all(ROOM / 3 < b < ROOM / 2 for b in sizes), (
         f"checkpoints of {sizes} bytes: ROOM={ROOM} no longer holds exactly two; retune it"
@@ -104,10 +118,10 @@ def test_full_disk_stops_with_one_message_and_a_rerun_resumes(small_disk):
     assert [(r["name"], r["valid"]) for r in rows] == [("1", True), ("3", True)]
 
     filler.unlink()  # the user frees space
-    p = _train(run_dir)
-    assert p.returncode == 0, p.stderr
-    assert "resuming from checkpoint step 3" in p.stderr and "Traceback" not in p.stderr
-    rows = _checkpoints(run_dir)
+    rc, _, err = _here(capsys, *_train(run_dir))  # in this process a traceback fails the test
+    assert rc == 0, err
+    assert "resuming from checkpoint step 3" in err and "Traceback" not in err
+    rows = _checkpoints(capsys, run_dir)
     assert [(r["name"], r["valid"]) for r in rows] == [(str(s), True) for s in (1, 3, 5, 7)]
     assert sorted(losses(run_dir)) == list(range(STEPS))
 
@@ -235,24 +249,29 @@ def test_a_free_lock_left_by_another_host_is_taken_over_with_a_warning(tmp_path,
 
 
 @pytest.mark.slow
-def test_second_trainer_is_refused_while_the_first_runs(tmp_path):
+def test_second_trainer_is_refused_while_the_first_runs(tmp_path, capsys):
     """End to end, once train.fit holds RunLock: a second `jaxdist train` on a run directory
-    in use exits 2 naming the first; after the first is killed with SIGKILL, a third runs."""
+    in use exits 2 naming the first; after the first is killed with SIGKILL, a third runs.
+    The first is another process; the second and third run in this one."""
     run_dir = tmp_path / "run"
     common = ["--devices", "cpu:8", "--run-dir", str(run_dir)]
-    first = cli_popen(*tiny_train(500, checkpoint_every=1000), *common, merge_output=False)
+    # 500 steps keep it running; --decay-steps 21 gives it the learning-rate schedule, and so
+    # the step program (compiled once for the session), of the short tiny runs (<= 21 steps).
+    first = cli_popen(
+        *tiny_train(500, checkpoint_every=1000), "--decay-steps", "21", *common, merge_output=False
+    )
     try:
         end = time.monotonic() + 120
         while not read_metrics(run_dir / "metrics.jsonl") and time.monotonic() < end:
             assert first.poll() is None, first.communicate()[1]
             time.sleep(0.1)
-        second = cli(*tiny_train(2, checkpoint_every=1000), *common)
-        assert second.returncode == 2, second.stderr
-        assert f"run directory {run_dir} is in use by another trainer" in second.stderr
-        assert f"process {first.pid} on host {socket.gethostname()}" in second.stderr
+        rc, _, err = _here(capsys, *tiny_train(2, checkpoint_every=1000), *common)
+        assert rc == 2, err
+        assert f"run directory {run_dir} is in use by another trainer" in err
+        assert f"process {first.pid} on host {socket.gethostname()}" in err
         assert first.poll() is None  # the first was left alone
     finally:
         first.send_signal(signal.SIGKILL)
         first.communicate()
-    third = cli(*tiny_train(2, checkpoint_every=1000), *common)
-    assert third.returncode == 0, third.stderr
+    rc, _, err = _here(capsys, *tiny_train(2, checkpoint_every=1000), *common)
+    assert rc == 0, err

@@ -23,7 +23,10 @@ from models.transformer import Transformer
 from tests.helpers import mesh_for
 
 EOS, VOCAB, T = 256, 384, 32  # document tokens are bytes 0..255; vocab padded past EOS
-STYLES = ["tiny", "tiny-llama"]  # GPT-2 (learned positions) and Llama (RoPE, GQA)
+ROWS = 8  # the batch every forward call here runs (_model)
+# GPT-2 (learned positions) and Llama (RoPE, GQA). The quick loop keeps GPT-2: its tests share
+# two compiled forward programs (_model); each other model compiles its own.
+SLOW_LLAMA = pytest.param("tiny-llama", marks=pytest.mark.slow)
 
 
 def _content(rng, n: int) -> list[int]:
@@ -61,27 +64,39 @@ def test_from_tokens_on_hand_made_rows():
 
 @functools.cache
 def _model(name: str, **overrides):
-    """(params, apply): apply(params, tokens_BT, packed) -> logits_BTV on one device, with the
-    documents from the tokens when `packed`, else the plain model call (no docs)."""
+    """(graphdef, params, apply): apply(params, tokens_BT, packed) -> logits_BTV on one device,
+    with the documents from the tokens when `packed`, else the plain model call (no docs).
+
+    Every call runs ROWS rows, the given ones padded with EOS rows and the padding's logits
+    dropped (rows do not see each other; MoE only dropless), so that the tests of this file
+    compile two programs per model, packed and plain, instead of one per shape."""
     mc = get_model_config(name, vocab_size=VOCAB, **overrides)
     assert mc.compute_dtype == "float32"
     graphdef, params = nnx.split(Transformer(mc, nnx.Rngs(0)))
     mesh = mesh_for("single")
 
     @functools.partial(jax.jit, static_argnames="packed")
-    def apply(params, tokens_BT, packed: bool):
+    def run(params, tokens_BT, packed: bool):
         with activation_rules(STANDARD_RULES, mesh):
             docs = documents.from_tokens(tokens_BT, EOS) if packed else None
             return nnx.merge(graphdef, params)(tokens_BT, docs)[0]
 
-    return params, apply
+    def apply(params, tokens_BT, packed: bool):
+        B, T_ = np.shape(tokens_BT)
+        assert B <= ROWS and T_ == T
+        padded_BT = np.concatenate([tokens_BT, np.full((ROWS - B, T), EOS)])
+        return run(params, padded_BT, packed)[:B]
+
+    return graphdef, params, apply
 
 
-@pytest.mark.parametrize("name", [*STYLES, "tiny-moe"])
+@pytest.mark.parametrize(
+    "name", ["tiny", SLOW_LLAMA, pytest.param("tiny-moe", marks=pytest.mark.slow)]
+)
 def test_a_document_sees_only_itself_at_positions_from_zero(name):
     # tiny-moe: dropless, so no expert capacity couples the tokens of a batch (with a
     # capacity, which tokens are dropped depends on all the tokens routed together).
-    params, apply = _model(name, **({"dropless": True} if name == "tiny-moe" else {}))
+    _, params, apply = _model(name, **({"dropless": True} if name == "tiny-moe" else {}))
     rng = np.random.default_rng(0)
     a, b = [EOS, *_content(rng, 9)], [EOS, *_content(rng, 13)]
     rest = [EOS, *_content(rng, T - len(a) - len(b) - 1)]
@@ -104,7 +119,7 @@ def test_a_document_sees_only_itself_at_positions_from_zero(name):
     np.testing.assert_allclose(plain_BTV[2, : len(b)], logits_BTV[0, at_b], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", STYLES)
+@pytest.mark.parametrize("name", ["tiny", SLOW_LLAMA])
 def test_packed_loss_is_the_token_weighted_mean_of_the_documents_alone(name):
     """Targets: input token t of a row predicts token t+1. A document owns the targets of its
     input tokens, from its EOS through its last token, which predicts the EOS that opens the
@@ -115,7 +130,7 @@ def test_packed_loss_is_the_token_weighted_mean_of_the_documents_alone(name):
     go through the plain model call. The packed row's mean over its B*T targets is then the
     mean of the documents' own means weighted by their numbers of targets (measured on CPU:
     equal within 1.3e-7 relative)."""
-    params, apply = _model(name)
+    _, params, apply = _model(name)
     rng = np.random.default_rng(1)
     rows_BT1 = np.array(
         [
@@ -145,12 +160,12 @@ def test_packed_loss_is_the_token_weighted_mean_of_the_documents_alone(name):
     np.testing.assert_allclose(packed_loss, weighted, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("name", STYLES)
+@pytest.mark.parametrize("name", ["tiny", SLOW_LLAMA])
 def test_a_row_without_eos_is_the_plain_model(name):
     # Through the docs path a row without EOS is one document at positions 0..T-1: the same
     # logits as the mask-free call (the fast path, with no mask argument at all); bitwise on
     # CPU, asserted to 1e-6.
-    params, apply = _model(name)
+    _, params, apply = _model(name)
     tokens_BT = np.random.default_rng(2).integers(0, EOS, (2, T))
     plain_BTV = np.asarray(apply(params, tokens_BT, packed=False))
     packed_BTV = np.asarray(apply(params, tokens_BT, packed=True))
@@ -164,23 +179,23 @@ def _by_name(grads) -> dict[str, np.ndarray]:
 
 # The data-parallel and tensor-parallel case puts the documents' ids and mask under a batch
 # split inside the pipeline's shard_map.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, layout", [("tiny", "pipeline=2"), ("tiny-llama", "pipeline=2,data=2,tensor=2")]
 )
 def test_pipelined_documents_equal_unpipelined(name, layout):
     M, rows = 2, 4
-    mc = get_model_config(name, vocab_size=VOCAB)
-    graphdef, params = nnx.split(Transformer(mc, nnx.Rngs(0)))
+    graphdef, params, apply = _model(name)
     rng = np.random.default_rng(3)
     tokens_BT1 = rng.integers(0, EOS, (rows, T + 1))
     tokens_BT1[rng.random((rows, T + 1)) < 0.15] = EOS  # documents of random lengths
     single = mesh_for("single")
 
-    @functools.partial(jax.jit, static_argnames="packed")
-    def reference(params, tokens_BT1, packed: bool):
+    @jax.jit
+    def reference(params, tokens_BT1):
         def loss_fn(params):
             inputs_BT = tokens_BT1[:, :-1]
-            docs = documents.from_tokens(inputs_BT, EOS) if packed else None
+            docs = documents.from_tokens(inputs_BT, EOS)
             logits_BTV, _ = nnx.merge(graphdef, params)(inputs_BT, docs)
             return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
 
@@ -197,9 +212,12 @@ def test_pipelined_documents_equal_unpipelined(name, layout):
             loss = lambda w, y_bTD, t_bT: cross_entropy(stages.head(w, y_bTD), t_bT)  # noqa: E731
             return pipeline.value_and_grad(stages, tokens_BT1, loss, 1.0, schedule, M, eos_id=EOS)
 
-    ref_loss, ref_grads = reference(params, tokens_BT1, packed=True)
-    # The rows really are packed: seen as one sequence each, their loss is another.
-    unpacked_loss, _ = reference(params, tokens_BT1, packed=False)
+    ref_loss, ref_grads = reference(params, tokens_BT1)
+    # The rows really are packed: seen as one sequence each, their loss is another (the plain
+    # forward call of the tests above, compiled once).
+    unpacked_loss = cross_entropy(
+        apply(params, tokens_BT1[:, :-1], packed=False), tokens_BT1[:, 1:]
+    )
     assert abs(float(unpacked_loss) - float(ref_loss)) > 1e-4 * float(ref_loss)
     on_mesh = NamedSharding(mesh, P())
     loss, grads, aux = pipelined(

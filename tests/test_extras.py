@@ -1,7 +1,10 @@
 """Every command that needs an optional extra, run where that extra is absent: ONE line on
 stderr naming the extra and its install command, exit 2, and nothing done before it (no plan
 printed, nothing compiled). The extra's packages are hidden from the import system
-(tests/extras.py), so these run in every environment, with or without the extras installed."""
+(tests/extras.py), so these run in every environment, with or without the extras installed.
+
+Each is a fresh process (~3 s of start-up, most of a case): the quick loop keeps one, the
+others are slow."""
 
 import pytest
 
@@ -18,10 +21,19 @@ CASES = [
         "gpu-aot",
         ["plan", "--devices", "16", "--hardware", "h100-ib", "--verify", "1"],
         id="plan-h100",
+        marks=pytest.mark.slow,
     ),
-    pytest.param("tpu", ["train", "--compile-only", "--target", "tpu-v5p:2x2x1"], id="train-tpu"),
     pytest.param(
-        "tpu", ["plan", "--devices", "4", "--hardware", "tpu-v5p", "--verify", "1"], id="plan-tpu"
+        "tpu",
+        ["train", "--compile-only", "--target", "tpu-v5p:2x2x1"],
+        id="train-tpu",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "tpu",
+        ["plan", "--devices", "4", "--hardware", "tpu-v5p", "--verify", "1"],
+        id="plan-tpu",
+        marks=pytest.mark.slow,
     ),
 ]
 
@@ -36,6 +48,7 @@ def test_a_command_that_needs_an_absent_extra_says_which_in_one_line(extra, args
     assert r.stdout == ""
 
 
+@pytest.mark.slow
 def test_without_the_extra_a_bad_target_is_still_told_first():
     # The flag's own mistake comes before the missing extra: fixing it is the user's first step.
     r = cli_without("gpu-aot", "train", "--model", "tiny", "--compile-only", "--target", "h100:9")

@@ -4,6 +4,7 @@ memory. The compiles skip, saying why, where the gpu-aot extra is not installed;
 without it is told is tested in tests/test_extras.py."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -64,23 +65,92 @@ ENTRY %main (a: f32[4,8]) -> f32[4,2] {
     assert analyze(scores, 32)["score_tensors"] == 0
 
 
-def _compile(*args: str) -> dict:
-    r = cli("train", *args, "--compile-only")
-    assert r.returncode == 0, r.stderr[-3000:]
+# Each compile is one `jaxdist` process (the compiler's flags are set before JAX starts), and
+# XLA's GPU compiler keeps about one core busy: the compiles that this module's selected tests
+# need all start at its first one, two at a time, and each test waits for its own.
+COMPILERS = 2
+
+
+def _train(*args: str) -> tuple[str, ...]:
+    return ("train", *args, "--compile-only")
+
+
+def _plan(args: tuple[str, ...], verify: int) -> tuple[str, ...]:
+    base = ("plan", "--model", "1b", "--devices", "16", "--hardware", "h100-ib")
+    return (*base, *args, "--verify", str(verify))
+
+
+TWO_HOSTS = _train("--model", "tiny", "--target", "h100:2x8", "--mesh", "data=2,fsdp=8")
+FP32 = _train("--model", "tiny", "--target", "h200:1", "--compute-dtype", "float32")
+
+
+def _command(item) -> tuple[str, ...] | None:
+    """The command a selected test of this module waits for; None: it compiles nothing."""
+    callspec = getattr(item, "callspec", None)
+    p = callspec.params if callspec else {}
+    name = getattr(item, "originalname", item.name)
+    if name == "test_preset_compiles_for_gpu_with_fused_attention_in_memory":
+        args = ("--model", p["model"], "--target", p["target"], "--batch-size", str(p["batch"]))
+        return _train(*args, "--mesh", p["mesh"])
+    if name == "test_planner_agrees_with_the_gpu_compiler":
+        return _plan(p["args"], p["verify"])
+    if name == "test_two_hosts_put_data_across_hosts_and_fsdp_inside":
+        return TWO_HOSTS
+    if name == "test_report_flags_fp32_matmuls_and_unfused_attention":
+        return FP32
+    return None
+
+
+@pytest.fixture(scope="module")
+def compiles(request, tmp_path_factory):
+    """`compiles(command)`: its finished process and its --json file (plans), once per module."""
+    mine = [i for i in request.session.items if getattr(i, "module", None) is request.module]
+    commands = list(dict.fromkeys(c for c in map(_command, mine) if c))
+    commands.sort(key=lambda c: c[0] != "plan")  # the longest first: the plans
+    out = tmp_path_factory.mktemp("gpu_aot")
+    pool = ThreadPoolExecutor(COMPILERS)
+    started = {}
+
+    def run(command: tuple[str, ...]):
+        path = out / f"plan{len(started)}.json"
+        extra = ("--json", str(path)) if command[0] == "plan" else ()
+        started[command] = pool.submit(cli, *command, *extra, timeout=1200), path
+
+    for command in commands:
+        run(command)
+
+    def finished(command: tuple[str, ...]):
+        if command not in started:  # a test _command does not know: run it now
+            run(command)
+        future, path = started[command]
+        r = future.result()
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r, path
+
+    yield finished
+    pool.shutdown(cancel_futures=True)
+
+
+def _report(compiles, command: tuple[str, ...]) -> dict:
+    r, _ = compiles(command)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # The peers' measured peaks on one H200 (the torch.compile peer, shared notes): the presets'
 # defaults must fit in them.
 PEER_PEAK_GIB = {("gpt2-124m", 32): 15.6, ("1b", 8): 33.1}
+# The same checks on every preset and both GPUs; the suite keeps two cases that between them
+# take every branch (gpt2 and llama attention with GQA, MoE's fp32 router, a peer's peak on
+# one H200, fsdp's collectives on eight H100s); `-m experiment` runs the other six.
+_SWEEP = pytest.mark.experiment
 CASES = [
-    ("gpt2-124m", "h200:1", 32, "auto"),
-    ("llama-124m", "h200:1", 32, "auto"),
+    pytest.param("gpt2-124m", "h200:1", 32, "auto", marks=_SWEEP),
+    pytest.param("llama-124m", "h200:1", 32, "auto", marks=_SWEEP),
     ("1b", "h200:1", 8, "auto"),
-    ("moe-1b", "h200:1", 8, "auto"),
-    ("gpt2-124m", "h100:8", 32, "fsdp=8"),
-    ("llama-124m", "h100:8", 32, "fsdp=8"),
-    ("1b", "h100:8", 64, "fsdp=8"),
+    pytest.param("moe-1b", "h200:1", 8, "auto", marks=_SWEEP),
+    pytest.param("gpt2-124m", "h100:8", 32, "fsdp=8", marks=_SWEEP),
+    pytest.param("llama-124m", "h100:8", 32, "fsdp=8", marks=_SWEEP),
+    pytest.param("1b", "h100:8", 64, "fsdp=8", marks=_SWEEP),
     ("moe-1b", "h100:8", 16, "fsdp=8"),
 ]
 
@@ -88,8 +158,11 @@ CASES = [
 @pytest.mark.slow
 @needs_gpu_aot
 @pytest.mark.parametrize(("model", "target", "batch", "mesh"), CASES)
-def test_preset_compiles_for_gpu_with_fused_attention_in_memory(model, target, batch, mesh):
-    r = _compile("--model", model, "--target", target, "--batch-size", str(batch), "--mesh", mesh)
+def test_preset_compiles_for_gpu_with_fused_attention_in_memory(
+    compiles, model, target, batch, mesh
+):
+    args = ("--model", model, "--target", target, "--batch-size", str(batch))
+    r = _report(compiles, _train(*args, "--mesh", mesh))
     assert r["platform"] == "gpu" and target[:4].upper() in r["device_kind"]
     k = r["kernels"]
     # cuDNN's fused attention, forward and backward; remat "dots" keeps its output, so the
@@ -118,43 +191,47 @@ def test_preset_compiles_for_gpu_with_fused_attention_in_memory(model, target, b
 
 @pytest.mark.slow
 @needs_gpu_aot
-def test_two_hosts_put_data_across_hosts_and_fsdp_inside():
-    r = _compile("--model", "tiny", "--target", "h100:2x8", "--mesh", "data=2,fsdp=8")
+def test_two_hosts_put_data_across_hosts_and_fsdp_inside(compiles):
+    r = _report(compiles, TWO_HOSTS)
     assert r["axes_across_hosts"] == ["data"]
     assert {c["axis"] for c in r["collectives"]} >= {"data", "fsdp"}
 
 
 @pytest.mark.slow
 @needs_gpu_aot
-def test_report_flags_fp32_matmuls_and_unfused_attention():
+def test_report_flags_fp32_matmuls_and_unfused_attention(compiles):
     # fp32 compute: cuDNN's attention takes 16-bit inputs only, so XLA's runs, on fp32 dots.
-    r = _compile("--model", "tiny", "--target", "h200:1", "--compute-dtype", "float32")
+    r = _report(compiles, FP32)
     assert r["attention_kernel"].startswith("xla")
     assert r["kernels"]["dots_not_16bit"] > 0
     text = " ".join(r["warnings"])
     assert "attention is not fused" in text and "32-bit operands" in text
 
 
+# The issue's bar: on 16 H100s (2 hosts), the planner's memory per GPU within 15% and its
+# collective bytes within 5% of what XLA's GPU compiler makes of the three best layouts of 1b
+# at batch 512, and of the three best pipelined ones (cuDNN attention inside the pipeline's
+# shard_map, the head's fused loss in its forward ticks, the layers' residuals rebuilt in its
+# backward ones). The suite compiles one of each kind, the best; `-m experiment` the six.
+# At batch 768 no layout without a pipeline fits an H100 (the best is pipeline=2,fsdp=8).
+PLANS = [
+    pytest.param((), 1, 0, id="best"),
+    pytest.param(("--axes", "pipeline,data,fsdp", "--batch-size", "768"), 1, 1, id="pipelined"),
+    pytest.param((), 3, 0, id="three-best", marks=pytest.mark.experiment),
+    pytest.param(("--axes", "pipeline,fsdp"), 3, 2, id="three-pipelined", marks=_SWEEP),
+]
+
+
 @pytest.mark.slow
 @needs_gpu_aot
-@pytest.mark.parametrize("axes", [None, "pipeline,fsdp"])
-def test_planner_agrees_with_the_gpu_compiler_on_three_layouts(tmp_path, axes):
-    """The issue's bar: on 16 H100s (2 hosts), the planner's memory per GPU within 15% and
-    its collective bytes within 5% of what XLA's GPU compiler makes of the three best
-    layouts of 1b at batch 512, each compiled for the GPUs; and of the three best pipelined
-    ones (cuDNN attention inside the pipeline's shard_map, the head's fused loss in its
-    forward ticks, the layers' residuals rebuilt in its backward ones)."""
-    out = tmp_path / "plan.json"
-    args = ["plan", "--model", "1b", "--devices", "16", "--hardware", "h100-ib", "--verify", "3"]
-    if axes:
-        args += ["--axes", axes]
-    r = cli(*args, "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(out.read_text())["layouts"][:3]
+@pytest.mark.parametrize(("args", "verify", "pipelined"), PLANS)
+def test_planner_agrees_with_the_gpu_compiler(compiles, args, verify, pipelined):
+    r, path = compiles(_plan(args, verify))
+    rows = json.loads(path.read_text())["layouts"][:verify]
     for row in rows:
         v = row["verify"]
         assert v["platform"] == "gpu" and v["predicted_peak_bytes"] == row["memory_bytes"]["peak"]
         assert v["memory_ok"] and v["bytes_ok"], (row["layout"], v)
-    pipelined = sum(row["mesh"]["pipeline"] > 1 for row in rows)
-    assert pipelined >= 2 if axes else pipelined == 0
+    compiled_pipelined = sum(row["mesh"]["pipeline"] > 1 for row in rows)
+    assert compiled_pipelined >= pipelined if pipelined else compiled_pipelined == 0
     assert "FLAG" not in r.stdout

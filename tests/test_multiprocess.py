@@ -1,8 +1,16 @@
 """Several processes, one run: same losses as one process, checkpoints across process
-counts, a dead process ends the run loudly, and a relaunch resumes."""
+counts, a slow step names the process not yet arrived, a dead process ends the run loudly,
+and a relaunch resumes.
+
+Every launch here runs the same program as the one-process runs (the tiny model on the cpu8
+layout; any run of at most 21 steps has the same learning-rate schedule, warmup 20), so the
+session's compile cache compiles it once. The one-process runs are in this process (the CLI's
+own main): a second process is what the launches are about, not what they are checked
+against."""
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -10,49 +18,69 @@ import time
 import numpy as np
 import pytest
 
+from jaxdist.cli.main import main
 from jaxdist.cluster.launch import free_port
-from jaxdist.metrics.records import read_metrics
 from tests.helpers import cli, cli_popen, losses, tiny_train
 
-pytestmark = pytest.mark.slow  # real processes, 12-30 s each
+pytestmark = pytest.mark.slow  # real processes, 10-30 s each
 STEPS = 8
 TRAIN = tiny_train(STEPS, checkpoint_every=4)
 LAUNCH_2X4 = ["launch", "--processes", "2", "--devices-per-process", "4", "--"]
 
 
-def one_process(run_dir, *extra, timeout=300):
-    r = cli(*TRAIN, "--devices", "cpu:8", "--run-dir", str(run_dir), *extra, timeout=timeout)
-    assert r.returncode == 0, r.stderr
-    return r
+def one_process(run_dir, capsys=None) -> str:
+    """`jaxdist train` as one process of 8 devices, in this process; its stderr."""
+    rc = main([*TRAIN, "--devices", "cpu:8", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err if capsys else ""
+    assert rc == 0, err
+    return err
 
 
-def two_processes(run_dir, *extra, timeout=300):
-    r = cli(*LAUNCH_2X4, *TRAIN, "--run-dir", str(run_dir), *extra, timeout=timeout)
+def no_gloo_lines(out: str) -> None:
+    # Gloo prints one line per communicator it connects (32 before the first step of this
+    # run); the launch must pass none of them on.
+    assert "[Gloo]" not in out, out[-3000:]
+
+
+def two_processes(run_dir) -> str:
+    r = cli(*LAUNCH_2X4, *TRAIN, "--run-dir", str(run_dir), timeout=300)
     assert r.returncode == 0, r.stderr
-    return r
+    no_gloo_lines(r.stdout + r.stderr)
+    return r.stderr
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """An uninterrupted one-process run: its directory and its losses."""
     run_dir = tmp_path_factory.mktemp("one")
     one_process(run_dir)
-    return losses(run_dir)
+    return run_dir, losses(run_dir)
 
 
-def test_two_processes_match_one(tmp_path, reference):
-    r = two_processes(tmp_path)
-    got = losses(tmp_path)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """An uninterrupted two-process run: its directory and the launcher's output."""
+    run_dir = tmp_path_factory.mktemp("two")
+    return run_dir, two_processes(run_dir)
+
+
+def _match(got: dict, reference: dict) -> None:
     assert sorted(got) == list(range(STEPS))
     np.testing.assert_allclose(
         [got[s] for s in range(STEPS)], [reference[s] for s in range(STEPS)], rtol=1e-5
     )
-    assert "[p0] step" in r.stderr and "[p1] step" not in r.stderr  # process 0 alone logs
 
 
-def _cut_after(run_dir, step):
-    """As if the run had died right after checkpointing `step`: later state is gone."""
-    import shutil
+def test_two_processes_match_one(launched, reference):
+    run_dir, err = launched
+    _match(losses(run_dir), reference[1])
+    assert "[p0] step" in err and "[p1] step" not in err  # process 0 alone logs
 
+
+def _cut_after(src, run_dir, step):
+    """A copy of the finished run `src`, as if it had died right after checkpointing `step`:
+    later state is gone."""
+    shutil.copytree(src, run_dir, dirs_exist_ok=True)
     for d in (run_dir / "checkpoints").iterdir():
         if d.name.isdigit() and int(d.name) > step:
             shutil.rmtree(d)
@@ -64,36 +92,60 @@ def _cut_after(run_dir, step):
     (run_dir / "metrics.jsonl").write_text("\n".join(kept) + "\n")
 
 
-@pytest.mark.parametrize("first, then", [("two", "one"), ("one", "two")])
-def test_checkpoint_restores_across_process_counts(tmp_path, reference, first, then):
-    run = {"one": one_process, "two": two_processes}
-    run[first](tmp_path)
-    _cut_after(tmp_path, 3)
-    r = run[then](tmp_path)
-    assert "resuming from checkpoint step 3" in r.stderr
-    got = losses(tmp_path)
-    np.testing.assert_allclose(
-        [got[s] for s in range(STEPS)], [reference[s] for s in range(STEPS)], rtol=1e-5
-    )
+def test_checkpoint_of_two_processes_restores_in_one(tmp_path, launched, reference, capsys):
+    _cut_after(launched[0], tmp_path, 3)
+    err = one_process(tmp_path, capsys)
+    assert "resuming from checkpoint step 3" in err
+    _match(losses(tmp_path), reference[1])
 
 
-def test_dead_process_ends_the_run_naming_it_then_relaunch_resumes(tmp_path):
-    long_run = [*TRAIN, "--steps", "400", "--run-dir", str(tmp_path), "--heartbeat-timeout", "5"]
-    launcher = cli_popen(*LAUNCH_2X4, *long_run)
-    deadline = time.monotonic() + 120
-    while len(read_metrics(tmp_path / "metrics.jsonl")) < 6 and time.monotonic() < deadline:
-        time.sleep(0.2)
+def test_checkpoint_of_one_process_restores_in_two(tmp_path, reference):
+    _cut_after(reference[0], tmp_path, 3)
+    err = two_processes(tmp_path)
+    assert "resuming from checkpoint step 3" in err
+    _match(losses(tmp_path), reference[1])
+
+
+@pytest.fixture(scope="module")
+def dead(tmp_path_factory):
+    """A two-process run whose process 1 stalls before step 6 (so process 0 waits in step 6's
+    collectives) and is killed with SIGKILL once process 0 has reported the slow step.
+    Returns the run directory, its arguments and the launcher's output."""
+    run_dir = tmp_path_factory.mktemp("dead")
+    # 20 steps: room for the relaunch's SIGTERM to land before the end.
+    run = [*tiny_train(20, 4), "--run-dir", str(run_dir), "--heartbeat-timeout", "5"]
+    # The stall outlasts what the test waits for: the run is held there, not raced.
+    stall = ["--fault-stall", "6:1:120", "--slow-step-factor", "3"]
+    launcher = cli_popen(*LAUNCH_2X4, *run, *stall)
+    seen = []
+    for line in launcher.stdout:
+        seen.append(line)
+        if line.startswith("[p0] slow step"):
+            break
     victim = subprocess.run(
-        ["pgrep", "-f", f"{tmp_path}.*--process-id 1"], capture_output=True, text=True
+        ["pgrep", "-f", f"{run_dir}.*--process-id 1"], capture_output=True, text=True
     ).stdout.split()
-    assert len(victim) == 1, victim
+    assert len(victim) == 1, (victim, "".join(seen)[-3000:])
     os.kill(int(victim[0]), signal.SIGKILL)
     t0 = time.monotonic()
     out, _ = launcher.communicate(timeout=120)
-    waited = time.monotonic() - t0
-    assert launcher.returncode != 0
+    return run_dir, run, "".join(seen) + out, launcher.returncode, time.monotonic() - t0
+
+
+def test_slow_step_is_reported_with_the_process_not_yet_arrived(dead):
+    out = dead[2]
+    line = [x for x in out.splitlines() if "slow step" in x and x.startswith("[p0]")]
+    assert line, out[-3000:]
+    # Process 0 finished step 5 and waits in step 6; process 1 sleeps before step 6.
+    assert "slow step 6:" in line[0] and "not yet arrived: process 1" in line[0]
+
+
+def test_dead_process_ends_the_run_naming_it_then_relaunch_resumes(dead):
+    run_dir, run, out, returncode, waited = dead
+    assert returncode != 0
     assert waited < 60, f"the survivor took {waited:.0f} s to stop"
     assert "process 1 was first to fail" in out, out[-3000:]
+    no_gloo_lines(out)
     # The survivor's own message, from JAX's coordination service, names the lost task too.
     # Its wording varies with timing: "Task 1 heartbeat timeout", or "The following tasks are
     # unhealthy (stopped sending heartbeats):" followed by a line holding just "1".
@@ -104,36 +156,20 @@ def test_dead_process_ends_the_run_naming_it_then_relaunch_resumes(tmp_path):
         out[-3000:]
     )
 
-    # Relaunch: it resumes; then a SIGTERM to the launcher reaches both processes, which
-    # save and exit 0, as a preempted job does.
-    relaunch = cli_popen(*LAUNCH_2X4, *long_run)
+    # Relaunch (without the stall): it resumes; then a SIGTERM to the launcher reaches both
+    # processes, which save and exit 0, as a preempted job does.
+    relaunch = cli_popen(*LAUNCH_2X4, *run)
     seen = []
     for line in relaunch.stdout:
         seen.append(line)
         if "[p0] step" in line:
             break
-    assert any("resuming from checkpoint step" in x for x in seen), "".join(seen)[-3000:]
+    assert any("resuming from checkpoint step 3" in x for x in seen), "".join(seen)[-3000:]
     relaunch.send_signal(signal.SIGTERM)
     rest, _ = relaunch.communicate(timeout=120)
     assert relaunch.returncode == 0, rest[-3000:]
     assert "SIGTERM received: saved step" in rest
-
-
-def test_slow_step_is_reported_with_the_process_not_yet_arrived(tmp_path):
-    r = two_processes(
-        tmp_path, "--steps", "12", "--fault-stall", "9:1:12", "--slow-step-factor", "3"
-    )
-    line = [x for x in r.stderr.splitlines() if "slow step" in x and x.startswith("[p0]")]
-    assert line, r.stderr[-3000:]
-    assert "not yet arrived: process 1" in line[0]
-
-
-def test_launch_output_holds_no_gloo_connection_lines(tmp_path):
-    # Gloo prints one such line per communicator it connects (32 before the first step here).
-    r = cli(*LAUNCH_2X4, "train", "--steps", "3", "--run-dir", str(tmp_path), timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "[p0] step" in r.stderr
-    assert "[Gloo]" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+    no_gloo_lines("".join(seen) + rest)
 
 
 def test_a_mesh_too_small_for_the_processes_devices_names_the_per_process_count(tmp_path):

@@ -24,14 +24,9 @@ from models.transformer import Transformer
 from tests.helpers import mesh_for
 
 STEPS, LAYERS = 3, 8
-SLOW = pytest.mark.slow  # the quick loop (-m "not slow") keeps one case of each test
-
-
-def _mesh(layout):
-    # "pipeline=4" alone: on the first 4 of the 8 devices.
-    if layout == "pipeline=4":
-        return build_mesh(parse_mesh(layout), jax.devices()[:4])
-    return mesh_for(layout)
+# The quick loop (-m "not slow") keeps one pipelined case, pipeline=4,data=2 interleaved, and
+# what shares its compiled programs (its init, its step in the comm report).
+SLOW = pytest.mark.slow
 
 
 def _compiled(
@@ -44,7 +39,7 @@ def _compiled(
         tx,
         lr,
         STANDARD_RULES,
-        _mesh(layout),
+        mesh_for(layout),
         StepConfig(
             microbatches,
             pipeline_schedule=schedule,
@@ -71,35 +66,27 @@ def reference():
     return _run("single")
 
 
+# One case per mechanism (compiling a layout's step is most of this file's time). The stage
+# code differs by: virtual stages (v > 1: layer chunks shuffled into place and back), the batch
+# axes beside `pipeline` (manual inside the shard_map: data replicates the weights, fsdp shards
+# them, gathered per stage), the axes left to the partitioner (tensor), and the last stage's
+# loss: fused in one chunk (the default 8192 tokens: a device's 2 x 128 per microbatch fit),
+# fused in several chunks (64 tokens, summed in a scan inside the shard_map) or unfused (0:
+# whole logits). Schedules differ only by their tables (checked below without a compile).
 @pytest.mark.parametrize(
-    "layout, schedule, virtual",
+    "layout, schedule, virtual, chunk",
     [
-        pytest.param("pipeline=8", "gpipe", 1, marks=SLOW),
-        ("pipeline=4,data=2", "1f1b", 1),
-        pytest.param("pipeline=4,data=2", "gpipe", 1, marks=SLOW),
-        pytest.param("pipeline=2,data=2,tensor=2", "1f1b", 1, marks=SLOW),
-        pytest.param("pipeline=2,fsdp=4", "1f1b", 1, marks=SLOW),
-        pytest.param("pipeline=4", "interleaved", 2, marks=SLOW),
-        pytest.param("pipeline=2,data=2,tensor=2", "interleaved", 2, marks=SLOW),
-        pytest.param("pipeline=2,fsdp=4", "interleaved", 4, marks=SLOW),
+        pytest.param("pipeline=8", "gpipe", 1, 8192, marks=SLOW),
+        ("pipeline=4,data=2", "interleaved", 2, 8192),
+        pytest.param("pipeline=2,data=2,tensor=2", "1f1b", 1, 64, marks=SLOW),
+        pytest.param("pipeline=2,data=2,tensor=2", "interleaved", 2, 0, marks=SLOW),
+        pytest.param("pipeline=2,fsdp=4", "interleaved", 4, 8192, marks=SLOW),
     ],
 )
-def test_pipelined_equals_unpipelined(reference, layout, schedule, virtual):
+def test_pipelined_equals_unpipelined(reference, layout, schedule, virtual, chunk):
     ref_losses, ref_params = reference
     microbatches = 8 if layout == "pipeline=8" else 4
-    losses, params = _run(layout, schedule, microbatches, virtual)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("chunk", [0, 64])
-def test_pipelined_last_stage_loss_fused_or_not(reference, chunk):
-    """The last stage's loss unfused (0: whole logits) and fused in several chunks (64 tokens
-    of a device's 2 x 128 per microbatch, summed in the scan inside the pipeline's
-    shard_map) give the unpipelined run's losses and parameters."""
-    ref_losses, ref_params = reference
-    losses, params = _run("pipeline=2,data=2,tensor=2", chunk=chunk)
+    losses, params = _run(layout, schedule, microbatches, virtual, chunk)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
@@ -231,32 +218,22 @@ def test_bad_pipeline_input():
     assert build_mesh(parse_mesh("pipeline=2,data=4")).shape["pipeline"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout, schedule",
-    [
-        pytest.param("pipeline=2,data=4", "gpipe", marks=SLOW),
-        ("pipeline=2,data=2,tensor=2", "1f1b"),
-    ],
+    "layout, schedule", [("pipeline=2,data=4", "gpipe"), ("pipeline=2,data=2,tensor=2", "1f1b")]
 )
-def test_comm_reports_the_permute_bytes_the_schedule_implies(layout, schedule):
-    from tests.helpers import cli
+def test_comm_reports_the_permute_bytes_the_schedule_implies(capsys, layout, schedule):
+    # In this process (its devices are the 8 fake CPUs --devices asks for; the session's
+    # compile cache stays as it is).
+    from jaxdist.cli.main import main
 
-    r = cli(
-        "comm",
-        "--model",
-        "tiny",
-        "--mesh",
-        layout,
-        "--devices",
-        "cpu:8",
-        "--microbatches",
-        "4",
-        "--pipeline-schedule",
-        schedule,
-        "--json",
+    args = ["--mesh", layout, "--devices", "cpu:8", "--compile-cache", "off", "--json"]
+    rc = main(
+        ["comm", "--model", "tiny", *args, "--microbatches", "4", "--pipeline-schedule", schedule]
     )
-    assert r.returncode == 0, r.stderr
-    (row,) = [x for x in json.loads(r.stdout)["rows"] if x["kind"] == "collective-permute"]
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    (row,) = [x for x in json.loads(out.out)["rows"] if x["kind"] == "collective-permute"]
     assert row["axis"] == "pipeline" and row["ratio"] == pytest.approx(1.0, abs=0.05)
     p = int(layout.split(",")[0].split("=")[1])
     assert row["count"] == 2 * make_schedule(schedule, p, 4).ticks  # both ways, every tick
@@ -267,9 +244,11 @@ def test_comm_reports_the_permute_bytes_the_schedule_implies(layout, schedule):
 )
 def test_comm_reports_the_interleaved_permute_bytes(layout, virtual):
     # Through the Python API, as `jaxdist comm` computes it: activations both ways every tick,
-    # plus the layer chunks moved into interleaved placement and their gradients back.
+    # plus the layer chunks moved into interleaved placement and their gradients back. The
+    # layouts' steps are test_pipelined_equals_unpipelined's: the session's compile cache has
+    # them.
     mc, c = _compiled(layout, "interleaved", virtual=virtual)
-    mesh, p = _mesh(layout), int(layout.split(",")[0].split("=")[1])
+    mesh, p = mesh_for(layout), int(layout.split(",")[0].split("=")[1])
     sched = make_schedule("interleaved", p, 4, virtual)
     ways = batch_ways(c.batch_sharding)
     act = pipeline.microbatch_bytes(16, 4, ways, mc.seq_len, mc.d_model, 4)

@@ -3,6 +3,7 @@ part is worked out on paper, synthetic traces for the edge cases, and real CPU t
 programs whose collectives follow from their shapes."""
 
 import json
+import os
 import pathlib
 import time
 
@@ -20,7 +21,7 @@ from jaxdist.profiling.breakdown import breakdown
 from jaxdist.profiling.report import profile
 from jaxdist.profiling.xplane import load
 from tests import cpu_trace
-from tests.helpers import cli, mesh_for
+from tests.helpers import mesh_for
 from tests.xspace import write
 
 MS = 1_000_000  # ns
@@ -255,6 +256,50 @@ def test_real_trace_compute_plus_allreduce(tmp_path):
     assert rep["model"]["gradient_bytes_per_step"] == pytest.approx(1024)
 
 
+def _train(run_dir: pathlib.Path, mesh: str, steps: int, *flags: str) -> None:
+    """`jaxdist train` of tiny in this process (its 8 fake CPU devices are --devices cpu:8),
+    tracing steps 1..3; the flags `setup` adds to XLA_FLAGS for a profile are undone after."""
+    args = ["--mesh", mesh, "--devices", "cpu:8", "--steps", str(steps), "--profile", "1:4"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+        rc = main(
+            [
+                "train",
+                *args,
+                *flags,
+                "--run-dir",
+                str(run_dir),
+                "--log-every",
+                "4",
+                "--checkpoint-every",
+                "100",
+                "--compile-cache",
+                "off",
+            ]
+        )
+    assert rc == 0
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """mesh -> its run directory, each trained once for the module. data=8 also watches
+    communication every 4 steps (test_watch_comm_warns_during_training): one run serves both,
+    and `jaxdist profile RUN_DIR` must then pick the --profile window among the traces."""
+    runs = {}
+
+    def get(mesh: str) -> pathlib.Path:
+        if mesh not in runs:
+            run_dir = tmp_path_factory.mktemp(mesh.replace("=", ""))
+            if mesh == "data=8":
+                _train(run_dir, mesh, 9, "--watch-comm", "0.001", "--watch-every", "4")
+            else:
+                _train(run_dir, mesh, 4)
+            runs[mesh] = run_dir
+        return runs[mesh]
+
+    return get
+
+
 @pytest.mark.slow
 # tiny's 476,416 parameters (tests/test_planner.py works them out), fp32. data=8: every
 # gradient all-reduced once per step, and one fp32 scalar with them: 4 x 476,416 + 4 bytes.
@@ -270,76 +315,41 @@ def test_real_trace_compute_plus_allreduce(tmp_path):
         ("fsdp=8", "fsdp", "all-gather", 4 * (2 * 394_240 + 82_176), 0.002),
     ],
 )
-def test_train_profile_attributes_dp_and_fsdp_steps(tmp_path, mesh, axis, kind, hand_bytes, rel):
-    r = cli(
-        "train",
-        "--mesh",
-        mesh,
-        "--devices",
-        "cpu:8",
-        "--steps",
-        "8",
-        "--profile",
-        "4:7",
-        "--run-dir",
-        str(tmp_path),
-        "--log-every",
-        "4",
-        "--checkpoint-every",
-        "100",
-    )
-    assert r.returncode == 0, r.stderr
-    rep = json.loads((tmp_path / "profile" / "breakdown.json").read_text())
-    assert sorted({x["step"] for x in rep["steps"]}) == [4, 5, 6]
+def test_train_profile_attributes_dp_and_fsdp_steps(
+    trained, tmp_path, capsys, mesh, axis, kind, hand_bytes, rel
+):
+    run_dir = trained(mesh)
+    rep = json.loads((run_dir / "profile" / "breakdown.json").read_text())
+    assert sorted({x["step"] for x in rep["steps"]}) == [1, 2, 3]
     assert len({x["device"] for x in rep["steps"]}) == 8
-    comm = cli("comm", "--mesh", mesh, "--devices", "cpu:8", "--json")
-    assert comm.returncode == 0, comm.stderr
-    expected = {(x["axis"], x["kind"]): x["bytes"] for x in json.loads(comm.stdout)["rows"]}
+    capsys.readouterr()
+    comm_args = ["--mesh", mesh, "--devices", "cpu:8", "--json", "--compile-cache", "off"]
+    assert main(["comm", *comm_args]) == 0
+    comm = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    expected = {(x["axis"], x["kind"]): x["bytes"] for x in comm["rows"]}
     for x in rep["steps"]:  # every traced step moved the bytes the compiled program says
         assert x["by_axis"][axis][kind]["bytes"] == expected[(axis, kind)]
         assert x["by_axis"][axis][kind]["bytes"] == pytest.approx(hand_bytes, rel=rel, abs=0)
-    assert (tmp_path / "profile" / "breakdown.png").stat().st_size > 10_000
+    assert (run_dir / "profile" / "breakdown.png").stat().st_size > 10_000
     # `jaxdist profile` of the run directory and of its profile/ say what the run said.
-    for path, name in ((tmp_path, "run.json"), (tmp_path / "profile", "profile.json")):
+    for path, name in ((run_dir, "run.json"), (run_dir / "profile", "profile.json")):
         assert main(["profile", str(path), "--json", str(tmp_path / name)]) == 0
         assert json.loads((tmp_path / name).read_text()) == rep, path
     assert {(x["axis"], x["kind"]) for x in rep["model"]["per_axis"]} >= {(axis, kind)}
 
 
 @pytest.mark.slow
-def test_watch_comm_warns_during_training(tmp_path):
-    from rich.console import Console
-
-    from jaxdist.checkpoint.interval import CheckpointConfig
-    from jaxdist.data import DataConfig
+def test_watch_comm_warns_during_training(trained, tmp_path):
     from jaxdist.metrics.records import read_metrics
-    from jaxdist.optim import OptimConfig
-    from jaxdist.step import StepConfig
-    from jaxdist.train import LoopConfig, RunConfig, fit
-    from meshes.presets import STANDARD_RULES
-    from models.presets import get_model_config, model_spec
 
-    fit(
-        model_spec(get_model_config("tiny")),
-        mesh_for("data=8"),
-        STANDARD_RULES,
-        RunConfig(
-            optim=OptimConfig(),
-            data=DataConfig(batch_size=16),
-            step=StepConfig(),
-            loop=LoopConfig(
-                steps=9, log_every=4, run_dir=str(tmp_path), watch_comm=0.001, watch_every=4
-            ),
-            checkpoint=CheckpointConfig(every="100"),
-        ),
-        console=Console(quiet=True),
-    )
-    watches = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event") == "watch"]
+    run_dir = trained("data=8")  # 9 steps, watching every 4, beside a --profile 1:4 window
+    records = read_metrics(run_dir / "metrics.jsonl")
+    watches = [r for r in records if r.get("event") == "watch"]
     # Windows at 4 (steps 4..6) and 8 (cut short by the end of the run, still reported).
     assert [w["step"] for w in watches] == [4, 8]
     assert watches[0]["comm_exposed"] > 0.001 and watches[0]["warnings"]
     # `jaxdist profile` of a watch window finds the HLO and mesh the trainer left beside it.
-    window = tmp_path / "watch" / "step_4"
+    window = run_dir / "watch" / "step_4"
     assert main(["profile", str(window), "--json", str(tmp_path / "again.json")]) == 0
     again = json.loads((tmp_path / "again.json").read_text())
     assert again == json.loads((window / "breakdown.json").read_text())

@@ -16,6 +16,9 @@ TRAIN = ["train", "--model", "tiny", "--steps", "8", "--batch-size", "16", "--lo
 TRAIN += ["--nonfinite", "rollback", "--devices", "cpu:8"]
 
 
+# Both cases inject the NaN at step 5 and differ only in the checkpoint interval, which the
+# host alone reads: the step (the injected step is part of it) is the same compiled program,
+# compiled once for both.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "bad, every, message",
@@ -28,9 +31,9 @@ TRAIN += ["--nonfinite", "rollback", "--devices", "cpu:8"]
             "step 5: NaN/Inf; rolled back to checkpoint step 5 (saved with step 5's update "
             "skipped), skipping batch 5",
         ),
-        # Checkpoints at 2, 5: the one of step 2 is at data position 3; batch 3 (whose update
-        # the rollback undoes) and the bad batch 4 are passed over.
-        (4, 3, "step 4: NaN/Inf; rolled back to checkpoint step 2, skipping batches 3..4"),
+        # Checkpoints at 3 (and 7, the last step): the one of step 3 is at data position 4;
+        # batch 4 (whose update the rollback undoes) and the bad batch 5 are passed over.
+        (5, 4, "step 5: NaN/Inf; rolled back to checkpoint step 3, skipping batches 4..5"),
     ],
 )
 def test_rollback_names_the_batches_it_skips(tmp_path, capsys, bad, every, message):

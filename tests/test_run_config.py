@@ -1,54 +1,81 @@
 """Runs you can trust: config files with flags on top, replay from config.json, every knob a
 flag checked before anything compiles, and resumes that keep the model and the data stream."""
 
+import contextlib
+import io
 import json
 
 import pytest
-from helpers import cli, losses, mesh_for
-from rich.console import Console
+from helpers import losses
 
 from jaxdist.cli.cmd_train import Train
 from jaxdist.cli.config_file import build, read
 from jaxdist.cli.main import main
-from jaxdist.data import DataConfig
 from jaxdist.errors import ConfigError
 from jaxdist.optim import OptimConfig
-from jaxdist.step import StepConfig
-from jaxdist.train import LoopConfig, RunConfig, fit
-from meshes.presets import STANDARD_RULES
-from models.presets import get_model_config, model_spec
 
-QUIET = Console(quiet=True)
 SMALL = ["--devices", "cpu:8", "--compile-cache", "off"]
 
 
-@pytest.mark.slow
-def test_a_replayed_config_json_gives_bitwise_the_same_losses(tmp_path):
-    (tmp_path / "run.yaml").write_text(
+def _main(argv: list[str]) -> tuple[int, str]:
+    """`jaxdist *argv` in this process: its exit code and what it wrote to stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, err.getvalue()
+
+
+def _metrics(run_dir) -> str:
+    return (run_dir / "metrics.jsonl").read_text()
+
+
+@pytest.fixture(scope="module")
+def reruns(tmp_path_factory):
+    """One run and what a user does with it afterwards, in order, each command run once for
+    the three tests below (a run of its own each cost a compile, an init and a save): a run
+    from a config file with a flag on top; its config.json replayed by --config alone (a new
+    run in runs/<time> under the working directory); the replay pointed at the finished run;
+    a resume with another batch size and seed; a resume with more steps and another learning
+    rate. What each step leaves is read as it happens."""
+    tmp = tmp_path_factory.mktemp("reruns")
+    (tmp / "run.yaml").write_text(
         "model: tiny-llama\nmesh: data=2,fsdp=2,tensor=2\nbatch_size: 8\n"
         "loop: {steps: 3, log_every: 1, seed: 3}\n"
         "optim: {learning_rate: 0.002, schedule: linear, b2: 0.99, eps: 1.0e-6}\n"
     )
-    first = tmp_path / "first"
-    # The file, and a flag on top of it.
-    r = cli(
-        "train",
-        "--config",
-        str(tmp_path / "run.yaml"),
-        "--warmup-steps",
-        "1",
-        "--run-dir",
-        str(first),
-        *SMALL,
-    )
-    assert r.returncode == 0, r.stderr
-    record = json.loads((first / "config.json").read_text())
+    first = tmp / "first"
+    out = {"first": first}
+    record = first / "config.json"
+    argv = ["train", "--config", str(tmp / "run.yaml"), "--warmup-steps", "1"]
+    assert _main([*argv, "--run-dir", str(first), *SMALL])[0] == 0
+    out["record"], out["metrics"] = json.loads(record.read_text()), _metrics(first)
+    out["losses"] = losses(first)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp)  # where runs/<time> goes
+        out["replay_rc"], out["replay_err"] = _main(["train", "--config", str(record)])
+    (out["replay"],) = (tmp / "runs").iterdir()
+    out["replay_losses"], out["metrics_after_replay"] = losses(out["replay"]), _metrics(first)
+    again = ["train", "--config", str(record), "--run-dir", str(first)]
+    out["finished"] = _main(again)
+    out["metrics_after_finished"] = _metrics(first)
+    out["attempts_after_finished"] = len(list((first / "attempts").glob("*.json")))
+    out["refused"] = _main([*again, "--batch-size", "16", "--seed", "1", "--steps", "4"])
+    out["record_after_refusal"] = json.loads(record.read_text())
+    out["resumed"] = _main([*again, "--steps", "4", "--lr", "0.001"])
+    out["losses_after_resume"] = losses(first)
+    attempts = sorted((first / "attempts").glob("*.json"))
+    out["attempt_steps"] = [json.loads(a.read_text())["loop"]["steps"] for a in attempts]
+    return out
+
+
+@pytest.mark.slow
+def test_a_replayed_config_json_gives_bitwise_the_same_losses(reruns):
+    record = reruns["record"]
+    # The file, and the flag given on top of it.
     assert record["cli"]["optim"]["warmup_steps"] == 1 and record["optim"]["eps"] == 1e-6
     assert record["cli"]["loop"]["seed"] == 3 and record["model"]["name"] == "tiny-llama"
-    again = tmp_path / "again"
-    r = cli("train", "--config", str(first / "config.json"), "--run-dir", str(again), *SMALL)
-    assert r.returncode == 0, r.stderr
-    assert losses(again) == losses(first) and len(losses(first)) == 3
+    assert reruns["replay_rc"] == 0, reruns["replay_err"]
+    assert reruns["replay_losses"] == reruns["losses"] and len(reruns["losses"]) == 3
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".toml", ".json"])
@@ -106,49 +133,24 @@ def test_bad_config_files_name_the_key(tmp_path, text, message):
         (["--config", "missing.yaml"], "config file missing.yaml does not exist"),
     ],
 )
-def test_bad_flags_end_in_one_message_before_anything_runs(flags, message):
-    r = cli("train", *flags, *SMALL)
-    assert r.returncode == 2, r.stderr
-    assert message in r.stderr and "Traceback" not in r.stderr
+def test_bad_flags_end_in_one_message_before_anything_runs(flags, message, capsys, monkeypatch):
+    def compiled(*args, **kwargs):
+        raise AssertionError("a step was built before the flag was refused")
+
+    monkeypatch.setattr("jaxdist.train.build", compiled)
+    # In-process: a traceback would escape main() as an exception, not as exit code 2.
+    assert main(["train", *flags, *SMALL]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("jaxdist: error: ") and message in line
 
 
 @pytest.mark.slow
 def test_a_custom_model_from_flags_trains(tmp_path):
-    r = cli(
-        "train",
-        "--model",
-        "custom",
-        "--style",
-        "llama",
-        "--layers",
-        "2",
-        "--d-model",
-        "64",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--d-mlp",
-        "128",
-        "--seq-len",
-        "32",
-        "--vocab",
-        "256",
-        "--steps",
-        "2",
-        "--weight-decay",
-        "0.05",
-        "--b1",
-        "0.8",
-        "--schedule",
-        "constant",
-        "--min-lr-ratio",
-        "0.5",
-        "--run-dir",
-        str(tmp_path),
-        *SMALL,
-    )
-    assert r.returncode == 0, r.stderr
+    argv = ["train", "--model", "custom", "--style", "llama", "--layers", "2", "--d-model", "64"]
+    argv += ["--heads", "4", "--kv-heads", "2", "--d-mlp", "128", "--seq-len", "32"]
+    argv += ["--vocab", "256", "--steps", "2", "--weight-decay", "0.05", "--b1", "0.8"]
+    argv += ["--schedule", "constant", "--min-lr-ratio", "0.5", "--run-dir", str(tmp_path)]
+    assert main([*argv, *SMALL]) == 0
     model = json.loads((tmp_path / "config.json").read_text())["model"]
     assert (model["name"], model["num_layers"], model["d_model"], model["num_kv_heads"]) == (
         "custom",
@@ -158,65 +160,37 @@ def test_a_custom_model_from_flags_trains(tmp_path):
     )
 
 
-def _run(run_dir, steps=2, batch_size=16, seed=0, lr=3e-3):
-    model = model_spec(get_model_config("tiny", seq_len=32))
-    config = RunConfig(
-        OptimConfig(learning_rate=lr, warmup_steps=1),
-        DataConfig(batch_size=batch_size, seed=seed),
-        StepConfig(),
-        LoopConfig(steps=steps, log_every=1, run_dir=str(run_dir), seed=seed),
-    )
-    console = Console(record=True, width=200, quiet=False, file=open("/dev/null", "w"))  # noqa: SIM115
-    fit(model, mesh_for("data=8"), STANDARD_RULES, config, console)
-    return console.export_text()
-
-
 @pytest.mark.slow
-def test_a_resume_with_another_batch_size_and_seed_is_refused_naming_both(tmp_path):
-    _run(tmp_path, steps=2)
-    with pytest.raises(ConfigError) as e:
-        _run(tmp_path, steps=4, batch_size=32, seed=1)
-    assert "data.batch_size 16 -> 32" in str(e.value) and "data.seed 0 -> 1" in str(e.value)
-    assert "--run-dir" in str(e.value)
+def test_a_resume_with_another_batch_size_and_seed_is_refused_naming_both(reruns):
+    rc, err = reruns["refused"]
+    assert rc == 2, err
+    (line,) = err.splitlines()
+    assert "data.batch_size 8 -> 16" in line and "data.seed 3 -> 1" in line
+    assert "--run-dir" in line
     # Refused before anything was written: the record still says what made the checkpoint.
-    assert json.loads((tmp_path / "config.json").read_text())["data"]["batch_size"] == 16
+    assert reruns["record_after_refusal"]["data"]["batch_size"] == 8
     # What may change does, and is logged; every attempt's configuration is kept.
-    out = _run(tmp_path, steps=4, lr=1e-3)
-    assert "changed on resume:" in out and "loop.steps 2 -> 4" in out
-    assert "optim.learning_rate 0.003 -> 0.001" in out
-    attempts = sorted((tmp_path / "attempts").glob("*.json"))
-    assert [json.loads(a.read_text())["loop"]["steps"] for a in attempts] == [2, 4]
-
-
-TINY = ["--model", "tiny", "--batch-size", "8", "--log-every", "1", "--devices", "cpu:8"]
+    rc, err = reruns["resumed"]
+    assert rc == 0, err
+    err = " ".join(err.split())
+    assert "changed on resume:" in err and "loop.steps 3 -> 4" in err
+    assert "optim.learning_rate 0.002 -> 0.001" in err
+    assert reruns["attempt_steps"] == [3, 4]
 
 
 @pytest.mark.slow
-def test_a_replay_is_a_new_run_and_a_finished_run_says_so_in_one_line(
-    tmp_path, monkeypatch, capsys
-):
-    monkeypatch.chdir(tmp_path)  # where runs/<time> goes
-    first = tmp_path / "first"
-    assert main(["train", *TINY, "--steps", "2", "--run-dir", str(first)]) == 0
-    before = (first / "metrics.jsonl").read_text()
-    capsys.readouterr()
+def test_a_replay_is_a_new_run_and_a_finished_run_says_so_in_one_line(reruns):
+    first, replay = reruns["first"], reruns["replay"]
     # --config alone: a new run of the recorded config, in a directory of its own, named.
-    assert main(["train", "--config", str(first / "config.json")]) == 0
-    err = capsys.readouterr().err
-    (replay,) = (tmp_path / "runs").iterdir()
-    assert f"run dir runs/{replay.name}" in " ".join(err.split())
-    assert losses(replay) == losses(first) and sorted(losses(first)) == [0, 1]
-    assert (first / "metrics.jsonl").read_text() == before  # the recorded run is untouched
+    assert f"run dir runs/{replay.name}" in " ".join(reruns["replay_err"].split())
+    assert reruns["metrics_after_replay"] == reruns["metrics"]  # the recorded run is untouched
     # --run-dir beside --config: that directory, as usual; finished, it says so and stops.
-    again = ["train", "--config", str(first / "config.json"), "--run-dir", str(first)]
-    assert main(again) == 0
-    err = capsys.readouterr().err
-    assert err.splitlines() == [
-        f"run {first} already finished step 1; pass --steps N (N > 2) to train further"
+    rc, err = reruns["finished"]
+    assert rc == 0 and err.splitlines() == [
+        f"run {first} already finished step 2; pass --steps N (N > 3) to train further"
     ]
-    assert (first / "metrics.jsonl").read_text() == before
-    assert len(list((first / "attempts").glob("*.json"))) == 1  # nothing written
-    # What it says to do trains further: the run resumes at step 2.
-    assert main([*again, "--steps", "3"]) == 0
-    assert "at step 2" in " ".join(capsys.readouterr().err.split())
-    assert sorted(losses(first)) == [0, 1, 2]
+    assert reruns["metrics_after_finished"] == reruns["metrics"]
+    assert reruns["attempts_after_finished"] == 1  # nothing written
+    # What it says to do trains further: the run resumes at step 3.
+    assert "at step 3" in " ".join(reruns["resumed"][1].split())
+    assert sorted(reruns["losses_after_resume"]) == [0, 1, 2, 3]

@@ -13,6 +13,8 @@ import pytest
 from helpers import cli, cli_popen, losses, mesh_for
 from rich.console import Console
 
+from jaxdist import train as loop
+from jaxdist.cli.main import main
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.data.encode import TokenizeConfig, tokenize
 from jaxdist.data.tokenset import TokenSet
@@ -144,14 +146,23 @@ def test_padded_ids_get_no_probability():
     rng = np.random.default_rng(0)
     logits = jax.numpy.asarray(rng.normal(size=(2, 5, 384)), jax.numpy.float32)
     targets = jax.numpy.asarray(rng.integers(0, 257, (2, 5)))
-    masked = cross_entropy(logits, targets, vocab_size=257)
-    np.testing.assert_allclose(masked, cross_entropy(logits[..., :257], targets), rtol=1e-6)
-    grad = jax.grad(lambda x: cross_entropy(x, targets, vocab_size=257))(logits)
+    # Jitted: one compile each, not one per eager op (the numbers are the same program's).
+    masked = jax.jit(lambda x: cross_entropy(x, targets, vocab_size=257))(logits)
+    whole = jax.jit(lambda x: cross_entropy(x[..., :257], targets))(logits)
+    np.testing.assert_allclose(masked, whole, rtol=1e-6)
+    grad = jax.jit(jax.grad(lambda x: cross_entropy(x, targets, vocab_size=257)))(logits)
     assert np.all(np.asarray(grad[..., 257:]) == 0) and np.isfinite(grad).all()
 
 
+# tiny's own length, as `jaxdist train` runs it: every step built here, by _run and by
+# cli_run has the same weights' shapes, so one compiled init (on the 3-axis mesh) and one set
+# of checkpoint programs serve them all.
+SEQ = 128
+TRAIN_MESH = "data=2,fsdp=2,tensor=2"
+
+
 def _compiled(layout, vocab, document_mask=True, microbatches=1, batch_size=16):
-    cfg = with_data_vocab(get_model_config("tiny", seq_len=64), vocab.size)
+    cfg = with_data_vocab(get_model_config("tiny", seq_len=SEQ), vocab.size)
     model = model_spec(cfg)
     tx, lr = make_optimizer(OptimConfig(warmup_steps=2), 10)
     step = StepConfig(microbatches=microbatches, document_mask=document_mask)
@@ -160,23 +171,37 @@ def _compiled(layout, vocab, document_mask=True, microbatches=1, batch_size=16):
     return model, c
 
 
+def _eval_loss(data_dir, layout: str, params) -> float:
+    """The eval loss over 3 held-out batches on `layout`, of `params` placed on it."""
+    model, c = _compiled(layout, Vocab(257, 256), microbatches=2 if "pipeline" in layout else 1)
+    assert model.vocab_size == 384
+    data = DataConfig(path=str(data_dir), batch_size=16)
+    held = TokenBatches(data, model.seq_len, model.vocab_size, split="eval")
+    return evaluate(c, jax.device_put(params, c.state_sharding.params), held, range(3))
+
+
+@pytest.fixture(scope="module")
+def one_device_eval(data_dir) -> tuple[float, object]:
+    """The reference every layout is held to, and the weights it is of: the initial weights
+    (as the runs below start from), evaluated on one device. Each layout evaluates these same
+    weights placed on its mesh: what is compared is the evaluation alone (init on every
+    layout is tests/test_equivalence.py's)."""
+    _, c = _compiled(TRAIN_MESH, Vocab(257, 256))
+    params = jax.device_get(c.init_fn().params)
+    value = _eval_loss(data_dir, "single", params)
+    assert np.isfinite(value)
+    return value, params
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data=8", "fsdp=8", "pipeline=2,data=4"])
-def test_eval_loss_on_any_mesh_equals_one_device(data_dir, layout):
-    vocab = Vocab(257, 256)
-    data = DataConfig(path=str(data_dir), batch_size=16)
-    values = {}
-    for name in ("single", layout):
-        model, c = _compiled(name, vocab, microbatches=2 if "pipeline" in name else 1)
-        assert model.vocab_size == 384
-        held = TokenBatches(data, model.seq_len, model.vocab_size, split="eval")
-        values[name] = evaluate(c, c.init_fn().params, held, range(3))
-    assert np.isfinite(values["single"])
-    np.testing.assert_allclose(values[layout], values["single"], rtol=1e-5)
+def test_eval_loss_on_any_mesh_equals_one_device(data_dir, one_device_eval, layout):
+    want, params = one_device_eval
+    np.testing.assert_allclose(_eval_loss(data_dir, layout, params), want, rtol=1e-5)
 
 
 def _run(data_dir, run_dir, eval_cfg, steps=6, document_mask=True):
-    model = model_spec(with_data_vocab(get_model_config("tiny", seq_len=64), 257))
+    model = model_spec(with_data_vocab(get_model_config("tiny", seq_len=SEQ), 257))
     config = RunConfig(
         OptimConfig(warmup_steps=2),
         DataConfig(path=data_dir and str(data_dir), batch_size=16),
@@ -184,31 +209,56 @@ def _run(data_dir, run_dir, eval_cfg, steps=6, document_mask=True):
         LoopConfig(steps=steps, log_every=1, run_dir=str(run_dir)),
         eval=eval_cfg,
     )
-    fit(model, mesh_for("data=2,fsdp=2,tensor=2"), STANDARD_RULES, config, QUIET)
+    fit(model, mesh_for(TRAIN_MESH), STANDARD_RULES, config, QUIET)
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return losses(run_dir), [r for r in records if "eval_loss" in r]
 
 
+@pytest.fixture(scope="module")
+def eval_runs(data_dir, tmp_path_factory):
+    """The same 4 steps with evaluation on and off (one compiled train step, which the mixture
+    test below reuses), and 1 step without the document mask."""
+    tmp = tmp_path_factory.mktemp("eval-runs")
+    on, evals = _run(data_dir, tmp / "on", EvalConfig(eval_every=2, eval_batches=2), steps=4)
+    off, none = _run(data_dir, tmp / "off", EvalConfig(eval_every=0), steps=4)
+    # Step 0 already differs: the first batch's rows hold several documents, and the same
+    # initial weights attend across them or not.
+    unmasked, _ = _run(data_dir, tmp / "unmasked", EvalConfig(eval_every=0), 1, False)
+    runs = {"on": on, "evals": evals, "off": off, "none": none, "unmasked": unmasked}
+    return runs | {"off_dir": tmp / "off"}
+
+
 @pytest.mark.slow
-def test_training_losses_with_eval_on_are_bitwise_those_with_eval_off(tmp_path, data_dir):
-    on, evals = _run(data_dir, tmp_path / "on", EvalConfig(eval_every=2, eval_batches=2))
-    off, none = _run(data_dir, tmp_path / "off", EvalConfig(eval_every=0))
-    assert on == off and len(on) == 6
-    assert not none
-    assert [r["step"] for r in evals] == [1, 3, 5]
-    assert all(np.isfinite(r["eval_loss"]) and r["eval_tokens"] == 2 * 16 * 64 for r in evals)
+def test_training_losses_with_eval_on_are_bitwise_those_with_eval_off(eval_runs):
+    on, off, evals = eval_runs["on"], eval_runs["off"], eval_runs["evals"]
+    assert on == off and len(on) == 4
+    assert not eval_runs["none"]
+    assert [r["step"] for r in evals] == [1, 3]
+    assert all(np.isfinite(r["eval_loss"]) and r["eval_tokens"] == 2 * 16 * SEQ for r in evals)
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # it learns the held-out text too
     # The mask changes what the model computes (rows hold several documents).
-    unmasked, _ = _run(data_dir, tmp_path / "unmasked", EvalConfig(eval_every=0), 2, False)
-    assert unmasked[1] != on[1]
+    assert eval_runs["unmasked"][0] != on[0]
 
 
 @pytest.mark.slow
-def test_resume_on_other_data_is_refused_before_compiling(tmp_path, data_dir):
-    _run(data_dir, tmp_path / "run", EvalConfig(eval_every=0), steps=2)
+def test_resume_on_other_data_is_refused_before_compiling(tmp_path, eval_runs, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(eval_runs["off_dir"], run)  # a finished 4-step run, resumed for 4 more
+
+    # The step is built (jitted, not compiled) before the check; compiling starts at the
+    # first call of one of its functions, which must not come.
+    built = loop.build
+
+    def never(*args, **kwargs):
+        raise AssertionError("compiled before the resume was refused")
+
+    def build(*args, **kwargs):
+        return built(*args, **kwargs)._replace(step_fn=never, init_fn=never, eval_fn=never)
+
+    monkeypatch.setattr("jaxdist.train.build", build)
     other = make_data(tmp_path, "other", random_docs(300, 9))
     with pytest.raises(ConfigError, match="another model or data stream.*fingerprint"):
-        _run(other, tmp_path / "run", EvalConfig(eval_every=0), steps=4)
+        _run(other, run, EvalConfig(eval_every=0), steps=8)
 
 
 def test_eval_with_raw_bytes_asks_for_held_out_data(tmp_path):
@@ -216,88 +266,64 @@ def test_eval_with_raw_bytes_asks_for_held_out_data(tmp_path):
         _run(None, tmp_path / "r", EvalConfig(eval_every=2), steps=2)
 
 
+# In this process: on the session's 8 CPU devices and its compile cache.
+IN_PROCESS = ["--devices", "cpu:8", "--compile-cache", "off"]
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """`jaxdist tokenize` (a BPE trained on the documents), then `jaxdist train` on its output
+    with evaluation and checkpoints, once for both command-line tests below (the second runs
+    the same command again, kills it and resumes it: this run is its reference)."""
+    tmp = tmp_path_factory.mktemp("cli")
+    src = write_docs(tmp / "text" / "a.jsonl", random_docs(300, 7))
+    data = tmp / "data"
+    tok = ["tokenize", "--input", str(src.parent), "--out", str(data), "--tokenizer", "train:320"]
+    assert main([*tok, "--eval-fraction", "0.2", "--workers", "2"]) == 0
+    train = ["train", "--data", str(data), "--steps", "10", "--eval-every", "5"]
+    train += ["--eval-batches", "2", "--batch-size", "16", "--log-every", "1"]
+    train += ["--checkpoint-every", "3"]
+    run_dir = tmp / "reference"
+    assert main([*train, "--run-dir", str(run_dir), *IN_PROCESS]) == 0
+    return train, run_dir
+
+
 @pytest.mark.slow
-def test_tokenize_train_eval_from_the_command_line(tmp_path):
-    src = write_docs(tmp_path / "text" / "a.jsonl", random_docs(300, 7))
-    out = tmp_path / "data"
-    r = cli(
-        "tokenize",
-        "--input",
-        str(src.parent),
-        "--out",
-        str(out),
-        "--tokenizer",
-        "train:320",
-        "--eval-fraction",
-        "0.2",
-        "--workers",
-        "2",
-    )
-    assert r.returncode == 0, r.stderr
-    run_dir = tmp_path / "run"
-    r = cli(
-        "train",
-        "--data",
-        str(out),
-        "--steps",
-        "4",
-        "--eval-every",
-        "2",
-        "--eval-batches",
-        "2",
-        "--batch-size",
-        "16",
-        "--run-dir",
-        str(run_dir),
-        "--devices",
-        "cpu:8",
-    )
-    assert r.returncode == 0, r.stderr
+def test_tokenize_train_eval_from_the_command_line(cli_run):
+    _, run_dir = cli_run
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model"]["vocab_size"] == 384 and config["data_source"]["vocab_size"] == 320
     last_eval = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last_eval = [x for x in last_eval if "eval_loss" in x][-1]
+    # Another process: evaluation on 4 devices, which this one (on 8) cannot become.
     r = cli("eval", str(run_dir), "--batches", "2", "--mesh", "fsdp=4", "--devices", "cpu:4")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["step"] == 4 and got["tokens"] == 2 * 16 * 128
+    assert got["step"] == 10 and got["tokens"] == 2 * 16 * 128
     np.testing.assert_allclose(got["loss"], last_eval["eval_loss"], rtol=1e-5)
     np.testing.assert_allclose(got["perplexity"], math.exp(got["loss"]), rtol=1e-9)
     assert 0 < got["bits_per_byte"] < 8
 
 
 @pytest.mark.slow
-def test_kill9_and_resume_stays_bitwise_on_tokenized_data(tmp_path, data_dir):
-    args = [
-        "train",
-        "--data",
-        str(data_dir),
-        "--steps",
-        "24",
-        "--batch-size",
-        "16",
-        "--log-every",
-        "1",
-        "--checkpoint-every",
-        "3",
-        "--devices",
-        "cpu:8",
-    ]
-    reference = tmp_path / "reference"
-    r = cli(*args, "--run-dir", str(reference))
-    assert r.returncode == 0, r.stderr
+def test_kill9_and_resume_stays_bitwise_on_tokenized_data(tmp_path, cli_run, capsys):
+    train, reference = cli_run
     run_dir = tmp_path / "killed"
-    p = cli_popen(*args, "--run-dir", str(run_dir))
+    # kill -9 needs a process of its own. It stalls before step 8 (losses of steps 0..6
+    # logged, checkpoints of steps 2 and 5 begun) so that it cannot finish before the kill,
+    # however fast or slow this machine is; the kill lands at the stall or before it.
+    stall = ["--fault-stall", "8:0:300"]
+    p = cli_popen(*train, "--run-dir", str(run_dir), "--devices", "cpu:8", *stall)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(losses_or_empty(run_dir)) < 10:
+    while time.monotonic() < deadline and len(losses_or_empty(run_dir)) < 6:
         time.sleep(0.05)
     assert p.poll() is None, "finished before it could be killed"
     p.send_signal(signal.SIGKILL)
     p.wait()
-    assert len(losses_or_empty(run_dir)) < 24
-    r = cli(*args, "--run-dir", str(run_dir))
-    assert r.returncode == 0, r.stderr
-    assert "resuming from checkpoint step" in r.stderr
+    assert len(losses_or_empty(run_dir)) < 10
+    capsys.readouterr()
+    assert main([*train, "--run-dir", str(run_dir), *IN_PROCESS]) == 0
+    assert "resuming from checkpoint step" in capsys.readouterr().err
     assert losses(run_dir) == losses(reference)  # bitwise, every step
 
 
@@ -326,13 +352,14 @@ def test_training_on_a_mixture_logs_its_realised_proportions(tmp_path):
     a = make_data(tmp_path, "a", random_docs(200, 1, "ab"))
     b = make_data(tmp_path, "b", random_docs(200, 2, "xy"))
     spec = f"web={a}:0.7,code={b}:0.3"
-    _, _ = _run(spec, tmp_path / "run", EvalConfig(eval_every=0), steps=3)
+    # 4 steps, as eval_runs: the same train step program (the session's cache has it).
+    _, _ = _run(spec, tmp_path / "run", EvalConfig(eval_every=0), steps=4)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     shares = [r["mixture"] for r in records if "loss" in r]
-    assert len(shares) == 3 and set(shares[-1]) == {"web", "code"}
+    assert len(shares) == 4 and set(shares[-1]) == {"web", "code"}
     counts = np.bincount(
         np.concatenate(
-            [TokenBatches(DataConfig(spec, 16), 64, 384).draw.sources(s) for s in range(3)]
+            [TokenBatches(DataConfig(spec, 16), SEQ, 384).draw.sources(s) for s in range(4)]
         ),
         minlength=2,
     )

@@ -19,8 +19,11 @@ from tests.helpers import CLI_ENV
 
 EXTRA = "needs the wandb extra: pip install 'jaxdist[wandb]'"
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason=EXTRA)
-TRAIN = ["train", "--model", "tiny", "--batch-size", "8", "--log-every", "1"]
+# tiny on the default mesh at batch 16, as the other tests' short runs: one step program for
+# the session (read back from its compile cache); --compile-cache off leaves that cache alone.
+TRAIN = ["train", "--model", "tiny", "--batch-size", "16", "--log-every", "1"]
 TRAIN += ["--checkpoint-every", "2", "--devices", "cpu:8", "--wandb", "jaxdist-test"]
+TRAIN += ["--compile-cache", "off"]
 
 
 def _records(path) -> list[bytes]:
@@ -118,6 +121,7 @@ def test_wandb_without_the_extra_is_one_line_before_anything_runs(tmp_path, monk
     assert not run.exists()
 
 
+@pytest.mark.slow  # a fresh interpreter: ~3 s of imports
 def test_the_library_does_not_import_wandb_unless_asked():
     code = (
         "import sys, jaxdist.train, jaxdist.metrics.wandb_log, jaxdist.cli.main; "

@@ -1,6 +1,9 @@
 """Watching a run: TensorBoard events read back by TensorBoard's own reader, and goodput
 accounting: a ledger driven by a fake clock, its every part known, and a real run killed
-with kill -9 twice and resumed, against the wall-clock this test measures apart."""
+with kill -9 twice and resumed, against the wall-clock this test measures apart.
+
+The run's attempts are processes of their own (killed; each attempt's start is its process's);
+`jaxdist goodput` runs in this process, main() read by capsys."""
 
 import json
 import pathlib
@@ -12,14 +15,19 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from jaxdist.cli.main import main
 from jaxdist.metrics import goodput
 from jaxdist.metrics.goodput import ALL_PARTS, PARTS, Ledger, read_report, report
 from jaxdist.metrics.records import MetricsLog, latest_per_step, read_metrics
 from jaxdist.metrics.tensorboard import TensorBoardLog
 from tests.helpers import cli, cli_popen, tiny_train
 
-STEPS = 30
-ARGS = [*tiny_train(STEPS, checkpoint_every=5), "--devices", "cpu:8"]
+# Checkpoints at steps 3, 7, 11 and 13. The kills (once a step past 4 is logged, then 3 steps
+# past the first attempt's last) land between checkpoints 3 and 7, then 7 and 11: each resume
+# recomputes steps. At most 21 steps: the learning-rate schedule, and so the step program, of
+# the session's other short tiny runs (compiled once, then read back from the cache).
+STEPS = 14
+ARGS = [*tiny_train(STEPS, checkpoint_every=4), "--devices", "cpu:8"]
 
 
 def tensorboard(tb_dir: pathlib.Path) -> EventAccumulator:
@@ -217,9 +225,9 @@ def _kill_after(run_dir: pathlib.Path, past_step: int) -> str:
 def killed_twice(tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("killed-twice")
     t0 = time.time()
-    errs = [_kill_after(run_dir, 7)]
+    errs = [_kill_after(run_dir, 4)]
     logged = max(r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r)
-    errs.append(_kill_after(run_dir, logged + 4))  # well past the steps it recomputes
+    errs.append(_kill_after(run_dir, logged + 3))  # past the steps it recomputes
     p = cli(*ARGS, "--run-dir", str(run_dir))
     assert p.returncode == 0, p.stderr
     errs.append(p.stderr)
@@ -291,18 +299,26 @@ def test_goodput_adds_up_over_two_kill9_and_their_resumes(killed_twice):
     assert 0 < rep["goodput"] < 1
 
 
+def _goodput(capsys, *args: str) -> tuple[int, str, str]:
+    """`jaxdist goodput *args` in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    rc = main(["goodput", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
 @pytest.mark.slow
-def test_goodput_command_json_and_plot(killed_twice, tmp_path):
+def test_goodput_command_json_and_plot(killed_twice, tmp_path, capsys):
     run_dir = str(killed_twice["run_dir"])
-    r = cli("goodput", run_dir, "--json")
-    assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout)
+    rc, out, err = _goodput(capsys, run_dir, "--json")
+    assert rc == 0, err
+    got = json.loads(out)
     assert got == json.loads(json.dumps(read_report(killed_twice["run_dir"])))
     assert set(got["parts_s"]) == set(ALL_PARTS)
     png = tmp_path / "goodput.png"
-    r = cli("goodput", run_dir, "--plot", str(png))
-    assert r.returncode == 0, r.stderr
-    assert "goodput" in r.stdout and "between" in r.stdout and "attempt 3" in r.stdout
+    rc, out, err = _goodput(capsys, run_dir, "--plot", str(png))
+    assert rc == 0, err
+    assert "goodput" in out and "between" in out and "attempt 3" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    r = cli("goodput", str(tmp_path))
-    assert r.returncode == 2 and "metrics.jsonl does not exist" in r.stderr
+    rc, _, err = _goodput(capsys, str(tmp_path))
+    assert rc == 2 and "metrics.jsonl does not exist" in err
