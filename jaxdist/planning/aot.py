@@ -1,7 +1,23 @@
 """Ahead-of-time: compile the real train step for abstract inputs, on the devices present or on
-a target this host does not have (jaxdist.planning.tpu), and read XLA's own figures: memory per
-device, the collectives per mesh axis, FLOPs. Nothing is allocated and nothing runs, so a
-layout that cannot fit is found before the fleet is rented."""
+a target this host does not have (jaxdist.planning.tpu, jaxdist.planning.gpu), and read XLA's
+own figures: memory per device, the collectives per mesh axis, FLOPs. Nothing is allocated and
+nothing runs, so a layout that cannot fit is found before the fleet is rented.
+
+What compiling without the device cannot see, where it matters:
+- cuDNN's own graph is not built: its workspace is missing from the temporaries, and whether
+  cuDNN accepts a shape is only checked on a GPU;
+- there is no autotuning, so kernel counts are approximate (the GEMM tiling cost model stands
+  in, --xla_gpu_experimental_cost_model_gemm_tiling_default);
+- cost_analysis() returns None on GPU: no XLA FLOP count there;
+- JAX's attention checks consult the CPU backend (it refuses head dim 256, which an H100
+  allows);
+- a multi-host GPU topology puts every device in one slice, so hosts are told apart by process
+  index;
+- the TPU compiler's memory_analysis() counts beyond its own buffer assignment (the planner's
+  tpu_copies, jaxdist.planning.memory).
+On a real GPU, `get_topology_for_devices(jax.devices()).target_config` gives the config to
+check planning/gpu_targets/ against.
+"""
 
 import math
 import re
