@@ -66,10 +66,6 @@ class Attempt:
     mixture: np.ndarray  # rows drawn per source, from step 0
     saves: list[float] = dataclasses.field(default_factory=list)
 
-    @property
-    def global_shape(self) -> tuple[int, int]:
-        return self.config.data.batch_size, self.model.seq_len + 1
-
     @functools.cached_property
     def eval_coverage(self) -> dict[str, int]:
         return coverage(self.held_out, self.config.eval.eval_batches)
@@ -78,7 +74,7 @@ class Attempt:
         # Stage 1: each process hands over only its own rows; JAX assembles the global batch.
         with self.ledger.part("data"):
             return jax.make_array_from_process_local_data(
-                self.jitted.batch_sharding, self.batches.batch(s), self.global_shape
+                self.jitted.batch_sharding, self.batches.batch(s), self.batches.global_shape
             )
 
     def count_mixture(self, s: int) -> None:
@@ -176,9 +172,8 @@ def open_attempt(
     interval = Interval(config.checkpoint, jax.device_count())
     if restored is not None:
         interval.last_saved = restored.step
-    global_shape = (data.batch_size, model.seq_len + 1)
     hw = loop.hardware if loop.hardware != "auto" else hardware.preset_name(jax.devices()[0])
-    capture = Capture(run_dir, loop, jitted, global_shape, mesh, hw, console, log)
+    capture = Capture(run_dir, loop, jitted, batches.global_shape, mesh, hw, console, log)
     watchdog = Watchdog(Console(stderr=True), loop.slow_step_factor)
     timer = StepTimer(model, data, loop, start, capture, watchdog, log, console, ledger)
     mixture = np.zeros(len(batches.sources), np.int64)

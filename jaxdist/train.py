@@ -183,12 +183,12 @@ def fit(
         # save commits in close_attempt.
         with PreemptionSignal(attempt.checkpointer.end_now) as signal_flag:
             try:
-                preempted = _loop(attempt, state, signal_flag)
-            except Exception:
+                return close_attempt(attempt, _loop(attempt, state, signal_flag))
+            finally:
+                # However the attempt ends (an error, a failed last save, a second Ctrl-C), what
+                # the sinks have queued still reaches their files; closing twice is a no-op.
                 if attempt.log:
-                    attempt.log.close()  # what the sinks have queued still reaches their files
-                raise
-            return close_attempt(attempt, preempted)
+                    attempt.log.close()
 
 
 def _held_out(model, config: RunConfig, jitted, batches, console) -> TokenBatches | None:

@@ -117,8 +117,8 @@ def _kill9_ten_times(cwd: pathlib.Path, rerun: list[str]) -> dict:
         if kills % 3 == 0:
             time.sleep(rng.uniform(0.2, 3.0))  # anywhere: import, compile, restore
         elif kills % 3 == 1:  # the moment an async save is writing
-            _wait(lambda: any(".orbax-checkpoint-tmp" in q.name for q in ckpt_dir.iterdir()), 30)
-            during_save += any(".orbax-checkpoint-tmp" in q.name for q in ckpt_dir.iterdir())
+            # Counted as seen, not looked up again: a save may finish in between.
+            during_save += _wait(lambda: bool(_tmp_dirs(ckpt_dir)), 30)
         else:  # mid-training, a little after a few new steps were logged
             _wait(lambda n=lines: len(read_metrics(run_dir / "metrics.jsonl")) > n + 3, 30)
             time.sleep(rng.uniform(0.0, 0.3))

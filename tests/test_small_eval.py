@@ -5,28 +5,20 @@ import json
 
 import numpy as np
 import pytest
-from rich.console import Console
 
 from jaxdist.cli.main import main
 from jaxdist.data import DataConfig, TokenBatches
-from jaxdist.data.encode import TokenizeConfig, tokenize
 from jaxdist.data.tokenset import TokenSet
 from jaxdist.evaluation import distinct_windows
 from jaxdist.metrics.records import read_metrics
+from tests.test_token_data import make_data, random_docs
 
 SEQ = 32  # windows of 33 tokens, neighbours sharing one: (tokens - 1) // 32 of them
 
 
-def make_data(root, name, seed, alphabet="abcdefgh "):
-    """200 random documents of 5-120 bytes, a tenth held out (as tests/test_token_data.py)."""
-    rng = np.random.default_rng(seed)
-    docs = ["".join(rng.choice(list(alphabet), rng.integers(5, 120))) for _ in range(200)]
-    src = root / f"{name}-src" / "docs.jsonl"
-    src.parent.mkdir(parents=True)
-    src.write_text("\n".join(json.dumps({"text": t}) for t in docs))
-    config = TokenizeConfig(inputs=(str(src),), out=str(root / name), eval_fraction=0.1, workers=1)
-    tokenize(config, Console(quiet=True))
-    return root / name
+def _data(root, name, seed, alphabet="abcdefgh "):
+    """200 random documents of 5-120 bytes, a tenth held out."""
+    return make_data(root, name, random_docs(200, seed, alphabet), eval_fraction=0.1)
 
 
 def _windows(data) -> int:
@@ -36,8 +28,8 @@ def _windows(data) -> int:
 def test_distinct_windows_match_the_rows_read(tmp_path):
     """The count from the stream's order, against the rows themselves: a mixture of two small
     eval splits, read for more rows than they hold (each source wraps at its own point)."""
-    a = make_data(tmp_path, "a", 1)
-    b = make_data(tmp_path, "b", 2, alphabet="ijklmnop ")
+    a = _data(tmp_path, "a", 1)
+    b = _data(tmp_path, "b", 2, alphabet="ijklmnop ")
     config = DataConfig(path=f"a={a}:0.7,b={b}:0.3", batch_size=8, seed=5)
     batches = TokenBatches(config, SEQ, 384, split="eval")
     assert batches.num_windows < 80  # so that 10 batches of 8 wrap
@@ -48,7 +40,7 @@ def test_distinct_windows_match_the_rows_read(tmp_path):
 
 @pytest.mark.slow
 def test_a_tiny_eval_split_is_warned_of_and_its_distinct_tokens_reported(tmp_path, capsys):
-    data = make_data(tmp_path, "data", 3)
+    data = _data(tmp_path, "data", 3)
     W = _windows(data)
     assert 8 <= W < 160  # 160: one evaluation of 20 batches of 8
     run = tmp_path / "run"

@@ -73,8 +73,8 @@ def run(args: Train) -> int:
         from jaxdist.hf.init_from import hf_vocab
         from models.hf_family import FAMILY
 
-        checked = hf_vocab(FAMILY, model_cfg, args.model, args.data, vocab_size, init is not None)
-        model = model_spec(checked)
+        hf_vocab(FAMILY, args.model, args.data, vocab_size, init is not None)
+        model = model_spec(model_cfg)
     else:
         model = model_spec(with_data_vocab(model_cfg, vocab_size))
     if args.compile_only:

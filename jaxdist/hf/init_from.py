@@ -49,10 +49,10 @@ def init_from(family: ModelFamily, args):
 
 
 def hf_vocab(
-    family: ModelFamily, config, spec: str, data: str | None, data_vocab: int, pretrained: bool
-):
-    """An HF architecture keeps its vocabulary; the data must fit in it, and pretrained
-    weights need the data tokenized with their own tokenizer. Returns `config`."""
+    family: ModelFamily, spec: str, data: str | None, data_vocab: int, pretrained: bool
+) -> None:
+    """An HF architecture keeps its vocabulary: refuses data that does not fit in it, and data
+    for pretrained weights not tokenized with their own tokenizer."""
     hf_model = family.open(spec)
     fix = f"jaxdist tokenize --tokenizer {hf_model.path / TOKENIZER} --out DIR --input FILE"
     if data_vocab > hf_model.vocab_size:
@@ -69,7 +69,6 @@ def hf_vocab(
                 f"tokenized with the model's tokenizer, so its ids mean other text to the "
                 f"pretrained weights; prepare it with {fix}"
             )
-    return config
 
 
 def initial_state(family: ModelFamily, model: OpenedModel, optim, steps: int):

@@ -182,10 +182,10 @@ def _comm_seconds(
     stages = sizes.get("pipeline", 1)
     exposed = hidden_candidates = 0.0
     by_axis = {}
+    # One collective per layer and microbatch: each pays the latency term.
+    messages = max(1, model.num_layers * m // max(1, stages))
     for (label, kind), nbytes in expected.items():
         group, link = _axis_link(label, sizes, hw)
-        # One collective per layer and microbatch: each pays the latency term.
-        messages = max(1, model.num_layers * m // max(1, stages))
         t = costmodel.collective_time(kind, nbytes / messages, group, link) * messages
         by_axis[f"{label} {kind}"] = {"bytes": nbytes, "seconds": t}
         if kind in OVERLAPPABLE or (kind == "all-reduce" and not _is_activation(label, rules)):
