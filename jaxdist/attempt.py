@@ -9,6 +9,7 @@ and counts a mixture's rows; `close_attempt` commits the last save and writes su
 
 import dataclasses
 import functools
+import hashlib
 import json
 import pathlib
 import time
@@ -21,8 +22,10 @@ from rich.console import Console
 
 from jaxdist import hardware
 from jaxdist.checkpoint.interval import Interval
+from jaxdist.checkpoint.local import LocalTier
 from jaxdist.checkpoint.resume import rerun_hint, restore_or_init, write_record
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
+from jaxdist.cluster.faults import Faults
 from jaxdist.cluster.watchdog import Watchdog
 from jaxdist.data import TokenBatches
 from jaxdist.evaluation import coverage, evaluate
@@ -64,7 +67,18 @@ class Attempt:
     watchdog: Watchdog
     timer: StepTimer
     mixture: np.ndarray  # rows drawn per source, from step 0
+    faults: Faults
+    local: LocalTier | None  # the node-local tier, if --local-checkpoint-dir
+    local_interval: Interval | None
     saves: list[float] = dataclasses.field(default_factory=list)
+
+    def newest_checkpoint(self) -> str:
+        """The newest committed checkpoint, in words; from a directory listing alone, so that
+        a thread may ask while the loop is stuck (Orbax's own lists may be locked)."""
+        steps = sorted(
+            int(p.name) for p in self.checkpointer.directory.glob("*") if p.name.isdigit()
+        )
+        return f"checkpoint {steps[-1]}, the newest committed," if steps else "no checkpoint"
 
     @functools.cached_property
     def eval_coverage(self) -> dict[str, int]:
@@ -95,6 +109,7 @@ class Attempt:
             loss = evaluate(self.jitted, state.params, self.held_out, range(n))
         seconds = time.perf_counter() - t0
         self.timer.exclude(seconds)
+        self.watchdog.alive()
         tokens, distinct = self.eval_coverage["tokens"], self.eval_coverage["distinct_tokens"]
         if self.log:
             self.log.write(
@@ -118,20 +133,46 @@ class Attempt:
         jax.block_until_ready(state)
         with self.ledger.part("checkpoint"):
             blocked = self.checkpointer.save(s, state, self.ckpt_meta)
-        self.timer.exclude(blocked)  # the device idles while the loop is blocked: reported apart
         self.saves.append(blocked)
+        self._saved("persistent", self.interval, s, blocked)
+
+    def save_local(self, state, s: int) -> None:
+        """A save to the node-local tier only: this process's own shards, on its own disk."""
+        jax.block_until_ready(state)
+        with self.ledger.part("checkpoint"):
+            blocked = self.local.save(s, state, self.ckpt_meta)
+        self._saved("local", self.local_interval, s, blocked)
+
+    def _saved(self, tier: str, interval: Interval, s: int, blocked: float) -> None:
+        self.timer.exclude(blocked)  # the device idles while the loop is blocked: reported apart
+        self.watchdog.alive()
         if self.log:  # per save, so a run that is killed still leaves its save costs behind
-            self.log.write({"event": "save", "step": s, "blocked_s": blocked})
-        chosen = self.interval.observe(s, blocked, self.timer.p50())
+            self.log.write({"event": "save", "tier": tier, "step": s, "blocked_s": blocked})
+        chosen = interval.observe(s, blocked, self.timer.p50())
         if chosen and self.log:
-            self.log.write({"event": "checkpoint_interval", "step": s, **chosen})
+            self.log.write({"event": "checkpoint_interval", "tier": tier, "step": s, **chosen})
             self.console.print(
-                f"checkpoint interval (Young-Daly): every {chosen['interval_steps']} "
+                f"{tier} checkpoint interval (Young-Daly): every {chosen['interval_steps']} "
                 f"steps = {chosen['interval_s']:.1f} s, from save cost "
-                f"{chosen['save_blocked_s'] * 1e3:.0f} ms and system MTBF "
+                f"{chosen['save_blocked_s'] * 1e3:.0f} ms and MTBF "
                 f"{chosen['mtbf_system_s'] / 3600:.1f} h",
                 highlight=False,
             )
+
+
+def _tiers(config: "RunConfig", run_dir: pathlib.Path, faults: Faults):
+    """The persistent checkpointer, the local tier (or None) and their intervals."""
+    ck = config.checkpoint
+    checkpointer = Checkpointer(run_dir / "checkpoints", ck.keep, rerun_hint(run_dir), faults)
+    interval = Interval(ck, jax.device_count())
+    local = local_interval = None
+    if ck.local_dir is not None:
+        # A folder per run: runs sharing a node's disk never prune each other's checkpoints.
+        run = str(run_dir.resolve())
+        key = f"{run_dir.resolve().name}-{hashlib.sha1(run.encode()).hexdigest()[:8]}"
+        local = LocalTier(pathlib.Path(ck.local_dir) / key, keep=2)
+        local_interval = Interval(ck, jax.device_count(), tier="local")
+    return checkpointer, interval, local, local_interval
 
 
 def open_attempt(
@@ -150,16 +191,29 @@ def open_attempt(
     }
     # Checked against the checkpoint's record before anything is written or compiled.
     record = write_record(run_dir, model, mesh, rules, config, data_record, extra, console)
-    checkpointer = Checkpointer(
-        run_dir / "checkpoints", config.checkpoint.keep, rerun_hint(run_dir)
-    )
+    faults = Faults(loop.faults(), run_dir, jax.process_index())
+    checkpointer, interval, local, local_interval = _tiers(config, run_dir, faults)
     shapes = param_shapes(jitted.abstract_state.params)
-    ckpt_meta = {"config": record, "param_shapes": shapes, "mesh": dict(mesh.shape)}
+    ckpt_meta = {
+        "config": record,
+        "param_shapes": shapes,
+        "mesh": dict(mesh.shape),
+        "run": str(run_dir.resolve()),  # a local tier is used only by the run that wrote it
+    }
     t_start = time.perf_counter()
     ledger = Ledger()  # goodput: every second of this attempt, from its process's start
-    state, start, restored = restore_or_init(
-        checkpointer, jitted, shapes, run_dir, console, init_state
-    )
+    try:
+        state, start, restored = restore_or_init(
+            checkpointer, jitted, shapes, run_dir, console, init_state, local,
+            config.checkpoint.allow_fresh_start,
+        )  # fmt: skip
+    except BaseException:
+        # Orbax's threads (the temporary directories' cleanup) end before the process does,
+        # or they complain at interpreter shutdown, after the one message that matters.
+        checkpointer.close()
+        if local is not None:
+            local.close()
+        raise
     ledger.begin(start, run_dir / "metrics.jsonl")
     log = None
     if jax.process_index() == 0:
@@ -169,12 +223,16 @@ def open_attempt(
                 wandb_log.WandbLog(run_dir, loop.wandb, loop.wandb_entity, record, console)
             )
         log = MetricsLog(run_dir / "metrics.jsonl", *sinks, stamp=ledger.fields)
-    interval = Interval(config.checkpoint, jax.device_count())
     if restored is not None:
         interval.last_saved = restored.step
+        if local_interval is not None:
+            local_interval.last_saved = restored.step
     hw = loop.hardware if loop.hardware != "auto" else hardware.preset_name(jax.devices()[0])
     capture = Capture(run_dir, loop, jitted, batches.global_shape, mesh, hw, console, log)
-    watchdog = Watchdog(Console(stderr=True), loop.slow_step_factor)
+    watchdog = Watchdog(
+        Console(stderr=True), loop.slow_step_factor, hang_timeout=loop.hang_timeout,
+        on_hang=log.close if log else None,
+    )  # fmt: skip
     timer = StepTimer(model, data, loop, start, capture, watchdog, log, console, ledger)
     mixture = np.zeros(len(batches.sources), np.int64)
     for s in range(start) if len(mixture) > 1 else ():
@@ -184,7 +242,7 @@ def open_attempt(
         held_out=held_out, run_dir=run_dir, console=console, checkpointer=checkpointer,
         shapes=shapes, ckpt_meta=ckpt_meta, t_start=t_start, ledger=ledger, start=start,
         log=log, interval=interval, capture=capture, watchdog=watchdog, timer=timer,
-        mixture=mixture,
+        mixture=mixture, faults=faults, local=local, local_interval=local_interval,
     )  # fmt: skip
     console.print(
         f"[bold]jaxdist[/] {model.name} ({jitted.num_params / 1e6:.2f}M params) on mesh "
@@ -199,6 +257,8 @@ def close_attempt(a: Attempt, preempted: tuple[int, str] | None) -> dict:
     a.capture.close()
     with a.ledger.part("checkpoint"):
         a.checkpointer.close()  # waits for the last save to commit
+        if a.local is not None:
+            a.local.close()
     if a.log:
         a.log.write({"event": "end"})  # the attempt's final accounting
         a.log.close()

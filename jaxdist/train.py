@@ -15,8 +15,10 @@ import dataclasses
 import json
 import pathlib
 import time
+from typing import Annotated
 
 import jax
+import tyro
 from jax.sharding import Mesh
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -25,12 +27,10 @@ from jaxdist import hardware
 from jaxdist.attempt import Attempt, close_attempt, open_attempt
 from jaxdist.checkpoint.interval import CheckpointConfig
 from jaxdist.checkpoint.lock import RunLock
-from jaxdist.checkpoint.recovery import (
-    NonFinitePolicy,
-    PreemptionSignal,
-    apply_nonfinite_policy,
-)
+from jaxdist.checkpoint.preemption import PreemptionSignal
+from jaxdist.checkpoint.recovery import NonFinitePolicy, apply_nonfinite_policy
 from jaxdist.checkpoint.resume import finished_step
+from jaxdist.cluster import faults as fault_injection
 from jaxdist.cluster.join import process_rows
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
@@ -66,8 +66,20 @@ class LoopConfig:
     """cost-model preset for profile reports (jaxdist.hardware); auto: the devices' own"""
     slow_step_factor: float = 10.0
     """report a step slower than this many times the p50 step, naming lagging processes"""
+    hang_timeout: float | None = None
+    """seconds without a finished step after which the run is declared hung: the stuck
+    processes are named, their stacks logged, and every process exits 124 (default: the larger
+    of 600 s and 20 x the p50 step; 0: off)"""
+    term_grace: float = 60.0
+    """after SIGTERM or SIGINT, seconds to reach the next step boundary and save; past them
+    the process exits 143 without saving (0: wait forever)"""
+    fault: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """fault injection, for tests and the chaos study: KIND:STEP:PROCESS[:SECONDS], KIND one of
+    kill, stall (with SECONDS), term, restore-error, disk-full; each fires once per run;
+    repeat the flag for several"""
     fault_stall: str | None = None
-    """fault injection, for testing the watchdog: STEP:PROCESS:SECONDS to stall"""
+    """fault injection, for testing the watchdog: STEP:PROCESS:SECONDS to stall (the same as
+    --fault stall:STEP:PROCESS:SECONDS)"""
     wandb: str | None = None
     """also log the TensorBoard scalars to this Weights & Biases project (pip install
     'jaxdist[wandb]'); offline, into RUN_DIR/wandb, without an API key; a resumed run
@@ -88,11 +100,16 @@ class LoopConfig:
             raise ConfigError(f"--watch-comm {self.watch_comm} is a fraction of a step: (0, 1)")
         if not self.slow_step_factor > 1:
             raise ConfigError(f"--slow-step-factor {self.slow_step_factor} must be > 1")
+        if self.hang_timeout is not None and self.hang_timeout < 0:
+            raise ConfigError(f"--hang-timeout {self.hang_timeout} must be >= 0 (0: off)")
+        if self.term_grace < 0:
+            raise ConfigError(f"--term-grace {self.term_grace} must be >= 0 (0: wait forever)")
+        for spec in self.faults():
+            fault_injection.parse(spec)
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"--peak-tflops {self.peak_tflops} must be > 0")
         if self.profile:
             parse_range(self.profile)
-        self.stall()
         if self.hardware != "auto":
             hardware.get_hardware(self.hardware)
         if self.wandb is not None:
@@ -102,16 +119,13 @@ class LoopConfig:
         elif self.wandb_entity is not None:
             raise ConfigError("--wandb-entity names who logs to --wandb PROJECT; add --wandb")
 
-    def stall(self) -> tuple[int, int, float] | None:
+    def faults(self) -> tuple[str, ...]:
+        """Every injected fault, --fault-stall among them."""
         if self.fault_stall is None:
-            return None
-        try:
-            step, process, seconds = self.fault_stall.split(":")
-            return int(step), int(process), float(seconds)
-        except ValueError:
-            raise ConfigError(
-                f"--fault-stall {self.fault_stall!r} is not STEP:PROCESS:SECONDS"
-            ) from None
+            return self.fault
+        if len(self.fault_stall.split(":")) != 3:
+            raise ConfigError(f"--fault-stall {self.fault_stall!r} is not STEP:PROCESS:SECONDS")
+        return (*self.fault, f"stall:{self.fault_stall}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +195,10 @@ def fit(
         # From here, SIGTERM or Ctrl-C stops the run at the next step boundary, saved; a second
         # Ctrl-C ends it at once, the save in flight abandoned (end_now), also while the last
         # save commits in close_attempt.
-        with PreemptionSignal(attempt.checkpointer.end_now) as signal_flag:
+        stop = PreemptionSignal(
+            attempt.checkpointer.end_now, config.loop.term_grace, attempt.newest_checkpoint
+        )
+        with stop as signal_flag:
             try:
                 return close_attempt(attempt, _loop(attempt, state, signal_flag))
             finally:
@@ -271,14 +288,13 @@ def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] |
     progress = _progress(console)
     preempted = None
     pending: tuple[int, dict] | None = None
-    stall = loop.stall()
     a.ledger.mark("startup")
     with progress, a.watchdog:
         task = progress.add_task("compiling", total=loop.steps, completed=a.start)
         s = a.start
         while s < loop.steps:
-            if stall and stall[:2] == (s, jax.process_index()):
-                time.sleep(stall[2])
+            a.faults.before_step(s)
+            a.watchdog.enter(s)
             # Stages 2-4: forward/backward, the collectives, the update; dispatched, not awaited.
             with a.capture.step(s, state):
                 state, metrics = jitted.step_fn(state, a.place(s))
@@ -301,6 +317,8 @@ def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] |
             stop = signal_flag.stop_at(s)
             if stop or a.interval.due(s) or s == loop.steps - 1:
                 a.save(state, s)
+            elif a.local is not None and a.local_interval.due(s):
+                a.save_local(state, s)
             if stop:
                 preempted = (s, signal_flag.received)
                 break

@@ -5,19 +5,22 @@ of 32 tokens, batch 8 (a step of ~0.05 s, not ~0.3 s: nothing here depends on th
 2 then cosine over 6 steps whatever the run's length, NaN injected at step 6. The restore and
 auto-interval runs stop before step 6; the non-finite policy runs meet it."""
 
+import errno
 import json
 import math
 import pathlib
 import shutil
+from unittest import mock
 
 import jax
 import numpy as np
 import pytest
 from rich.console import Console
 
+from jaxdist.checkpoint.damage import RestoreFailed, list_checkpoints
 from jaxdist.checkpoint.interval import CheckpointConfig, Interval, daly_interval_s
 from jaxdist.checkpoint.recovery import TrainingStopped
-from jaxdist.checkpoint.store import Checkpointer, list_checkpoints, param_shapes
+from jaxdist.checkpoint.store import Checkpointer, param_shapes
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.metrics.records import latest_per_step, read_metrics
@@ -121,6 +124,40 @@ def test_truncated_latest_checkpoint_falls_back_and_is_kept(tmp_path, saved_run)
     assert (tmp_path / "3.damaged").is_dir() and (tmp_path / "1").is_dir()
     rows = {r["name"]: r for r in list_checkpoints(tmp_path)}
     assert rows["1"]["valid"] and not rows["3.damaged"]["valid"]
+
+
+def test_a_missing_data_file_is_damage_and_is_set_aside(tmp_path, saved_run):
+    c, shapes = _copy(saved_run, tmp_path)
+    files = [f for f in (tmp_path / "3" / "state").rglob("*") if f.is_file() and "/d/" in str(f)]
+    max(files, key=lambda f: f.stat().st_size).unlink()  # Orbax: "Truncated ... stream"
+    restored = Checkpointer(tmp_path, keep=5).restore_latest(c.abstract_state, shapes)
+    assert restored.step == 1 and (tmp_path / "3.damaged").is_dir()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.EIO, "Input/output error"),  # a flaky network file system
+        OSError(errno.ESTALE, "Stale file handle"),
+        PermissionError(errno.EACCES, "Permission denied"),
+        MemoryError("out of memory"),
+        RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 5.2GiB"),
+        ValueError('UNKNOWN: Error reading "a/0" in OCDBT database: Input/output error'),
+        ValueError("UNAVAILABLE: DEADLINE_EXCEEDED reading gs://bucket/run/3"),
+    ],
+    ids=lambda e: type(e).__name__ + ":" + str(e)[:20],
+)
+def test_a_restore_error_that_shows_no_damage_stops_and_touches_nothing(tmp_path, saved_run, error):
+    c, shapes = _copy(saved_run, tmp_path)
+    ck = Checkpointer(tmp_path, keep=5)
+    with mock.patch.object(ck._manager, "restore", side_effect=error):
+        with pytest.raises(RestoreFailed) as stopped:
+            ck.restore_latest(c.abstract_state, shapes)
+    message = str(stopped.value)
+    assert f"checkpoint {tmp_path / '3'} could not be restored ({type(error).__name__}" in message
+    assert "left as they are" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "3"]  # nothing set aside
+    ck.close()
 
 
 @pytest.mark.slow

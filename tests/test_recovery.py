@@ -18,7 +18,7 @@ import time
 import pytest
 
 from jaxdist.checkpoint import abandon
-from jaxdist.checkpoint.store import list_checkpoints
+from jaxdist.checkpoint.damage import list_checkpoints
 from jaxdist.cli.main import main
 from jaxdist.metrics.records import read_metrics
 from tests.helpers import CLI_ENV, JAXDIST, losses

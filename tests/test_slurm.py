@@ -1,11 +1,16 @@
 """Training under a real Slurm: srun starts 2 tasks, JAX's Slurm detection joins them, and
-the losses match one process on the same mesh."""
+the losses match one process on the same mesh; the sbatch script's restart loop brings a run
+with a killed task back in the same allocation, to the same losses."""
 
 import json
+import os
+import re
+import sys
 
 import numpy as np
 import pytest
 
+from jaxdist.cluster import restarts
 from tests.helpers import JAXDIST, cli, losses, tiny_train
 from tests.slurm_cluster import SlurmCluster, why_not
 
@@ -63,3 +68,48 @@ def test_sbatch_accepts_the_rendered_script(cluster, tmp_path):
     r = cluster.run(["sbatch", "--test-only", str(path)], timeout=60)
     assert r.returncode == 0, r.stderr
     assert "to start at" in r.stderr
+
+
+def test_sbatch_restarts_a_killed_task_in_the_allocation(cluster, tmp_path):
+    train = [*tiny_train(6, checkpoint_every=2), "--devices", "cpu:4"]
+    ref = tmp_path / "ref"
+    r = cli(*train[:-2], "--devices", "cpu:8", "--run-dir", str(ref), timeout=300)
+    assert r.returncode == 0, r.stderr
+    rendered = cli(
+        "slurm",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "0",
+        "--max-restarts",
+        "2",
+        "--",
+        *train,
+        "--fault",
+        "kill:3:1",  # SIGKILL to process 1 before step 3, once: the rerun replays from a save
+        timeout=60,
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    (tmp_path / "job.sh").write_text(rendered.stdout)
+    # Two tasks on the one node (the script asks one per node when there are no GPUs); the
+    # job's `python` is this one.
+    r = cluster.run(
+        ["sbatch", "--wait", "--parsable", "--ntasks-per-node=2", "job.sh"],
+        cwd=tmp_path,
+        timeout=900,
+        env={"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]},
+    )
+    job_id = r.stdout.strip()
+    log = next(tmp_path.glob("jaxdist-*.out")).read_text()
+    assert r.returncode == 0, r.stderr + log[-5000:]
+    run_dir = tmp_path / "runs" / f"jaxdist-{job_id}"  # the script's default: JOB_NAME-JOB_ID
+    (rec,) = restarts.read(run_dir)
+    assert rec["restart"] == 1 and rec["max_restarts"] == 2 and rec["by"] == "slurm"
+    # srun's own code is the stopped task's; the cause names the task that was killed.
+    assert re.fullmatch(r"srun exited \d+ \(task 1 killed by SIGKILL\)", rec["cause"]), rec
+    assert f"jaxdist: attempt 1: {rec['cause']}; restart 1 of 2" in log
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["devices"]["processes"] == 2 and config["devices"]["count"] == 8
+    got, want = losses(run_dir), losses(ref)
+    assert list(got) == list(want) == list(range(6))
+    np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=1e-5)

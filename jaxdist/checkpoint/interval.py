@@ -32,22 +32,37 @@ class CheckpointConfig:
         DEFAULT_MTBF_HOURS_PER_DEVICE
     )
     """device MTBF for the auto interval (Llama 3 saw ~50,700 GPU-hours per interruption)"""
+    allow_fresh_start: Annotated[bool, tyro.conf.arg(aliases=("--allow-fresh-start",))] = False
+    """start again at step 0 when the run holds checkpoints but none restores (they stay)"""
+    local_dir: Annotated[str | None, tyro.conf.arg(aliases=("--local-checkpoint-dir",))] = None
+    """node-local directory (tmpfs, local disk) for a fast second tier: each process saves its
+    own shards there; a restore takes the newest good checkpoint of both tiers"""
+    local_every: Annotated[str, tyro.conf.arg(aliases=("--local-checkpoint-every",))] = "auto"
+    """steps between local checkpoints, or auto: Young-Daly from their measured cost"""
+    local_loss_share: Annotated[float, tyro.conf.arg(aliases=("--local-loss-share",))] = 0.78
+    """share of failures that lose a node's local tier (a host replaced), which only the
+    persistent tier survives; it sets the persistent interval when there is a local tier
+    (Llama 3: 78% of interruptions were hardware)"""
 
-    def fixed_steps(self) -> int | None:
-        if self.every == "auto":
+    def fixed_steps(self, every: str | None = None, flag: str = "--checkpoint-every") -> int | None:
+        every = self.every if every is None else every
+        if every == "auto":
             return None
         try:
-            n = int(self.every)
+            n = int(every)
         except ValueError:
-            raise ConfigError(
-                f"--checkpoint-every {self.every!r} is neither a step count nor 'auto'"
-            ) from None
+            raise ConfigError(f"{flag} {every!r} is neither a step count nor 'auto'") from None
         if n < 1:
-            raise ConfigError(f"--checkpoint-every {n} must be at least 1 (or 'auto')")
+            raise ConfigError(f"{flag} {n} must be at least 1 (or 'auto')")
         return n
 
     def validate(self) -> None:
         self.fixed_steps()
+        self.fixed_steps(self.local_every, "--local-checkpoint-every")
+        if self.local_every != "auto" and self.local_dir is None:
+            raise ConfigError("--local-checkpoint-every needs --local-checkpoint-dir DIR")
+        if not 0 < self.local_loss_share <= 1:
+            raise ConfigError(f"--local-loss-share {self.local_loss_share} must lie in (0, 1]")
         if self.keep < 1:
             raise ConfigError(f"--checkpoint-keep {self.keep} must be at least 1")
         if self.mtbf_hours_per_device <= 0:
@@ -65,10 +80,16 @@ def daly_interval_s(cost_s: float, mtbf_s: float) -> float:
 class Interval:
     """Decides, step by step, whether to save; refines itself from each measured save."""
 
-    def __init__(self, config: CheckpointConfig, num_devices: int):
+    def __init__(self, config: CheckpointConfig, num_devices: int, tier: str = "persistent"):
+        """tier "local": the node-local tier (every failure but a lost node is restored from
+        it); "persistent" with a local tier beside it guards only against the failures that
+        lose it, so its MTBF is the system's over `local_loss_share`."""
         config.validate()
-        self.fixed = config.fixed_steps()
+        local = tier == "local"
+        self.fixed = config.fixed_steps(config.local_every if local else None)
         self.mtbf_s = config.mtbf_hours_per_device * 3600 / num_devices
+        if not local and config.local_dir is not None:
+            self.mtbf_s /= config.local_loss_share
         self.blocked_s: list[float] = []
         self.steps = self.fixed
         self.last_saved: int | None = None

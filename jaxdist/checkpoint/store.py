@@ -5,7 +5,9 @@ A checkpoint holds the train state (parameters, optimizer state, and the data po
 resolved config, rule table, mesh, parameter shapes and a fingerprint of the state. The
 fingerprint (per-array sums) is checked on restore, so a damaged checkpoint that still reads is
 caught; one that does not read is caught by the read. Either way the run falls back to the
-previous checkpoint, and the damaged one is renamed aside (`<step>.damaged`), never deleted.
+previous checkpoint, and the damaged one is renamed aside (`<step>.damaged`), never deleted. A
+restore error that does not show damage (out of memory, an I/O error that may pass) stops the
+run instead, touching nothing (jaxdist.checkpoint.damage).
 
 Orbax commits atomically (write to a temporary directory, then rename), so a save cut short by
 a crash is never listed as a checkpoint.
@@ -34,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxdist.checkpoint import abandon
+from jaxdist.checkpoint import abandon, damage
 from jaxdist.checkpoint.writefail import (
     FULL,
     CheckpointWriteFailed,
@@ -44,6 +46,7 @@ from jaxdist.checkpoint.writefail import (
     remove_partial,
     write_errno,
 )
+from jaxdist.cluster import faults as fault_injection
 from jaxdist.cluster.join import local_value
 from jaxdist.errors import ConfigError
 
@@ -104,9 +107,16 @@ class Checkpointer:
     how the messages tell to resume (the run's directory to pass, where it has one).
     """
 
-    def __init__(self, directory: pathlib.Path, keep: int = 3, rerun: str = RERUN):
+    def __init__(
+        self,
+        directory: pathlib.Path,
+        keep: int = 3,
+        rerun: str = RERUN,
+        faults: fault_injection.Faults = fault_injection.NONE,
+    ):
         self.directory = directory.absolute()
         self.rerun = rerun
+        self.faults = faults
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -152,6 +162,10 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()  # the previous save: committed, refused as non-finite, or failed (raises)
         self._check_space(state)
+        try:
+            self.faults.before_save(step)
+        except OSError as e:
+            raise self._fail(step, e) from e
         fingerprint = concurrent.futures.Future()
         record = {**meta, "step": step, "fingerprint": fingerprint, "saved_at": time.time()}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=_RecordSave(record))
@@ -195,6 +209,11 @@ class Checkpointer:
             self.wait()
         finally:
             self._manager.close()  # Orbax raises a failed save once per thread: not again here
+            # Orbax's cleanup of unfinished saves runs in a thread close() does not wait for;
+            # a process that ends first (a restore that stops the run) gets its traceback.
+            cleanup = getattr(self._manager, "_cleanup_tmp_directory_future", None)
+            if cleanup is not None:
+                cleanup.result()
 
     def end_now(self) -> NoReturn:
         """Ends the process at once, the save in flight abandoned and its directory removed
@@ -299,28 +318,35 @@ class Checkpointer:
     def restore_latest(
         self, abstract_state, expect_shapes: dict[str, list[int]]
     ) -> Restored | None:
-        """The newest checkpoint that reads and verifies, laid out as `abstract_state` says."""
+        """The newest checkpoint that reads and verifies, laid out as `abstract_state` says.
+
+        A checkpoint the read shows damaged is set aside and the next older tried; any other
+        error raises RestoreFailed, every checkpoint left in place (jaxdist.checkpoint.damage).
+        """
         for step in reversed(self.steps()):
+            path = self.directory / str(step)
             try:
+                self.faults.before_restore(step)
                 meta = self.read_meta(step)
-            except (OSError, json.JSONDecodeError) as e:
-                self._set_aside(step, f"its record is unreadable ({e})")
-                continue
-            if meta.get("param_shapes") != expect_shapes:
-                raise ConfigError(
-                    f"checkpoint {self.directory / str(step)} was written for model "
-                    f"{meta.get('config', {}).get('model', {}).get('name', '?')} with other "
-                    "parameter shapes than this run's model; use another --run-dir, or the "
-                    "--model and sizes it was written with"
-                )
-            try:
+                if meta.get("param_shapes") != expect_shapes:
+                    raise ConfigError(
+                        f"checkpoint {path} was written for model "
+                        f"{meta.get('config', {}).get('model', {}).get('name', '?')} with other "
+                        "parameter shapes than this run's model; use another --run-dir, or the "
+                        "--model and sizes it was written with"
+                    )
                 restored = self._manager.restore(
                     step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
                 )
                 state = restored.state
                 fp = fingerprint(state)
-            except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
-                self._set_aside(step, f"it does not read ({type(e).__name__}: {str(e)[:200]})")
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - sorted below: damage, or stop untouched
+                why = damage.damage_shown(e)
+                if why is None:
+                    raise damage.restore_failed(path, e, self.rerun) from e
+                self._set_aside(step, why)
                 continue
             want = np.asarray(meta["fingerprint"])
             if fp.shape != want.shape or not np.allclose(fp, want, rtol=1e-4, atol=1e-3):
@@ -330,14 +356,7 @@ class Checkpointer:
         return None
 
     def _set_aside(self, step: int, why: str) -> None:
-        src = self.directory / str(step)
-        dst = self.directory / f"{step}.damaged"
-        n = 1
-        while dst.exists():
-            dst, n = self.directory / f"{step}.damaged{n}", n + 1
-        log.warning("checkpoint %s is damaged: %s; moved to %s, falling back", src, why, dst.name)
-        if jax.process_index() == 0:
-            shutil.move(src, dst)
+        damage.set_aside(self.directory, step, why)
         self._manager.reload()
 
 
@@ -352,43 +371,3 @@ def restore(run_dir: str | pathlib.Path, abstract_state) -> Restored | None:
         return checkpointer.restore_latest(abstract_state, param_shapes(abstract_state.params))
     finally:
         checkpointer.close()
-
-
-def list_checkpoints(directory: pathlib.Path) -> list[dict]:
-    """Every step directory with its size, mesh and whether it looks complete and readable."""
-    if not directory.is_dir():
-        raise ConfigError(
-            f"{directory} is not a directory; pass a run directory or its checkpoints/ folder"
-        )
-    if (directory / "checkpoints").is_dir():
-        directory = directory / "checkpoints"
-    rows = []
-    for path in sorted(directory.iterdir(), key=lambda p: (len(p.name), p.name)):
-        if not path.is_dir():
-            continue
-        size = dir_bytes(path)
-        row = dict(name=path.name, step=None, bytes=size, mesh=None, valid=False, why="")
-        head = path.name.split(".")[0]
-        row["step"] = int(head) if head.isdigit() else None
-        if not path.name.isdigit():
-            row["why"] = "set aside as damaged" if ".damaged" in path.name else "incomplete"
-        elif (
-            not (path / "commit_success.txt").exists()
-            and not (path / "_CHECKPOINT_METADATA").exists()
-        ):
-            row["why"] = "not committed"
-        else:
-            try:
-                meta = json.loads((path / "meta" / "metadata").read_text())
-                row["mesh"] = meta.get("mesh")
-                missing = [
-                    p
-                    for p in ("state/_METADATA", "state/manifest.ocdbt")
-                    if not (path / p).exists()
-                ]
-                row["valid"] = not missing
-                row["why"] = f"missing {', '.join(missing)}" if missing else ""
-            except (OSError, json.JSONDecodeError):
-                row["why"] = "record unreadable"
-        rows.append(row)
-    return rows

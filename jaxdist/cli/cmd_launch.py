@@ -20,6 +20,9 @@ class Launch:
     platform: Literal["cpu", "gpu"] = "cpu"
     """cpu: fake CPU devices per process; gpu: that many local GPUs per process"""
     port: int | None = None
+    max_restarts: int = 0
+    """after a failure (an exit, a kill, a declared hang) start every process again, up to N
+    times; each attempt resumes from the newest good checkpoint (needs --run-dir)"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +35,9 @@ class Slurm:
     """0: CPU tasks with fake devices (one per node)"""
     time: str = "24:00:00"
     job_name: str = "jaxdist"
+    max_restarts: int = 0
+    """after a failed srun (an exit, a kill, a declared hang) run it again, up to N times, in
+    the same allocation; each attempt resumes from the newest good checkpoint"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +83,23 @@ def passthrough(argv: list[str]) -> int:
         from jaxdist.cluster.launch import launch
 
         return launch(
-            args.processes, args.devices_per_process, train_args, args.platform, args.port
+            args.processes,
+            args.devices_per_process,
+            train_args,
+            args.platform,
+            args.port,
+            max_restarts=args.max_restarts,
         )
     if isinstance(args, Slurm):
         print(
-            manifests.sbatch(args.nodes, args.gpus_per_node, train_args, args.job_name, args.time),
+            manifests.sbatch(
+                args.nodes,
+                args.gpus_per_node,
+                train_args,
+                args.job_name,
+                args.time,
+                max_restarts=args.max_restarts,
+            ),
             end="",
         )
     else:

@@ -23,7 +23,7 @@ def checkpoints(args: Checkpoints) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from jaxdist.checkpoint.store import list_checkpoints
+    from jaxdist.checkpoint.damage import list_checkpoints
 
     rows = list_checkpoints(pathlib.Path(args.run_dir))
     if args.json:

@@ -6,7 +6,9 @@ returns the exit code of the first process that failed, naming it; SIGTERM/SIGIN
 on to every process (they save and exit, as a preempted run does).
 """
 
+import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -14,6 +16,7 @@ import sys
 import threading
 import time
 
+from jaxdist.cluster import restarts
 from jaxdist.errors import ConfigError
 
 
@@ -100,10 +103,49 @@ def launch(
     platform: str = "cpu",
     port: int | None = None,
     grace_s: float = 30.0,
+    max_restarts: int = 0,
 ) -> int:
     """Runs `jaxdist <train_args>` as `processes` processes of one run; returns 0, or the exit
-    code of the first process that failed (a signal's as 128 + its number)."""
+    code of the first process that failed (a signal's as 128 + its number).
+
+    With `max_restarts`, a failed attempt (a process's non-zero exit, a kill, a declared hang;
+    or a signal to one process that stopped the run short of its end) is followed by a new
+    one, every process started again, up to that many times: each resumes from the newest good
+    checkpoint, and each restart is printed and recorded in RUN_DIR/restarts.jsonl."""
     _check(processes, devices_per_process, train_args)
+    run_dir = _run_dir(train_args)
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts {max_restarts} must be >= 0")
+    if max_restarts and run_dir is None:
+        raise ConfigError(
+            "--max-restarts resumes each attempt from the run's checkpoints: give the train "
+            "command --run-dir DIR"
+        )
+    stopped: list[int] = []  # a signal to the launcher itself: pass it on, never restart
+    restart = 0
+    while True:
+        rc, cause = _attempt(
+            processes, devices_per_process, train_args, platform, port, grace_s, stopped
+        )
+        if rc == 0 and cause is None or stopped:
+            return rc
+        if restart >= max_restarts:
+            if rc == 0:
+                sys.stderr.write(f"jaxdist launch: {cause}; no restart left\n")
+            return rc if rc else 1
+        restart += 1
+        sys.stderr.write(
+            f"jaxdist launch: restart {restart} of {max_restarts} after: {cause}; every process "
+            "starts again and resumes from the newest good checkpoint\n"
+        )
+        restarts.record(run_dir, restart, max_restarts, cause, "launch")
+        port = None  # a fresh coordinator port: the old one may linger in TIME_WAIT
+
+
+def _attempt(processes, devices_per_process, train_args, platform, port, grace_s, stopped):
+    """One attempt: every process started, streamed, waited for. Returns (exit code, why it
+    needs a restart or None): the first failure's code and cause, or 0 and a cause when the
+    run stopped short of its end on a signal the launcher did not send."""
     port = port or free_port()
     procs = [
         _start(i, processes, devices_per_process, train_args, platform, port)
@@ -117,6 +159,7 @@ def launch(
         t.start()
 
     def forward(signum, frame):
+        stopped.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -135,5 +178,30 @@ def launch(
     if first_failure:
         i, rc = first_failure
         sys.stderr.write(f"jaxdist launch: failed; process {i} was first to fail (exit {rc})\n")
-        return rc if rc > 0 else 128 - rc
-    return 0
+        return (rc if rc > 0 else 128 - rc), restarts.cause(i, rc)
+    short = _stopped_short(_run_dir(train_args))
+    return 0, (None if stopped or short is None else short)
+
+
+def _run_dir(train_args: list[str]) -> str | None:
+    for i, a in enumerate(train_args):
+        if a == "--run-dir" and i + 1 < len(train_args):
+            return train_args[i + 1]
+        if a.startswith("--run-dir="):
+            return a.partition("=")[2]
+    return None
+
+
+def _stopped_short(run_dir: str | None) -> str | None:
+    """Why a run whose processes all exited 0 is not done: a signal (not the launcher's)
+    stopped it at a step boundary, as summary.json says; None when it finished."""
+    if run_dir is None:
+        return None
+    try:
+        summary = json.loads((pathlib.Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    at = summary.get("preempted_at")
+    if at is None or at is False:
+        return None
+    return f"a signal stopped the run after step {at}, short of its end"

@@ -15,6 +15,85 @@ BUILD_IMAGE = "docker build -f jaxdist/cluster/Dockerfile -t IMAGE . (from the r
 _K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 
+# The restart loop's shell, after RUN_DIR, MAX_RESTARTS and attempt() (see _restart_loop).
+_RESTART_SH = r"""# srun's line about a failed task, e.g. "srun: error: node7: task 1: Killed"
+TASK_LINE='^srun: error: [^ ]+: tasks? [0-9,-]+: '
+
+# jaxdist.cluster.restarts.cause's words for an exit code: ended WHO CODE
+ended() {
+  local sig
+  if (($2 == 124)); then
+    echo "$1 exited 124: a hang was declared"
+  elif (($2 == 143)); then
+    echo "$1 exited 143: a signal's save was not reached in time"
+  elif (($2 > 128)) && sig=$(kill -l $(($2 - 128)) 2>/dev/null); then
+    echo "$1 killed by SIG$sig"
+  else
+    echo "$1 exited with code $2"
+  fi
+}
+
+# Why srun exited CODE, into CAUSE; STOPPED=1 if the first task that failed ended by a SIGTERM
+# (killed by it, or exited 143: its save after it came too late), a request to stop: why CODE
+why() {
+  local line re=': (tasks? [0-9,-]+): (.*)$' who what code
+  line=$(head -n 1 "$REPORT")
+  STOPPED=0
+  if ! [[ $line =~ $re ]]; then
+    what="no task's failure reported: srun's own error, above"
+    (($1 <= 128 && $1 != 124)) || what=$(ended "a task" "$1")
+    (($1 != 143)) || STOPPED=1
+    CAUSE="srun exited $1 ($what)"
+    return
+  fi
+  who=${BASH_REMATCH[1]} what=${BASH_REMATCH[2]}
+  case $what in
+    "Exited with exit code "*)
+      code=${what##* }
+      what=$(ended "$who" "$code")
+      ((code != 143)) || STOPPED=1
+      ;;
+    Killed*) what="$who killed by SIGKILL" ;;
+    Terminated*) what="$who killed by SIGTERM" STOPPED=1 ;;
+    *) what="$who: $what" ;;
+  esac
+  CAUSE="srun exited $1 ($what)"
+}
+
+# The restart's line of RUN_DIR/restarts.jsonl: record RESTART
+record() {
+  local cause=${CAUSE//\\/\\\\}
+  mkdir -p "$RUN_DIR"
+  printf '{"time": %s, "restart": %d, "max_restarts": %d, "cause": "%s", "by": "slurm"}\n' \
+    "$(date +%s.%N)" "$1" "$MAX_RESTARTS" "${cause//\"/\\\"}" >>"$RUN_DIR/restarts.jsonl"
+}
+
+REPORT=$(mktemp)
+trap 'rm -f "$REPORT"' EXIT
+# A SIGTERM to this script (scancel, a preemption) ends the loop once srun has returned.
+STOP=0
+trap 'STOP=1' TERM
+exec 3>&1
+restart=0
+while true; do
+  code=0
+  attempt || code=$?
+  ((code != 0)) || exit 0
+  why "$code"
+  n=$((restart + 1))
+  if ((STOP || STOPPED)); then
+    echo "jaxdist: attempt $n: $CAUSE; not restarted: a SIGTERM asks to stop" >&2
+    exit "$code"
+  elif ((restart == MAX_RESTARTS)); then
+    echo "jaxdist: attempt $n: $CAUSE; not restarted: no restarts left of $MAX_RESTARTS" >&2
+    exit "$code"
+  fi
+  restart=$n
+  echo "jaxdist: attempt $n: $CAUSE; restart $restart of $MAX_RESTARTS" >&2
+  record "$restart"
+done"""
+
+
 def sbatch(
     nodes: int,
     gpus_per_node: int,
@@ -22,13 +101,25 @@ def sbatch(
     job_name: str = "jaxdist",
     time_limit: str = "24:00:00",
     cpu_devices_per_task: int = 4,
+    max_restarts: int = 0,
 ) -> str:
     """One task per GPU (or, with no GPUs, one CPU task per node with fake devices).
 
     Inside `srun`, JAX's Slurm detection finds the coordinator, the process count and id;
     SIGTERM 120 s before the time limit makes every task save and exit 0, and `--requeue` with
     the same run directory resumes.
+
+    With `max_restarts` > 0 the script runs srun again, in the same allocation, after it fails:
+    a task that exited non-zero or was killed (and the others, which srun then stops), or a
+    hang a task declared (exit 124); each restart resumes from the newest good checkpoint and
+    is one line of RUN_DIR/restarts.jsonl (jaxdist.cluster.restarts). Not restarted: exit 0
+    (done, or saved at the time limit's SIGTERM), a failure that began with a SIGTERM (a
+    request to stop), and a node that dies: that takes the allocation, and is --requeue's.
     """
+    if max_restarts < 0:
+        raise ConfigError(
+            f"--max-restarts {max_restarts} is negative; pass 0 (no restarts) or more"
+        )
     tasks = gpus_per_node if gpus_per_node else 1
     lines = [
         "#!/bin/bash",
@@ -49,13 +140,56 @@ def sbatch(
     args = list(train_args)
     if not gpus_per_node and "--devices" not in args:
         args += ["--devices", f"cpu:{cpu_devices_per_task}"]
-    cmd = " ".join(shlex.quote(a) for a in ["python", "-m", "jaxdist.cli", *args])
-    if not any(a == "--run-dir" or a.startswith("--run-dir=") for a in args):
-        # Every task must name the same directory, and a requeued job keeps its id, so the
-        # rerun resumes it (relative to the submission directory, which srun starts in).
-        cmd += ' --run-dir "runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}"'
-    lines.append(f"srun --kill-on-bad-exit=1 {cmd}")
+    rest, given = _split_run_dir(args)
+    # Every task must name the same directory, and a requeued job keeps its id, so the rerun
+    # resumes it (relative to the submission directory, which srun starts in).
+    run_dir = '"runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}"' if given is None else shlex.quote(given)
+    if max_restarts:
+        cmd = f'{_command(rest)} --run-dir "$RUN_DIR"'
+        lines += _restart_loop(cmd, run_dir, max_restarts)
+    else:
+        cmd = _command(args) + (f" --run-dir {run_dir}" if given is None else "")
+        lines.append(f"srun --kill-on-bad-exit=1 {cmd}")
     return "\n".join(lines) + "\n"
+
+
+def _command(args: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in ["python", "-m", "jaxdist.cli", *args])
+
+
+def _split_run_dir(args: list[str]) -> tuple[list[str], str | None]:
+    """The train arguments without their --run-dir, and its value (None if not given)."""
+    rest, given, i = [], None, 0
+    while i < len(args):
+        if args[i] == "--run-dir" and i + 1 < len(args):
+            given, i = args[i + 1], i + 2
+            continue
+        if args[i].startswith("--run-dir="):
+            given = args[i].partition("=")[2]
+        else:
+            rest.append(args[i])
+        i += 1
+    return rest, given
+
+
+def _restart_loop(cmd: str, run_dir: str, max_restarts: int) -> list[str]:
+    """The script's end with restarts: the run directory and srun's command, then the loop."""
+    return [
+        "# Run srun again after it fails, up to MAX_RESTARTS times, each recorded in",
+        "# RUN_DIR/restarts.jsonl (the format of jaxdist.cluster.restarts).",
+        f"RUN_DIR={run_dir}",
+        f"MAX_RESTARTS={max_restarts}",
+        "",
+        "# One srun; its stderr goes on to the script's, and srun's own lines about failed tasks",
+        "# (the first one is the cause: --kill-on-bad-exit stops the others) into REPORT.",
+        "attempt() {",
+        f"  srun --kill-on-bad-exit=1 {cmd} 2>&1 >&3 \\",
+        '    | tee >(cat >&2) | grep --line-buffered -E "$TASK_LINE" >"$REPORT"',
+        '  return "${PIPESTATUS[0]}"',
+        "}",
+        "",
+        _RESTART_SH,
+    ]
 
 
 def jobset(

@@ -15,6 +15,7 @@ import os
 import pathlib
 import time
 
+from jaxdist.cluster import restarts
 from jaxdist.errors import ConfigError
 from jaxdist.metrics.records import read_metrics
 
@@ -155,11 +156,17 @@ def attempts(records: list[dict]) -> list[dict]:
     return rows
 
 
-def report(records: list[dict]) -> dict:
-    """The run's accounting: per attempt, and in total over them all."""
+def report(records: list[dict], restarted: list[dict] = ()) -> dict:
+    """The run's accounting: per attempt, and in total over them all. `restarted`: the
+    restarts recorded by `launch --max-restarts` or the Slurm loop; each is the cause of the
+    end of the attempt before it (the last attempt whose last record precedes it)."""
     rows = attempts(records)
     if not rows:
-        return {"goodput": None, "wall_s": 0.0, "parts_s": {}, "attempts": []}
+        return {"goodput": None, "wall_s": 0.0, "parts_s": {}, "attempts": [], "restarts": 0}
+    for r in restarted:
+        before = [a for a in rows if a["end"] <= r["time"]]
+        if before:
+            before[-1]["restart_cause"] = r["cause"]
     total = {p: sum(r["parts_s"][p] for r in rows) for p in ALL_PARTS}
     wall = rows[-1]["end"] - rows[0]["process_start"]
     return {
@@ -167,6 +174,7 @@ def report(records: list[dict]) -> dict:
         "wall_s": wall,
         "parts_s": total,
         "recomputed_steps": sum(r["steps"]["recomputed"] for r in rows),
+        "restarts": len(restarted),
         "attempts": rows,
     }
 
@@ -175,7 +183,7 @@ def read_report(run_dir: pathlib.Path) -> dict:
     path = pathlib.Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise ConfigError(f"{path} does not exist; pass the --run-dir of a jaxdist train run")
-    out = report(read_metrics(path))
+    out = report(read_metrics(path), restarts.read(run_dir))
     if not out["attempts"]:
         raise ConfigError(
             f"{path} holds no goodput records (a run logged before goodput accounting); "
@@ -215,7 +223,7 @@ def print_report(rep: dict, console=None) -> None:
         table.add_row(p, *cells, f"{total:.2f}", f"{total / wall:.1%}")
     ends = [sum(r["parts_s"].values()) for r in rows]
     table.add_row("total", *[f"{t:.2f}" for t in ends], f"{wall:.2f}", "100%", end_section=True)
-    status = ["finished" if r["finished"] else "killed" for r in rows[:-1]]
+    status = ["finished" if r["finished"] else r.get("restart_cause", "killed") for r in rows[:-1]]
     last = rows[-1]
     status.append("finished" if last["finished"] else "running or killed")
     table.add_row("ended", *status, "", "")
