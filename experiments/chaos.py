@@ -52,12 +52,25 @@ def train(steps: int, run_dir: pathlib.Path, *extra: str) -> list[str]:
     ]
 
 
+def records(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses(run_dir: pathlib.Path) -> dict[int, float]:
+    # The last attempt's value of a recomputed step wins.
+    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+
+
+def saves(run_dir: pathlib.Path) -> dict:
+    """Each tier's saves (steps) and the intervals Young-Daly chose (steps), in order."""
     out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "loss" in r:
-            out[r["step"]] = r["loss"]  # the last attempt's value of a recomputed step wins
+    for r in records(run_dir):
+        if r.get("event") in ("save", "checkpoint_interval"):
+            tier = out.setdefault(r.get("tier", "persistent"), {"saved": [], "intervals": []})
+            if r["event"] == "save":
+                tier["saved"].append(r["step"])
+            else:
+                tier["intervals"].append(r["interval_steps"])
     return out
 
 
@@ -96,6 +109,7 @@ def run_day(name: str, steps: int, work: pathlib.Path, extra: list[str]) -> dict
             | {"cause": a.get("restart_cause"), "parts_s": a["parts_s"]}
             for a in rep["attempts"]
         ],
+        "saves": saves(run_dir),
         "losses": losses(run_dir),
     }
 
@@ -104,6 +118,27 @@ def _restarts(run_dir: pathlib.Path) -> list[dict]:
     from jaxdist.cluster import restarts
 
     return restarts.read(run_dir)
+
+
+def short(cause: str) -> str:
+    """A restart's cause in a few words, for the plot (several: joined by "; then ")."""
+    if "; then " in cause:
+        return " + ".join(short(c) for c in cause.split("; then "))
+    if " stopped: " in cause:
+        who = cause.split(" stopped: ")[0]
+        what = (
+            "restore error"
+            if "restored" in cause
+            else "save failed"
+            if "written" in cause
+            else "error"
+        )
+        return f"{who}: {what}"
+    if cause.startswith("hang declared"):
+        return "hang: " + cause.split("stuck: ")[-1].split(" on ")[0] + " stuck"
+    if cause.startswith("a signal stopped"):
+        return "SIGTERM: saved, stopped"
+    return cause.replace("killed by ", "")
 
 
 def plot(days: list[dict], out: pathlib.Path) -> None:
@@ -126,12 +161,17 @@ def plot(days: list[dict], out: pathlib.Path) -> None:
                 ax.barh(row, w, left=left, color=COLORS[part], height=0.5)
                 left += w
             if a["cause"]:
-                ax.annotate(a["cause"], (left, row + 0.3), fontsize=6, rotation=20)
+                ax.annotate(
+                    short(a["cause"]), (left, row + 0.3), fontsize=7, rotation=-25,
+                    rotation_mode="anchor", ha="left", va="top",
+                )  # fmt: skip
     ax.set_yticks(range(len(days)), [d["name"] for d in days])
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds since the first process started")
+    ax.set_ylim(len(days) - 0.2, -0.5)
+    ax.set_xlabel("seconds since the first process started (gaps: between attempts)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[p]) for p in ALL_PARTS[:-1]]
-    ax.legend(handles, ALL_PARTS[:-1], fontsize="small", loc="upper left", ncol=4)
+    ax.legend(
+        handles, ALL_PARTS[:-1], fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5)
+    )
     ax.set_title("a bad day, unattended: attempts and what each second went to")
     fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
@@ -141,18 +181,28 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results"))
+    ap.add_argument("--keep", default=None, help="run here and keep the run directories")
+    ap.add_argument("--plot", default=None, help="only redraw the plot of this chaos.json")
     args = ap.parse_args()
+    if args.plot:
+        plot(
+            json.loads(pathlib.Path(args.plot).read_text())["days"],
+            pathlib.Path(args.plot).with_suffix(".png"),
+        )
+        return
     sys.path.insert(0, str(ROOT))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
-        work = pathlib.Path(tmp)
+    shm_root = "/dev/shm" if pathlib.Path("/dev/shm").is_dir() else None  # a tmpfs, if any
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir=shm_root) as shm:
+        work = pathlib.Path(args.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         ref_dir = work / "reference"
+        # The same two processes, uninterrupted: one process of 8 devices reduces in another
+        # order, which 300 steps of training amplify past 1e-5.
+        launch = [*JAXDIST, "launch", "--processes", "2", "--devices-per-process", "4", "--"]
         ref = subprocess.run(
-            [*JAXDIST, *train(args.steps, ref_dir, "--devices", "cpu:8")],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
+            [*launch, *train(args.steps, ref_dir)], capture_output=True, text=True, cwd=ROOT
         )
         assert ref.returncode == 0, ref.stderr[-3000:]
         reference = losses(ref_dir)
@@ -168,8 +218,10 @@ def main() -> None:
             abs(got[s] - reference[s]) <= 1e-5 * abs(reference[s]) for s in reference
         )
         worst = max(abs(got.get(s, float("inf")) - reference[s]) for s in reference)
+        differ = [s for s in sorted(reference) if got.get(s) != reference[s]]
         day["losses_equal_uninterrupted"] = same
         day["max_abs_loss_diff"] = worst
+        day["first_step_not_bitwise"] = differ[0] if differ else None
         rows.append(day)
         print(
             f"{day['name']}: exit {day['exit']}, {len(day['restarts'])} restarts, resumed from "

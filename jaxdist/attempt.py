@@ -31,7 +31,7 @@ from jaxdist.data import TokenBatches
 from jaxdist.evaluation import coverage, evaluate
 from jaxdist.metrics import wandb_log
 from jaxdist.metrics.goodput import Ledger, read_report, totals
-from jaxdist.metrics.records import MetricsLog, print_summary
+from jaxdist.metrics.records import MetricsLog, print_summary, read_metrics
 from jaxdist.metrics.steptimer import StepTimer, summarize
 from jaxdist.metrics.tensorboard import TensorBoardLog
 from jaxdist.model import ModelSpec
@@ -148,7 +148,17 @@ class Attempt:
         self.watchdog.alive()
         if self.log:  # per save, so a run that is killed still leaves its save costs behind
             self.log.write({"event": "save", "tier": tier, "step": s, "blocked_s": blocked})
-        chosen = interval.observe(s, blocked, self.timer.p50())
+        self._log_interval(tier, s, interval.observe(s, blocked, self.timer.p50()))
+
+    def due(self, tier: str, s: int) -> bool:
+        """Whether tier's save is due after step s; an auto interval not yet chosen (the first
+        save came before any step time) is chosen as soon as the step time is known."""
+        interval = self.interval if tier == "persistent" else self.local_interval
+        if interval.steps is None and interval.last_saved is not None:
+            self._log_interval(tier, s, interval.choose(self.timer.p50()))
+        return interval.due(s)
+
+    def _log_interval(self, tier: str, s: int, chosen: dict | None) -> None:
         if chosen and self.log:
             self.log.write({"event": "checkpoint_interval", "tier": tier, "step": s, **chosen})
             self.console.print(
@@ -224,9 +234,12 @@ def open_attempt(
             )
         log = MetricsLog(run_dir / "metrics.jsonl", *sinks, stamp=ledger.fields)
     if restored is not None:
-        interval.last_saved = restored.step
+        # A resumed attempt does not save at once to learn the save cost: the earlier
+        # attempts measured it, and the interval is chosen from theirs once steps are timed.
+        past = read_metrics(run_dir / "metrics.jsonl")
+        interval.resume(restored.step, past, "persistent")
         if local_interval is not None:
-            local_interval.last_saved = restored.step
+            local_interval.resume(restored.step, past, "local")
     hw = loop.hardware if loop.hardware != "auto" else hardware.preset_name(jax.devices()[0])
     capture = Capture(run_dir, loop, jitted, batches.global_shape, mesh, hw, console, log)
     watchdog = Watchdog(

@@ -315,9 +315,9 @@ def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] |
             if a.held_out is not None and eval_every and (s + 1) % eval_every == 0:
                 a.evaluate(state, s)
             stop = signal_flag.stop_at(s)
-            if stop or a.interval.due(s) or s == loop.steps - 1:
+            if stop or a.due("persistent", s) or s == loop.steps - 1:
                 a.save(state, s)
-            elif a.local is not None and a.local_interval.due(s):
+            elif a.local is not None and a.due("local", s):
                 a.save_local(state, s)
             if stop:
                 preempted = (s, signal_flag.received)

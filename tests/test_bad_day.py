@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxdist.cli.main import main
+from jaxdist.cluster import restarts
 from jaxdist.metrics import goodput
 from tests.helpers import cli, cli_popen, losses
 
@@ -134,28 +135,56 @@ def test_ctrl_c_to_a_two_process_run_saves_in_both_and_exits_zero(tmp_path):
     assert max(losses(run_dir)) == stopped
 
 
-def test_launch_restarts_after_a_kill_and_a_preemption_and_ends_like_no_fault(tmp_path, reference):
-    """kill -9 of process 1 before step 7, then SIGTERM to process 0 alone before step 13:
-    two restarts, each resuming from the newest checkpoint; the losses are the unbroken run's."""
+def test_launch_restarts_after_a_kill_a_restore_error_and_a_preemption_like_no_fault(
+    tmp_path, reference
+):
+    """kill -9 of process 1 before step 7; then an I/O error in process 1's restore (it stops
+    the run in one line and leaves at once, not held minutes in JAX's shutdown barrier, and
+    process 0 ends with it); then SIGTERM to process 0 alone before step 13: three restarts,
+    each resuming from the newest checkpoint; the losses are the unbroken run's."""
     run_dir = tmp_path / "restarts"
-    faults = ["--fault", "kill:7:1", "--fault", "term:13:0", "--heartbeat-timeout", "5"]
-    args = [*train(STEPS, 4), "--run-dir", str(run_dir), *faults]
-    r = cli(*LAUNCH_2X4, "--max-restarts", "2", "--", *args, timeout=600)
+    faults = ["--fault", "kill:7:1", "--fault", "restore-error:0:1", "--fault", "term:13:0"]
+    args = [*train(STEPS, 4), "--run-dir", str(run_dir), *faults, "--heartbeat-timeout", "5"]
+    r = cli(*LAUNCH_2X4, "--max-restarts", "3", "--", *args, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
-    assert "restart 1 of 2 after: process 1 killed by SIGKILL" in out
+    assert "restart 1 of 3 after: process 1 killed by SIGKILL" in out
+    assert "restart 2 of 3 after: process 1 stopped: checkpoint " in out
+    assert "could not be restored (OSError: [Errno 5] Input/output error" in out
     # Process 0 alone got SIGTERM before step 13; both stopped two steps after the step at
     # which it saw it (13, or 14 if the signal's thread ran late), and saved there.
-    stopped = re.search(r"restart 2 of 2 after: a signal stopped the run after step (\d+)", out)
+    stopped = re.search(r"restart 3 of 3 after: a signal stopped the run after step (\d+)", out)
     assert stopped and stopped[1] in ("15", "16"), out[-3000:]
     assert "resuming from checkpoint step 3" in out
     assert f"resuming from checkpoint step {stopped[1]}" in out
     _match(run_dir, reference)
     rep = goodput.read_report(run_dir)
-    assert rep["restarts"] == 2 and len(rep["attempts"]) == 3
+    # The attempt whose restore failed ran no step: no record, its cause joins the one before.
+    assert rep["restarts"] == 3 and len(rep["attempts"]) == 3
     causes = [a.get("restart_cause") for a in rep["attempts"]]
-    assert causes[0] == "process 1 killed by SIGKILL" and f"step {stopped[1]}" in causes[1]
-    assert rep["attempts"][2]["finished"]
+    assert causes[0].startswith("process 1 killed by SIGKILL; then process 1 stopped: ")
+    assert "Input/output error" in causes[0]
+    assert f"step {stopped[1]}" in causes[1] and rep["attempts"][2]["finished"]
+    times = [x["time"] for x in restarts.read(run_dir)]
+    assert times[1] - times[0] < 60, "the restore error took minutes to end the attempt"
+
+
+def test_a_process_that_stops_on_an_error_ends_the_others_at_once(tmp_path):
+    """Process 0's save fails (a full disk): it stops in one line and says why in the
+    coordination service; process 1, waiting in the next step's collectives, ends at once
+    naming it, rather than after the heartbeat timeout (100 s by default)."""
+    run_dir = tmp_path / "disk-full"
+    args = [*train(STEPS, 4), "--run-dir", str(run_dir), "--fault", "disk-full:5:0"]
+    proc = cli_popen(*LAUNCH_2X4, "--", *args)
+    seen: list[str] = []
+    _until(proc, "[p0] jaxdist: stopped: checkpoint step 7 could not be written", seen)
+    stopped = time.monotonic()
+    out, _ = proc.communicate(timeout=120)
+    out = "".join(seen) + out
+    assert proc.returncode == 1, out[-3000:]
+    assert time.monotonic() - stopped < 30, out[-3000:]
+    assert "[p1] jaxdist: process 0 ended the run (stopped: checkpoint step 7" in out, out[-3000:]
+    assert _committed(run_dir) == ["3"] and _left(run_dir) == []
 
 
 def test_launch_without_restarts_left_returns_the_failure(tmp_path):

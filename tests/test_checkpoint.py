@@ -275,3 +275,33 @@ def test_auto_interval_is_logged_with_its_inputs(tmp_path):
     saves = [r for r in records if r.get("event") == "save"]
     assert saves and all(r["blocked_s"] > 0 for r in saves) and saves[-1]["step"] == 5
     assert pathlib.Path(tmp_path / "checkpoints" / "5").is_dir()  # the final step is saved
+
+
+def test_auto_interval_is_chosen_once_the_step_time_is_known_and_saves_on_it(tmp_path):
+    """The first save comes at step 0, before any step time: the interval must still be
+    chosen (as soon as three steady steps are timed) and saves then follow it, not only the
+    final step. A 0.0005 h device MTBF on 8 devices is a 0.23 s system MTBF: a few steps."""
+    steps = 20
+    auto = CheckpointConfig(every="auto", mtbf_hours_per_device=0.0005)
+    _fit(tmp_path, steps, auto, log_every=8)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    chosen = [r for r in records if r.get("event") == "checkpoint_interval"]
+    assert chosen and chosen[0]["step"] < steps - 1, chosen
+    saved = [r["step"] for r in records if r.get("event") == "save"]
+    between = [s for s in saved if 0 < s < steps - 1]
+    assert len(between) >= 2, (saved, chosen)  # before the fix: [0, 15]
+    every = max(c["interval_steps"] for c in chosen)  # it adapts, save by save
+    assert all(b - a <= every for a, b in zip(between, between[1:], strict=False)), (saved, every)
+
+
+def test_a_resumed_auto_interval_uses_the_earlier_save_costs_and_keeps_saving(tmp_path):
+    """A resumed attempt has no save of its own to learn the cost from (its last save is the
+    restored step): it takes the costs the run logged, and saves on the interval they give."""
+    auto = CheckpointConfig(every="auto", mtbf_hours_per_device=0.0005)
+    _fit(tmp_path, 8, auto, log_every=8)
+    _fit(tmp_path, 24, auto, log_every=8)  # resumes after step 7
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    second = records[max(i for i, r in enumerate(records) if "attempt" in r) :]
+    saved = [r["step"] for r in second if r.get("event") == "save"]
+    assert len([s for s in saved if 8 <= s < 23]) >= 2, saved  # before the fix: [23]
+    assert 8 not in saved  # no save at once only to measure its cost

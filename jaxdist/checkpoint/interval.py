@@ -11,6 +11,7 @@ import math
 import statistics
 from typing import Annotated
 
+import numpy as np
 import tyro
 
 from jaxdist.errors import ConfigError
@@ -94,19 +95,37 @@ class Interval:
         self.steps = self.fixed
         self.last_saved: int | None = None
 
+    def resume(self, step: int, records: list[dict], tier: str) -> None:
+        """A resumed attempt: the last save is the restored step, and the save costs are those
+        the run's earlier attempts logged for this tier (metrics.jsonl's save events)."""
+        self.last_saved = step
+        logged = [
+            r["blocked_s"]
+            for r in records
+            if r.get("event") == "save" and r.get("tier", "persistent") == tier
+        ]
+        self.blocked_s = logged[-16:]
+
     def due(self, step: int) -> bool:
-        if self.steps is None:  # auto, nothing measured yet: save once to learn the cost
-            return self.last_saved is None
+        if self.steps is None:  # auto, no save cost known yet: save once to learn it
+            return self.last_saved is None or not self.blocked_s
         return step - (self.last_saved if self.last_saved is not None else -1) >= self.steps
 
     def observe(self, step: int, blocked_s: float, step_time_s: float | None) -> dict | None:
         """Records a save; for auto, recomputes the interval and returns its inputs to log."""
         self.last_saved = step
         self.blocked_s.append(blocked_s)
-        if self.fixed is not None or not step_time_s:
+        return self.choose(step_time_s)
+
+    def choose(self, step_time_s: float | None) -> dict | None:
+        """For auto: the interval from the save costs measured and the step time, once both
+        are known (the first save, at the first step, comes before any step time is: the loop
+        asks again each step until it is); its inputs, to log."""
+        if self.fixed is not None or not step_time_s or not self.blocked_s:
             return None
         # The first save also pays one-off setup (threads, directories): use the later ones.
         cost = statistics.median(self.blocked_s[1:] or self.blocked_s)
+        cost, step_time_s = _agreed(cost, step_time_s)
         tau = daly_interval_s(cost, self.mtbf_s)
         self.steps = max(1, round(tau / step_time_s))
         return {
@@ -117,3 +136,17 @@ class Interval:
             "step_time_s": step_time_s,
             "expected_overhead": cost / (tau + cost),
         }
+
+
+def _agreed(cost_s: float, step_time_s: float) -> tuple[float, float]:
+    """Process 0's measurements, in every process: each measures its own, and a save is a
+    collective that all must start at the same step, so all must choose the same interval.
+    (Every process calls this at the same steps: their saves and their step counts agree.)"""
+    import jax
+
+    if jax.process_count() == 1:
+        return cost_s, step_time_s
+    from jax.experimental import multihost_utils
+
+    both = multihost_utils.broadcast_one_to_all(np.array([cost_s, step_time_s], np.float64))
+    return float(both[0]), float(both[1])

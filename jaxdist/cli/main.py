@@ -6,6 +6,7 @@ command group has its module here; this one only dispatches and turns a user's m
 """
 
 import sys
+import traceback
 
 import tyro
 
@@ -98,9 +99,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except TrainingStopped as e:
         print(f"jaxdist: stopped: {e}", file=sys.stderr)
+        _leave(1, f"stopped: {e}")  # with several processes: tell them, and go
         return 1
     except KeyboardInterrupt:
         # Ctrl-C outside the training loop's own handler (setup, compile, restore, the other
         # commands): one line, not a traceback; 130 is the shell's code for death by SIGINT.
         print("jaxdist: interrupted (Ctrl-C); committed checkpoints are kept", file=sys.stderr)
         return 130
+    except Exception as e:
+        if _distributed():
+            traceback.print_exc()
+            _leave(1, f"failed: {type(e).__name__}: {e}")
+        raise
+
+
+def _distributed() -> bool:
+    """Whether this process joined a run of several (JAX's client exists); no backend is
+    started to find out."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import distributed
+
+    return distributed.global_state.client is not None
+
+
+def _leave(code: int, why: str) -> None:
+    if _distributed():
+        from jaxdist.cluster import join
+
+        join.leave(code, why)

@@ -2,8 +2,9 @@
 
 Every process runs the same step on its own devices and feeds its own rows of the batch;
 process 0 alone writes logs. If a process dies, JAX's coordination service notices within
-the heartbeat timeout and ends the others (fate sharing), naming the lost task; a relaunch
-resumes from the last checkpoint.
+the heartbeat timeout and ends the others (fate sharing), naming the lost task; a process that
+stops on an error says why in the key-value store first (`leave`), and the others end at once;
+a relaunch resumes from the last checkpoint.
 """
 
 import atexit
@@ -12,6 +13,7 @@ import os
 import re
 import sys
 import threading
+import time
 from typing import Annotated
 
 import jax
@@ -149,6 +151,33 @@ def _forward(read: int, real: int) -> None:
 def _write_all(fd: int, data: bytes) -> None:
     while data:
         data = data[os.write(fd, data) :]
+
+
+ENDED = "jaxdist/end/"  # a process that stops the run posts why here (watchdog reads it)
+
+
+def leave(code: int, why: str) -> None:
+    """A process of several that stops with an error (a restore that fails, a save that cannot
+    be written, a bug) tells the others why (their watchdogs end them at once, naming it) and
+    exits without JAX's shutdown barrier, which would hold it for minutes waiting for peers
+    that still train. Returns when the run has one process, or JAX is not distributed."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+        return
+    me = jax.process_index()
+    try:
+        client.key_value_set(f"{ENDED}stopped-{me}", why.partition("\n")[0][:500])
+    except Exception:  # noqa: BLE001 - the service may be gone: the heartbeat tells them
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    time.sleep(1.0 if me == 0 else 0.0)  # process 0 serves the store: let the others read it
+    os._exit(code)
 
 
 def local_value(x: jax.Array) -> np.ndarray:

@@ -1,9 +1,11 @@
-"""`jaxdist launch`: N processes of one run on this host, over loopback.
+"""`jaxdist launch`: N processes of one run on this host, over loopback, restarted on failure.
 
 Each process gets its own devices (K fake CPU devices, or its share of the local GPUs), the
 coordinator address, its id; their output is streamed with a `[pN]` prefix. The launcher
 returns the exit code of the first process that failed, naming it; SIGTERM/SIGINT are passed
-on to every process (they save and exit, as a preempted run does).
+on to every process (they save and exit, as a preempted run does). With `--max-restarts N` a
+failed attempt is followed by another, up to N times, its cause (a kill, a declared hang, a
+process's own one-line error) printed and recorded in RUN_DIR/restarts.jsonl.
 """
 
 import json
@@ -26,8 +28,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stream(proc: subprocess.Popen, prefix: str) -> None:
+_HANG = "jaxdist: hang declared: "
+_STOPPED = "jaxdist: stopped: "  # a process's one line when it stops the run on an error
+
+
+def _stream(proc: subprocess.Popen, prefix: str, heard: dict) -> None:
+    """Passes a process's output on, prefixed; keeps the first hang a process declared (its
+    line names the stuck processes, which may not be the first to exit)."""
     for line in proc.stdout:
+        if line.startswith(_HANG):
+            heard.setdefault("hang", line[len(_HANG) :].strip())
+        elif line.startswith(_STOPPED):
+            heard.setdefault("stopped", f"{prefix.strip('[] ')}: {line[len(_STOPPED) :]}")
         sys.stderr.write(f"{prefix}{line}")
         sys.stderr.flush()
 
@@ -151,8 +163,9 @@ def _attempt(processes, devices_per_process, train_args, platform, port, grace_s
         _start(i, processes, devices_per_process, train_args, platform, port)
         for i in range(processes)
     ]
+    heard: dict[str, str] = {}
     threads = [
-        threading.Thread(target=_stream, args=(p, f"[p{i}] "), daemon=True)
+        threading.Thread(target=_stream, args=(p, f"[p{i}] ", heard), daemon=True)
         for i, p in enumerate(procs)
     ]
     for t in threads:
@@ -178,7 +191,13 @@ def _attempt(processes, devices_per_process, train_args, platform, port, grace_s
     if first_failure:
         i, rc = first_failure
         sys.stderr.write(f"jaxdist launch: failed; process {i} was first to fail (exit {rc})\n")
-        return (rc if rc > 0 else 128 - rc), restarts.cause(i, rc)
+        cause = restarts.cause(i, rc)
+        if rc == restarts.HANG_EXIT and "hang" in heard:  # "no step finished ...; stuck: ..."
+            cause = "hang declared: " + heard["hang"].split(". Exiting")[0].split("; ", 1)[-1]
+        elif "stopped" in heard:  # "p1: checkpoint ... could not be restored (...)..."
+            who, _, why = heard["stopped"].partition(": ")
+            cause = f"process {who.removeprefix('p')} stopped: {why.strip().split('. ')[0][:240]}"
+        return (rc if rc > 0 else 128 - rc), cause
     short = _stopped_short(_run_dir(train_args))
     return 0, (None if stopped or short is None else short)
 

@@ -30,11 +30,12 @@ import time
 import jax
 from rich.console import Console
 
+from jaxdist.cluster.join import ENDED
 from jaxdist.cluster.restarts import HANG_EXIT
 
 _PREFIX = "jaxdist/progress/"
 _HOSTS = "jaxdist/host/"
-_HANG = "jaxdist/hang/"
+_HANG = ENDED  # a hang declared: ENDED + "hang"
 HANG_FLOOR_S = 600.0  # the default timeout's floor: a slow save or eval is not a hang
 HANG_FACTOR = 20.0  # the default timeout, in p50 steps
 
@@ -126,15 +127,13 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            if self.last_step < 0:  # compiling: no step finished yet in this attempt
-                continue
             waited = time.monotonic() - self.last_time
             hang = hang_limit(self.hang_timeout, self.p50)
+            self._follow(self._told(), waited, hang)  # another process ended the run: go too
+            if self.last_step < 0:  # compiling: no step finished yet in this attempt
+                continue
             if hang is not None and waited > hang:
                 self._declare_hang(waited, hang)
-            told = self._told() if hang is not None else None
-            if told is not None:
-                self._declare_hang(waited, hang, told)
             if self.p50 is None or self._reported_for == self.last_step:
                 continue
             limit = max(self.factor * self.p50, self.min_seconds)
@@ -152,15 +151,29 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the service may be the thing that is down
             return None
 
-    def _told(self) -> str | None:
-        """A hang another process declared (posted), or None."""
+    def _told(self) -> dict[str, str]:
+        """What other processes posted on ending the run: a hang, or an error they stop on."""
         if not self.multi:
-            return None
+            return {}
         try:
-            found = _client().key_value_dir_get(_HANG)
+            return {k.rsplit("/", 1)[1]: v for k, v in _client().key_value_dir_get(ENDED)}
         except Exception:  # noqa: BLE001 - the service may be down: the own timeout still runs
-            return None
-        return found[0][1] if found else None
+            return {}
+
+    def _follow(self, told: dict[str, str], waited: float, hang: float | None) -> None:
+        if "hang" in told:
+            self._declare_hang(waited, hang or 0.0, told["hang"])
+        stopped = sorted(k for k in told if k.startswith("stopped-"))
+        if stopped:
+            who = stopped[0].removeprefix("stopped-")
+            os.write(
+                2,
+                f"\njaxdist: process {who} ended the run ({told[stopped[0]]}); this process "
+                "ends too (exit 1)\n".encode(),
+            )
+            if self.on_hang is not None:
+                _bounded(self.on_hang, 5.0)
+            os._exit(1)
 
     def _declare_hang(self, waited: float, limit: float, told: str | None = None) -> None:
         """Names the stuck processes, dumps this one's stacks if it is one, and exits; the
@@ -171,9 +184,9 @@ class Watchdog:
             if self.multi:
                 value = f"{','.join(map(str, stuck or ()))}|{line}"
                 try:
-                    _client().key_value_set(f"{_HANG}by", value, allow_overwrite=False)
+                    _client().key_value_set(f"{_HANG}hang", value, allow_overwrite=False)
                 except Exception:  # noqa: BLE001 - another process declared first: its stands
-                    told = self._told()
+                    told = self._told().get("hang")
         if told is not None:
             names, _, line = told.partition("|")
             stuck = {int(p): -1 for p in names.split(",") if p} or None

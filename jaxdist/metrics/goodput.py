@@ -164,9 +164,12 @@ def report(records: list[dict], restarted: list[dict] = ()) -> dict:
     if not rows:
         return {"goodput": None, "wall_s": 0.0, "parts_s": {}, "attempts": [], "restarts": 0}
     for r in restarted:
+        # An attempt that failed before its first step (a restore error) left no record: its
+        # time is in the gap after the one before, and its cause joins that one's.
         before = [a for a in rows if a["end"] <= r["time"]]
         if before:
-            before[-1]["restart_cause"] = r["cause"]
+            had = before[-1].get("restart_cause")
+            before[-1]["restart_cause"] = f"{had}; then {r['cause']}" if had else r["cause"]
     total = {p: sum(r["parts_s"][p] for r in rows) for p in ALL_PARTS}
     wall = rows[-1]["end"] - rows[0]["process_start"]
     return {
