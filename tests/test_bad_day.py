@@ -185,14 +185,7 @@ def test_a_process_that_stops_on_an_error_ends_the_others_at_once(tmp_path):
     assert time.monotonic() - stopped < 30, out[-3000:]
     assert "[p1] jaxdist: process 0 ended the run (stopped: checkpoint step 7" in out, out[-3000:]
     assert _committed(run_dir) == ["3"] and _left(run_dir) == []
-
-
-def test_launch_without_restarts_left_returns_the_failure(tmp_path):
-    run_dir = tmp_path / "no-restarts-left"
-    args = [*train(STEPS, 4), "--run-dir", str(run_dir), "--heartbeat-timeout", "5"]
-    r = cli(*LAUNCH_2X4, "--", *args, "--fault", "kill:3:1", timeout=300)
-    assert r.returncode == 128 + signal.SIGKILL, r.stderr[-3000:]
-    assert not (run_dir / "restarts.jsonl").exists()
+    assert not (run_dir / "restarts.jsonl").exists()  # no --max-restarts: the failure stands
 
 
 def test_max_restarts_needs_a_run_dir():

@@ -6,7 +6,6 @@ command group has its module here; this one only dispatches and turns a user's m
 """
 
 import sys
-import traceback
 
 import tyro
 
@@ -108,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         if _distributed():
-            traceback.print_exc()
-            _leave(1, f"failed: {type(e).__name__}: {e}")
+            _leave(1, f"failed: {type(e).__name__}: {e}", exit_now=False)
         raise
 
 
@@ -123,8 +121,8 @@ def _distributed() -> bool:
     return distributed.global_state.client is not None
 
 
-def _leave(code: int, why: str) -> None:
+def _leave(code: int, why: str, exit_now: bool = True) -> None:
     if _distributed():
         from jaxdist.cluster import join
 
-        join.leave(code, why)
+        join.leave(code, why, exit_now)

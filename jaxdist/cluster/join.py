@@ -156,11 +156,13 @@ def _write_all(fd: int, data: bytes) -> None:
 ENDED = "jaxdist/end/"  # a process that stops the run posts why here (watchdog reads it)
 
 
-def leave(code: int, why: str) -> None:
+def leave(code: int, why: str, exit_now: bool = True) -> None:
     """A process of several that stops with an error (a restore that fails, a save that cannot
-    be written, a bug) tells the others why (their watchdogs end them at once, naming it) and
-    exits without JAX's shutdown barrier, which would hold it for minutes waiting for peers
-    that still train. Returns when the run has one process, or JAX is not distributed."""
+    be written, a bug) tells the others why (their watchdogs end them at once, naming it) and,
+    with `exit_now`, exits without JAX's shutdown barrier, which would hold it for minutes
+    waiting for peers that still train. Without it (an unexpected error, often a peer's death
+    seen from here), the process ends as usual: JAX's shutdown then names a lost peer.
+    Returns when the run has one process, JAX is not distributed, or not `exit_now`."""
     from jax._src import distributed
 
     client = distributed.global_state.client
@@ -171,6 +173,8 @@ def leave(code: int, why: str) -> None:
         client.key_value_set(f"{ENDED}stopped-{me}", why.partition("\n")[0][:500])
     except Exception:  # noqa: BLE001 - the service may be gone: the heartbeat tells them
         pass
+    if not exit_now:
+        return
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

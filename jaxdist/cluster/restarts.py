@@ -12,6 +12,8 @@ import pathlib
 import signal
 import time
 
+from jaxdist.metrics.records import read_metrics
+
 FILE = "restarts.jsonl"
 # A process's exit code says what ended it (jaxdist's own codes, then signals).
 HANG_EXIT = 124  # a declared hang (jaxdist.cluster.watchdog), as timeout(1) reports one
@@ -49,15 +51,6 @@ def record(run_dir: str | os.PathLike, restart: int, max_restarts: int, why: str
 
 
 def read(run_dir: str | os.PathLike) -> list[dict]:
-    """The run's restarts, oldest first; a torn last line (a restarter killed mid-write) is
-    skipped."""
-    path = pathlib.Path(run_dir) / FILE
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    """The run's restarts, oldest first (a torn last line, a restarter killed mid-write, is
+    skipped)."""
+    return read_metrics(pathlib.Path(run_dir) / FILE)
