@@ -106,9 +106,28 @@ def main(argv: list[str] | None = None) -> int:
         print("jaxdist: interrupted (Ctrl-C); committed checkpoints are kept", file=sys.stderr)
         return 130
     except Exception as e:
-        if _distributed():
-            _leave(1, f"failed: {type(e).__name__}: {e}", exit_now=False)
-        raise
+        if not _distributed():
+            raise
+        _leave(1, f"failed: {type(e).__name__}: {e}", exit_now=False)
+        if not _peer_lost(e):
+            raise
+        # A collective whose peer died: its stack says nothing the line does not.
+        from jaxdist.cluster.launch import PEER_GONE
+
+        first = str(e).strip().partition("\n")[0][:200]
+        print(
+            f"jaxdist: stopped: {PEER_GONE} ({first}); the committed checkpoints "
+            "are kept, and a relaunch (or launch --max-restarts) resumes from the newest",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _peer_lost(e: BaseException) -> bool:
+    text = str(e)
+    return type(e).__name__ == "JaxRuntimeError" and any(
+        w in text for w in ("Connection closed by peer", "heartbeat timeout", "Connection reset")
+    )
 
 
 def _distributed() -> bool:

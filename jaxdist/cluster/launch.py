@@ -30,6 +30,7 @@ def free_port() -> int:
 
 _HANG = "jaxdist: hang declared: "
 _STOPPED = "jaxdist: stopped: "  # a process's one line when it stops the run on an error
+PEER_GONE = "a peer process is gone"  # a stop that follows another process's death
 
 
 def _stream(proc: subprocess.Popen, prefix: str, heard: dict) -> None:
@@ -39,7 +40,7 @@ def _stream(proc: subprocess.Popen, prefix: str, heard: dict) -> None:
         if line.startswith(_HANG):
             heard.setdefault("hang", line[len(_HANG) :].strip())
         elif line.startswith(_STOPPED):
-            heard.setdefault("stopped", f"{prefix.strip('[] ')}: {line[len(_STOPPED) :]}")
+            heard.setdefault("stopped", []).append((prefix, line[len(_STOPPED) :].strip()))
         sys.stderr.write(f"{prefix}{line}")
         sys.stderr.flush()
 
@@ -163,7 +164,7 @@ def _attempt(processes, devices_per_process, train_args, platform, port, grace_s
         _start(i, processes, devices_per_process, train_args, platform, port)
         for i in range(processes)
     ]
-    heard: dict[str, str] = {}
+    heard: dict = {}
     threads = [
         threading.Thread(target=_stream, args=(p, f"[p{i}] ", heard), daemon=True)
         for i, p in enumerate(procs)
@@ -194,12 +195,21 @@ def _attempt(processes, devices_per_process, train_args, platform, port, grace_s
         cause = restarts.cause(i, rc)
         if rc == restarts.HANG_EXIT and "hang" in heard:  # "no step finished ...; stuck: ..."
             cause = "hang declared: " + heard["hang"].split(". Exiting")[0].split("; ", 1)[-1]
-        elif "stopped" in heard:  # "p1: checkpoint ... could not be restored (...)..."
-            who, _, why = heard["stopped"].partition(": ")
-            cause = f"process {who.removeprefix('p')} stopped: {why.strip().split('. ')[0][:240]}"
+        elif own := _first_own_stop(heard.get("stopped", [])):
+            cause = own
         return (rc if rc > 0 else 128 - rc), cause
     short = _stopped_short(_run_dir(train_args))
     return 0, (None if stopped or short is None else short)
+
+
+def _first_own_stop(lines: list[tuple[str, str]]) -> str | None:
+    """The first one-line stop a process printed for a cause of its own ("checkpoint ... could
+    not be restored"), not for a peer's death: the run's cause, whoever exited first (the
+    others follow it, and may be quicker to go)."""
+    for prefix, text in lines:
+        if not text.startswith(PEER_GONE):
+            return f"process {prefix.strip('[p] ')} stopped: {text.split('. ')[0][:240]}"
+    return None
 
 
 def _run_dir(train_args: list[str]) -> str | None:
