@@ -212,9 +212,11 @@ def open_attempt(
     }
     t_start = time.perf_counter()
     ledger = Ledger()  # goodput: every second of this attempt, from its process's start
+    # The earlier attempts' records, read once: what is recomputed, and their save costs.
+    past = read_metrics(run_dir / "metrics.jsonl")
     try:
         state, start, restored = restore_or_init(
-            checkpointer, jitted, shapes, run_dir, console, init_state, local,
+            checkpointer, jitted, shapes, run_dir, past, console, init_state, local,
             config.checkpoint.allow_fresh_start,
         )  # fmt: skip
     except BaseException:
@@ -224,7 +226,7 @@ def open_attempt(
         if local is not None:
             local.close()
         raise
-    ledger.begin(start, run_dir / "metrics.jsonl")
+    ledger.begin(start, past)
     log = None
     if jax.process_index() == 0:
         sinks = [TensorBoardLog(run_dir / "tb", first_step=start)]
@@ -236,7 +238,6 @@ def open_attempt(
     if restored is not None:
         # A resumed attempt does not save at once to learn the save cost: the earlier
         # attempts measured it, and the interval is chosen from theirs once steps are timed.
-        past = read_metrics(run_dir / "metrics.jsonl")
         interval.resume(restored.step, past, "persistent")
         if local_interval is not None:
             local_interval.resume(restored.step, past, "local")

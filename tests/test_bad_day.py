@@ -65,6 +65,16 @@ def _until(proc: subprocess.Popen, needle: str, seen: list[str]) -> float:
     raise AssertionError(f"{needle!r} never came:\n" + "".join(seen)[-3000:])
 
 
+def _stalled(run_dir, *flags: str):
+    """Two processes, process 1 stuck before step 6 for an hour; returned once it is: the run
+    directory, the launcher, its output so far and the time the stall began."""
+    args = [*train(40, 4), "--run-dir", str(run_dir), "--fault", "stall:6:1:3600", *flags]
+    proc = cli_popen(*LAUNCH_2X4, "--", *args)
+    seen: list[str] = []
+    stalled = _until(proc, "fault injected: process 1 stalls", seen)
+    return run_dir, proc, seen, stalled
+
+
 def _committed(run_dir) -> list[str]:
     """The checkpoint directories, committed or set aside (not Orbax's unfinished ones, which
     a start removes)."""
@@ -73,11 +83,7 @@ def _committed(run_dir) -> list[str]:
 
 
 def test_a_stuck_process_ends_the_run_naming_it_with_its_stacks(tmp_path):
-    run_dir = tmp_path / "hang"
-    args = [*train(40, 4), "--run-dir", str(run_dir), "--fault", "stall:6:1:3600"]
-    proc = cli_popen(*LAUNCH_2X4, "--", *args, "--hang-timeout", "10")
-    seen: list[str] = []
-    stalled = _until(proc, "fault injected: process 1 stalls", seen)
+    run_dir, proc, seen, stalled = _stalled(tmp_path / "hang", "--hang-timeout", "10")
     out, _ = proc.communicate(timeout=120)
     took = time.monotonic() - stalled
     out = "".join(seen) + out
@@ -96,11 +102,7 @@ def test_a_stuck_process_ends_the_run_naming_it_with_its_stacks(tmp_path):
 
 
 def test_sigterm_during_a_hang_ends_the_run_within_the_grace(tmp_path):
-    run_dir = tmp_path / "term"
-    args = [*train(40, 4), "--run-dir", str(run_dir), "--fault", "stall:6:1:3600"]
-    proc = cli_popen(*LAUNCH_2X4, "--", *args, "--hang-timeout", "0", "--term-grace", "5")
-    seen: list[str] = []
-    _until(proc, "fault injected: process 1 stalls", seen)
+    run_dir, proc, seen, _ = _stalled(tmp_path / "term", "--hang-timeout", "0", "--term-grace", "5")
     time.sleep(2)  # process 0 is inside step 6, waiting for process 1
     before = _committed(run_dir)
     proc.send_signal(signal.SIGTERM)

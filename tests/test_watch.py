@@ -67,7 +67,7 @@ def _attempt(monkeypatch, clock, metrics, process_start, ledger_at, restore, res
     clock.now = ledger_at
     ledger = Ledger()
     clock.advance(restore)
-    ledger.begin(resume_at, metrics)
+    ledger.begin(resume_at, read_metrics(metrics))
     return ledger, MetricsLog(metrics, stamp=ledger.fields)
 
 

@@ -35,8 +35,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxdist.checkpoint.store import _fingerprint, fingerprint
+from jaxdist.checkpoint.writefail import make_dir
 from jaxdist.cluster.join import local_value
-from jaxdist.errors import ConfigError
 
 log = logging.getLogger("jaxdist.checkpoint")
 RECORD = "record.json"
@@ -137,13 +137,11 @@ class LocalTier:
     def __init__(self, directory: pathlib.Path, keep: int = 2):
         self.folder = pathlib.Path(directory).absolute() / f"process-{jax.process_index()}"
         self.keep = keep
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(
-                f"cannot create local checkpoint directory {self.folder}: {e.strerror}; pass a "
-                "writable --local-checkpoint-dir (node-local disk or tmpfs)"
-            ) from None
+        make_dir(
+            self.folder,
+            "local checkpoint directory",
+            "pass a writable --local-checkpoint-dir (node-local disk or tmpfs)",
+        )
         for stale in self.folder.glob("*.tmp-*"):  # a save cut short: never committed
             shutil.rmtree(stale, ignore_errors=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-ckpt")

@@ -14,7 +14,6 @@ from jaxdist.checkpoint.local import LocalDamaged
 from jaxdist.checkpoint.recovery import TrainingStopped
 from jaxdist.checkpoint.store import Checkpointer, Restored
 from jaxdist.errors import ConfigError
-from jaxdist.metrics.records import read_metrics
 from jaxdist.step import JittedStep
 
 
@@ -168,6 +167,7 @@ def restore_or_init(
     jitted: JittedStep,
     shapes,
     run_dir,
+    past: list[dict],
     console,
     init_state=None,
     local=None,
@@ -176,7 +176,8 @@ def restore_or_init(
     """Stage 5, recover: the newest checkpoint of either tier that reads and verifies (the
     local tier's only where it is newer), resharded onto this mesh, or a fresh state
     (`init_state(compiled)` if given, e.g. pretrained weights, else the model's init).
-    Returns (state, first step to run, the restored checkpoint)."""
+    `past`: the run's metrics records so far. Returns (state, first step to run, the restored
+    checkpoint)."""
     before = checkpointer.steps()
     restored = _restore_local(local, before[-1] if before else -1, jitted, run_dir, console)
     restored = restored or checkpointer.restore_latest(jitted.abstract_state, shapes)
@@ -191,7 +192,7 @@ def restore_or_init(
             )
         return (init_state or (lambda c: c.init_fn()))(jitted), 0, None
     start = int(restored.state.step)
-    logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    logged = [r["step"] for r in past if "loss" in r]
     redo = (
         f"; steps {start}..{max(logged)} are recomputed" if logged and max(logged) >= start else ""
     )

@@ -42,6 +42,7 @@ from jaxdist.checkpoint.writefail import (
     CheckpointWriteFailed,
     dir_bytes,
     human_bytes,
+    make_dir,
     quiet_write_errors,
     remove_partial,
     write_errno,
@@ -117,13 +118,7 @@ class Checkpointer:
         self.directory = directory.absolute()
         self.rerun = rerun
         self.faults = faults
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(
-                f"cannot create checkpoint directory {self.directory}: "
-                f"{e.strerror}; pass a writable --run-dir"
-            ) from None
+        make_dir(self.directory, "checkpoint directory", "pass a writable --run-dir")
         self._manager = self._open(keep)
         self.keep = keep
         self._pending: int | None = None  # the step of the save in flight, not yet committed

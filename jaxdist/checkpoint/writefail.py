@@ -12,6 +12,7 @@ import time
 
 from jaxdist.checkpoint.abandon import TMP_SUFFIX
 from jaxdist.checkpoint.recovery import TrainingStopped
+from jaxdist.errors import ConfigError
 
 log = logging.getLogger("jaxdist.checkpoint")
 
@@ -93,3 +94,11 @@ def remove_partial(directory: pathlib.Path, step: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
         time.sleep(0.05)
     log.warning("could not remove %s; the next run removes it", partial[0])
+
+
+def make_dir(path: pathlib.Path, what: str, fix: str) -> None:
+    """Creates a directory a run writes into, or ends in one line naming it and the fix."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create {what} {path}: {e.strerror}; {fix}") from None

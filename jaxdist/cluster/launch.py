@@ -19,6 +19,7 @@ import threading
 import time
 
 from jaxdist.cluster import restarts
+from jaxdist.cluster.manifests import split_run_dir
 from jaxdist.errors import ConfigError
 
 
@@ -126,7 +127,7 @@ def launch(
     one, every process started again, up to that many times: each resumes from the newest good
     checkpoint, and each restart is printed and recorded in RUN_DIR/restarts.jsonl."""
     _check(processes, devices_per_process, train_args)
-    run_dir = _run_dir(train_args)
+    run_dir = split_run_dir(train_args)[1]
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts {max_restarts} must be >= 0")
     if max_restarts and run_dir is None:
@@ -198,7 +199,7 @@ def _attempt(processes, devices_per_process, train_args, platform, port, grace_s
         elif own := _first_own_stop(heard.get("stopped", [])):
             cause = own
         return (rc if rc > 0 else 128 - rc), cause
-    short = _stopped_short(_run_dir(train_args))
+    short = _stopped_short(split_run_dir(train_args)[1])
     return 0, (None if stopped or short is None else short)
 
 
@@ -209,15 +210,6 @@ def _first_own_stop(lines: list[tuple[str, str]]) -> str | None:
     for prefix, text in lines:
         if not text.startswith(PEER_GONE):
             return f"process {prefix.strip('[p] ')} stopped: {text.split('. ')[0][:240]}"
-    return None
-
-
-def _run_dir(train_args: list[str]) -> str | None:
-    for i, a in enumerate(train_args):
-        if a == "--run-dir" and i + 1 < len(train_args):
-            return train_args[i + 1]
-        if a.startswith("--run-dir="):
-            return a.partition("=")[2]
     return None
 
 

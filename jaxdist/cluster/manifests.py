@@ -140,7 +140,7 @@ def sbatch(
     args = list(train_args)
     if not gpus_per_node and "--devices" not in args:
         args += ["--devices", f"cpu:{cpu_devices_per_task}"]
-    rest, given = _split_run_dir(args)
+    rest, given = split_run_dir(args)
     # Every task must name the same directory, and a requeued job keeps its id, so the rerun
     # resumes it (relative to the submission directory, which srun starts in).
     run_dir = '"runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}"' if given is None else shlex.quote(given)
@@ -157,7 +157,7 @@ def _command(args: list[str]) -> str:
     return " ".join(shlex.quote(a) for a in ["python", "-m", "jaxdist.cli", *args])
 
 
-def _split_run_dir(args: list[str]) -> tuple[list[str], str | None]:
+def split_run_dir(args: list[str]) -> tuple[list[str], str | None]:
     """The train arguments without their --run-dir, and its value (None if not given)."""
     rest, given, i = [], None, 0
     while i < len(args):

@@ -35,7 +35,6 @@ from jaxdist.cluster.restarts import HANG_EXIT
 
 _PREFIX = "jaxdist/progress/"
 _HOSTS = "jaxdist/host/"
-_HANG = ENDED  # a hang declared: ENDED + "hang"
 HANG_FLOOR_S = 600.0  # the default timeout's floor: a slow save or eval is not a hang
 HANG_FACTOR = 20.0  # the default timeout, in p50 steps
 
@@ -184,7 +183,7 @@ class Watchdog:
             if self.multi:
                 value = f"{','.join(map(str, stuck or ()))}|{line}"
                 try:
-                    _client().key_value_set(f"{_HANG}hang", value, allow_overwrite=False)
+                    _client().key_value_set(f"{ENDED}hang", value, allow_overwrite=False)
                 except Exception:  # noqa: BLE001 - another process declared first: its stands
                     told = self._told().get("hang")
         if told is not None:

@@ -82,11 +82,11 @@ class Ledger:
         finally:
             self.mark(name)
 
-    def begin(self, start: int, metrics_path: pathlib.Path) -> None:
+    def begin(self, start: int, past: list[dict]) -> None:
         """After the restore: the attempt's first step, and which steps it recomputes (those
-        the log holds from earlier attempts, as resume's message says)."""
+        the log holds from earlier attempts, `past`, as resume's message says)."""
         self.mark("restore")
-        logged = [r["step"] for r in read_metrics(metrics_path) if "loss" in r]
+        logged = [r["step"] for r in past if "loss" in r]
         self.start = self._next = start
         self.redo_until = max(logged) if logged and max(logged) >= start else start - 1
         redo = [start, self.redo_until] if self.redo_until >= start else None
