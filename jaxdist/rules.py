@@ -199,9 +199,11 @@ def active() -> tuple[AxisRules, Mesh]:
     return value
 
 
-def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+def constrain(x: jax.Array, logical: tuple[str | None, ...], kind: str = "activation") -> jax.Array:
+    """x laid out as the rules say for these logical axes: as an activation, or ("param") as
+    a stored parameter (a weight kept in its FSDP layout where a model uses it)."""
     rules, mesh = active()
-    spec = rules.spec(logical, "activation", f"activation {logical}")
+    spec = rules.spec(logical, kind, f"{kind} {logical}")
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     if manual:  # inside a shard_map: its manual axes are already split, per device
         spec = PartitionSpec(*(_without(entry, manual) for entry in spec))
