@@ -30,7 +30,9 @@ def _export_tensors(c: TransformerConfig, vocab: int) -> list[HFTensor]:
 
 def _computing(c: TransformerConfig, compute_dtype: str) -> TransformerConfig:
     # XLA's attention: the decoder's own (export computes nothing; any kernel gives the same).
-    return dataclasses.replace(c, compute_dtype=compute_dtype, attention="xla")
+    # MoE layers dense: every token reaches its experts, as in transformers (models/decode.py).
+    moe_impl = "dense" if c.num_experts else c.moe_impl
+    return dataclasses.replace(c, compute_dtype=compute_dtype, attention="xla", moe_impl=moe_impl)
 
 
 FAMILY = ModelFamily(

@@ -133,13 +133,20 @@ def activations(c: TransformerConfig, batch_size: int) -> Inventory:
         n(score_stat, count=1 if fused else 2),
         n(btf, count=6 if llama else 5),
     )
+    # The fused attention kernel's output and row statistics, kept by every policy that keeps
+    # matmuls (models/remat.py) so the backward never reruns the kernel.
+    kernel = (btnh, score_stat) if fused else ()
+    # Every policy keeps the layer's input (the scan stacks it), [B, T, D] like the attention
+    # output projection's.
+    dots = (qkv, n(btd, count=2), n(btf, count=2 if llama else 1)) + kernel
     saved = {
         "none": everything,
-        # Matmul outputs: fused QKV, the two output projections, the MLP's up (and gate); and
-        # the fused attention kernel's output and row statistics (models/transformer.py's
-        # policy keeps them so the backward never reruns the kernel).
-        "dots": (qkv, n(btd, count=2), n(btf, count=2 if llama else 1))
-        + ((btnh, score_stat) if fused else ()),
+        # Matmul outputs: fused QKV, the attention output projection, the MLP's up (and gate).
+        "dots": dots,
+        # Fused QKV and the attention output projection; the MLP is recomputed.
+        "dots_except_mlp": (qkv, n(btd, count=2)) + kernel,
+        # dots' set lives in host memory between the passes: only the input stays.
+        "offload": (btd,),
         "full": (btd,),  # the layer's input only
     }[c.remat]
     # The backward of one layer: with remat it rebuilds what was not saved, and XLA reuses
@@ -147,5 +154,8 @@ def activations(c: TransformerConfig, batch_size: int) -> Inventory:
     working = (
         everything if c.remat == "none" else everything + tuple(n(t, count=-t.count) for t in saved)
     )
+    if c.remat == "offload":
+        # While a layer runs, the next one's set is on its way to or from the host.
+        working += dots
     once = (n(btd, count=4), Activation(1, ("batch", "seq", "vocab"), (B, T, V), 4))
     return Inventory(saved, working, once)

@@ -41,7 +41,10 @@ def moe_mlp(c, h_BTD, w) -> tuple[jax.Array, dict]:
     )
     probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
     top_BTK, expert_BTK = _top_k(logits_BTE, K)
-    weight_BTK = jax.nn.softmax(top_BTK, axis=-1)  # renormalised over the chosen experts
+    if c.moe_renormalize:  # Mixtral: softmax over all, top-k, renormalised = softmax of top-k
+        weight_BTK = jax.nn.softmax(top_BTK, axis=-1)
+    else:  # Qwen-MoE without norm_topk_prob: the chosen experts' probabilities as they are
+        weight_BTK = jnp.take_along_axis(probs_BTE, expert_BTK, axis=-1)
     chosen_BTE = jnp.sum(jax.nn.one_hot(expert_BTK, E), axis=2)
     # Load balancing (Switch Transformer, over top-k assignments): E * sum_e f_e * p_e, with
     # f and p means over the whole batch, wherever its rows are.

@@ -1,6 +1,12 @@
-"""Named model sizes. GPT-2 style presets match the peer baselines' architecture exactly."""
+"""Named model sizes. GPT-2 style presets match the peer baselines' architecture exactly.
+
+Published architectures are data: models/configs/NAME.json is a Hugging Face config.json as
+its authors publish it (Llama 2 and 3.1, Mixtral), read as `hf:PATH` reads one (models/hf_config.py)
+and named NAME: the architecture, randomly initialized."""
 
 import dataclasses
+import json
+import pathlib
 
 from jaxdist.data import padded_vocab
 from jaxdist.errors import ConfigError
@@ -46,6 +52,22 @@ PRESETS: dict[str, TransformerConfig] = {
         ),
     ]
 }
+
+
+CONFIGS = pathlib.Path(__file__).parent / "configs"
+
+
+def _published() -> dict[str, TransformerConfig]:
+    from models.hf_config import config_from_hf
+
+    out = {}
+    for path in sorted(CONFIGS.glob("*.json")):
+        config, _ = config_from_hf(json.loads(path.read_text()), path.stem, str(path))
+        out[path.stem] = dataclasses.replace(config, **_DOTS)  # accelerator-sized, all of them
+    return out
+
+
+PRESETS |= _published()
 
 
 def get_model_config(name: str, **overrides) -> TransformerConfig:

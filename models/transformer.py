@@ -8,9 +8,11 @@ Attention weights are fused per kv group, Megatron's GQA layout: wqkv is [D, G, 
 (each group's query heads, then its key and its value head), so splitting G over devices keeps
 every group whole, and the input gradient of Q, K and V is one partial sum, not three.
 
-Options Hugging Face's GPT-2 and Llama checkpoints need (models/hf.py), off in the presets:
-biases on every attention and MLP linear layer (bias_*), and a head tied to the token embedding
-(no head_DV: the logits use tok_embed_VD transposed, so its gradient sums both uses).
+Options Hugging Face's checkpoints need (models/hf.py), off in the presets: biases on the
+attention and MLP linear layers (bias_*; Qwen2's on Q, K and V only), a head tied to the token
+embedding (no head_DV: the logits use tok_embed_VD transposed, so its gradient sums both uses),
+RMSNorm of each query and key head before RoPE (Qwen3), a head width apart from D / N, and
+scaled RoPE frequencies (models/rope.py). The configuration: models/transformer_config.py.
 
 Layers are stored stacked along L and run with `lax.scan`, so compile time does not grow with
 depth and every per-layer weight carries the `layers` logical axis.
@@ -20,145 +22,19 @@ Packed documents (jaxdist.kernels.documents): given `docs`, attention stays insi
 them a row is one causal sequence at positions 0..T-1.
 """
 
-import dataclasses
 import math
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.errors import ConfigError
 from jaxdist.kernels.attention import attention, document_mask
 from jaxdist.kernels.documents import Documents
 from jaxdist.parallel.pipeline import Stages
 from jaxdist.rules import constrain
-from models import moe, remat
-from models.moe import EXPERT_WEIGHTS, MOE_LOGICAL, moe_shapes
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    name: str
-    style: Literal["gpt2", "llama"]
-    num_layers: int
-    d_model: int
-    num_heads: int
-    num_kv_heads: int
-    d_mlp: int
-    vocab_size: int
-    seq_len: int
-    rope_theta: float = 10_000.0
-    norm_eps: float = 1e-5
-    # Biases on the attention (QKV, output) and MLP linear layers: GPT-2 has both, Llama
-    # neither by default (its attention_bias / mlp_bias). The presets keep them off.
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    # The output head is the token embedding transposed (GPT-2, small Llamas): no head_DV.
-    tie_embeddings: bool = False
-    compute_dtype: str = "float32"
-    # none: keep all activations; full: recompute each layer in backward; dots: keep matmul and
-    # attention-kernel outputs.
-    remat: Literal["none", "full", "dots"] = "none"
-    # The attention kernel (jaxdist.kernels.attention): cudnn on GPUs, splash on TPUs, xla anywhere.
-    attention: Literal["xla", "cudnn", "splash"] = "xla"
-    # Mixture of experts (every layer's MLP) when num_experts > 0; d_mlp is each expert's.
-    num_experts: int = 0
-    top_k: int = 2
-    capacity_factor: float = 1.25
-    dropless: bool = False
-    moe_impl: Literal["dispatch", "dense"] = "dispatch"
-    balance_coef: float = 0.01
-    z_loss_coef: float = 0.001
-
-    def __post_init__(self):
-        if self.num_experts:
-            if not 1 <= self.top_k <= self.num_experts:
-                raise ConfigError(f"top-k {self.top_k} must lie in [1, {self.num_experts} experts]")
-            if self.capacity_factor <= 0:
-                raise ConfigError(f"capacity factor {self.capacity_factor} must be > 0")
-            if self.mlp_bias:
-                raise ConfigError("MLP biases with MoE layers are not supported; drop mlp_bias")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"d_model {self.d_model} not divisible by heads {self.num_heads}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"heads {self.num_heads} not divisible by kv_heads {self.num_kv_heads}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-    def num_params(self) -> int:
-        """All parameters, embeddings included (the figure peers report)."""
-        return sum(math.prod(s) for s in _param_shapes(self).values())
-
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token, PaLM formula: 6*N + 12*L*D*T.
-
-        N counts the weight matrices (attention, MLP and output head), not the input or
-        position embeddings, which are lookups; 12*L*D*T is attention's QK^T and AV, forward and
-        backward, without causal halving (the convention published MFU figures use).
-        """
-        shapes = _param_shapes(self)
-        # MoE: each token passes through top_k of the experts, so count those (MFU on active
-        # parameters, the convention MoE results are published with).
-        active = self.top_k / self.num_experts if self.num_experts else 1.0
-        n = sum(
-            math.prod(s) * (active if k in EXPERT_WEIGHTS else 1)
-            for k, s in shapes.items()
-            if len(s) >= 3 or k == "head_DV"
-        )
-        if self.tie_embeddings:  # the head's matmul is there, its weight is the embedding's
-            n += self.d_model * self.vocab_size
-        return 6 * n + 12 * self.num_layers * self.d_model * self.seq_len
-
-
-def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
-    L, D, F, N, G, H, V = (
-        c.num_layers,
-        c.d_model,
-        c.d_mlp,
-        c.num_heads,
-        c.num_kv_heads,
-        c.head_dim,
-        c.vocab_size,
-    )
-    shapes = {
-        "tok_embed_VD": (V, D),
-        "head_DV": (D, V),
-        "norm_f_scale_D": (D,),
-        "wqkv_LDGQH": (L, D, G, N // G + 2, H),
-        "wo_LNHD": (L, N, H, D),
-        "norm1_scale_LD": (L, D),
-        "norm2_scale_LD": (L, D),
-        "w_up_LDF": (L, D, F),
-        "w_down_LFD": (L, F, D),
-    }
-    if c.tie_embeddings:
-        del shapes["head_DV"]
-    if c.attention_bias:
-        shapes |= {"bias_qkv_LGQH": (L, G, N // G + 2, H), "bias_o_LD": (L, D)}
-    if c.mlp_bias:
-        shapes |= {"bias_up_LF": (L, F), "bias_down_LD": (L, D)}
-        if c.style == "llama":
-            shapes["bias_gate_LF"] = (L, F)
-    if c.num_experts:
-        for k in ("w_up_LDF", "w_down_LFD"):
-            del shapes[k]
-        shapes |= moe_shapes(L, D, F, c.num_experts)
-    if c.style == "gpt2":
-        shapes |= {
-            "pos_embed_TD": (c.seq_len, D),
-            "norm_f_bias_D": (D,),
-            "norm1_bias_LD": (L, D),
-            "norm2_bias_LD": (L, D),
-        }
-    elif not c.num_experts:
-        shapes["w_gate_LDF"] = (L, D, F)
-    return shapes
-
+from models import moe, remat, rope
+from models.moe import EXPERT_WEIGHTS, MOE_LOGICAL
+from models.transformer_config import TransformerConfig, _param_shapes
 
 _LOGICAL = {
     "tok_embed_VD": ("vocab", "embed"),
@@ -177,6 +53,8 @@ _LOGICAL = {
     "w_down_LFD": ("layers", "mlp", "embed"),
     "bias_qkv_LGQH": ("layers", "kv_heads", "qkv", "head_dim"),
     "bias_o_LD": ("layers", "embed"),
+    "q_norm_scale_LH": ("layers", "head_dim"),
+    "k_norm_scale_LH": ("layers", "head_dim"),
     "bias_up_LF": ("layers", "mlp"),
     "bias_gate_LF": ("layers", "mlp"),
     "bias_down_LD": ("layers", "embed"),
@@ -241,15 +119,10 @@ class Transformer(nnx.Module):
 
 def _cast(c: TransformerConfig, name: str, v: jax.Array) -> jax.Array:
     # Cast before use so FSDP gathers and tensor-parallel reductions move compute-dtype bytes.
-    # Weights keep their stored layout where they are used ("param": FSDP-sharded), and XLA
-    # chooses how to gather them. Pinned replicated instead, XLA's TPU partitioner all-reduced
-    # each weight's whole gradient and then sliced it (13.5 GB a step on Llama-2-7B, fsdp=8);
-    # left sharded it reduce-scatters, and windows the matmuls (gathers and reductions as
-    # collective-permute rings overlapped with the matmul's chunks). On GPUs it is neutral for
-    # layer weights and drops the embedding's gradient all-reduce. Layer weights are laid out
-    # inside the scan body, one layer at a time.
+    # The embedding and head are laid out for compute where they are used (gathered over the
+    # batch axes). Layer weights keep their stored layout inside the scan body (_stored).
     v = v.astype(jnp.dtype(c.compute_dtype))
-    return v if "_L" in name else constrain(v, _LOGICAL[name], "param")
+    return v if "_L" in name else constrain(v, _LOGICAL[name])
 
 
 def embed(
@@ -325,10 +198,12 @@ def _norm(c: TransformerConfig, x_BTD, scale_D, bias_D):
 
 def _rope(c: TransformerConfig, x_BTNH, positions_BT):
     """Rotary positions; positions_BT per token ([1, T] broadcasts over the batch)."""
-    H = x_BTNH.shape[-1]
-    freqs_H2 = c.rope_theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    freqs_H2 = jnp.asarray(rope.inv_freq(c.rope_theta, c.rope_scaling, x_BTNH.shape[-1]))
     angles_BTH2 = positions_BT[..., None].astype(jnp.float32) * freqs_H2
     sin, cos = jnp.sin(angles_BTH2)[:, :, None, :], jnp.cos(angles_BTH2)[:, :, None, :]
+    scale = rope.attention_scale(c.rope_scaling)
+    if scale != 1.0:  # yarn: cos and sin scaled, so attention logits by scale**2
+        sin, cos = sin * scale, cos * scale
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
@@ -347,6 +222,12 @@ def _block(c: TransformerConfig, x_BTD, w, positions_BT, mask_B1TS):
 
 
 def _stored(v: jax.Array, logical: tuple[str, ...]) -> jax.Array:
+    # A layer's weights keep their stored layout ("param": FSDP-sharded) where they are used,
+    # and XLA chooses how to gather them. Pinned replicated instead, XLA's TPU partitioner
+    # all-reduced each weight's whole gradient and then sliced it (13.5 GB a step on
+    # Llama-2-7B, fsdp=8); left sharded it reduce-scatters, and windows the matmuls (gathers
+    # and reductions as collective-permute rings overlapped with the matmul's chunks). GPUs
+    # compile the same either way (reduce-scatter).
     return constrain(v, logical, "param")
 
 
@@ -356,6 +237,7 @@ def qkv(c: TransformerConfig, x_BTD, w, positions_BT):
     B, T, _ = x_BTD.shape
     h_BTD = _norm(c, x_BTD, w["norm1_scale_LD"], w.get("norm1_bias_LD"))
     qkv_BTGQH = jnp.einsum("btd,dgqh->btgqh", h_BTD, w["wqkv_LDGQH"])
+    qkv_BTGQH = remat.checkpoint_name(qkv_BTGQH, remat.QKV_PROJ)
     if c.attention_bias:
         qkv_BTGQH = qkv_BTGQH + w["bias_qkv_LGQH"]
     qkv_BTGQH = constrain(qkv_BTGQH, ("batch", "seq", "kv_heads", "qkv", "head_dim"))
@@ -364,6 +246,9 @@ def qkv(c: TransformerConfig, x_BTD, w, positions_BT):
     q_BTNH = qkv_BTGQH[:, :, :, :q_per_group].reshape(B, T, c.num_heads, c.head_dim)
     k_BTGH = qkv_BTGQH[:, :, :, q_per_group]
     v_BTGH = qkv_BTGQH[:, :, :, q_per_group + 1]
+    if c.qk_norm:
+        q_BTNH = _norm(c, q_BTNH, w["q_norm_scale_LH"], None)
+        k_BTGH = _norm(c, k_BTGH, w["k_norm_scale_LH"], None)
     if c.style == "llama":
         q_BTNH, k_BTGH = _rope(c, q_BTNH, positions_BT), _rope(c, k_BTGH, positions_BT)
     return q_BTNH, k_BTGH, v_BTGH
@@ -374,7 +259,8 @@ def after_attention(c: TransformerConfig, x_BTD, attn_BTNH, w):
     MoE); returns the layer's output and its MoE statistics ({} for a dense MLP)."""
     attn_BTNH = constrain(attn_BTNH, ("batch", "seq", "heads", "head_dim"))
     out_BTD = jnp.einsum("btnh,nhd->btd", attn_BTNH, w["wo_LNHD"])
-    if c.attention_bias:
+    out_BTD = remat.checkpoint_name(out_BTD, remat.OUT_PROJ)
+    if c.out_bias:
         out_BTD = out_BTD + w["bias_o_LD"]
     x_BTD = x_BTD + constrain(out_BTD, ("batch", "seq", "embed"))
 

@@ -2,13 +2,17 @@
 `transformers` itself (the reference jaxdist's import, export and generation are tested
 against). Run it with a Python that has torch, transformers and safetensors:
 
-    python tests/make_hf_fixtures.py
+    python tests/make_hf_fixtures.py [NAME ...]   (default: every model)
 
 Each model directory holds what `save_pretrained` writes (config.json, model.safetensors,
-generation_config.json), a tiny byte-level BPE tokenizer.json, and reference.safetensors:
+generation_config.json), a tiny byte-level BPE tokenizer.json (with tokenizer_config.json naming
+its EOS), and reference.safetensors:
 `input_ids` [2, 12] and transformers' fp32 `logits` for them, `prompt_ids` (the encoded
 PROMPT) and `greedy_ids` (transformers' greedy `generate`, 32 new tokens). versions.json
 records the library versions that made them. Seeded: a rerun makes the same models.
+
+rope_frequencies.json: transformers' RoPE inverse frequencies (ROPE_INIT_FUNCTIONS) and
+attention factor for a set of config.json RoPE settings, each scaling kind and both spellings.
 """
 
 import json
@@ -36,14 +40,15 @@ _TEXT = (
 ) * 8
 
 
-def tokenizer() -> Tokenizer:
-    """A byte-level BPE of exactly VOCAB ids (256 bytes, the merges, EOS last)."""
+def tokenizer(eos: str = EOS) -> Tokenizer:
+    """A byte-level BPE of exactly VOCAB ids (`eos`, the one special token, first; 256 bytes,
+    the merges)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB,
-        special_tokens=[EOS],
+        special_tokens=[eos],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -90,36 +95,124 @@ def configs(eos_id: int) -> dict[str, transformers.PretrainedConfig]:
         "gpt2": transformers.GPT2Config(
             n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=None, **common
         ),
+        # Llama 3.1's RoPE scaling, its original context shrunk so that every branch (kept,
+        # smoothed, divided by the factor) holds a frequency of head_dim 8
+        "llama31": transformers.LlamaConfig(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3_SCALING},
+            **llama,
+        ),
+        # Q, K and V biases without an output bias; tied
+        "qwen2": transformers.Qwen2Config(
+            num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0, **llama
+        ),
+        # per-head q/k norms; head_dim 16 with 4 heads of a 32-wide model; EOS <|im_end|> and a
+        # second one (generation_config.json)
+        "qwen3": transformers.Qwen3Config(
+            num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, **llama
+        ),
+        # a sliding window exactly the context (the longest supported)
+        "mistral": transformers.MistralConfig(
+            num_key_value_heads=2, sliding_window=64, tie_word_embeddings=False, **llama
+        ),
+        # 4 experts of 48, top 2, renormalized
+        "mixtral": transformers.MixtralConfig(
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            **{**llama, "intermediate_size": 48},
+        ),
+        # 4 experts of 24, top 2, not renormalized; q/k norms, head_dim 16
+        "qwen3-moe": transformers.Qwen3MoeConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+            **llama,
+        ),
     }
 
 
-def main() -> int:
+LLAMA3_SCALING = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+QWEN_EOS = "<|im_end|>"  # no name jaxdist.data.tokenizer guesses: EOS must come from the config
+UNUSUAL_EOS = ("qwen3",)
+
+
+def rope_cases() -> list[dict]:
+    """transformers' inverse frequencies for config.json RoPE settings: Llama 3.1 8B's own,
+    and each kind on a small head (64) so that the ranges (yarn's ramp) fall inside it."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    meta = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    meta |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    meta["original_max_position_embeddings"] = 8192
+    small = {"hidden_size": 256, "num_attention_heads": 4, "max_position_embeddings": 4096}
+    cases = [
+        ({"hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 131072,
+          "rope_parameters": meta}),
+        {**small, "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+        {**small, "rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
+        {**small, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}},
+        {**small, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 1024}},
+        {**small, "head_dim": 32, "rope_theta": 1e6,
+         "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16, "beta_slow": 2,
+                          "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False,
+                          "original_max_position_embeddings": 512}},
+    ]  # fmt: skip
+    out = []
+    for hf in cases:
+        config = transformers.LlamaConfig(**hf)
+        kind = config.rope_parameters["rope_type"]
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+        out.append({"config": hf, "inv_freq": inv_freq.tolist(), "attention_factor": factor})
+    return out
+
+
+def main(names: list[str]) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
-    tok = tokenizer()
-    eos_id = tok.token_to_id(EOS)
-    prompt_ids = tok.encode(PROMPT).ids
-    for name, config in configs(eos_id).items():
+    for name, config in configs(0).items():
+        if names and name not in names:
+            continue
+        eos = QWEN_EOS if name in UNUSUAL_EOS else EOS
+        tok = tokenizer(eos)
+        eos_id = tok.token_to_id(eos)
+        assert eos_id == 0, eos_id
+        prompt_ids = tok.encode(PROMPT).ids
         torch.manual_seed(0)
-        cls = transformers.GPT2LMHeadModel if name == "gpt2" else transformers.LlamaForCausalLM
-        model = cls(config).eval().to(torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval().to(torch.float32)
         # Larger than the 0.02 init, so the logits (and greedy choices) depend on every weight.
         with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.2)
+            for n, p in model.named_parameters():
+                # q/k norm weights near 0 would make every attention weight alike.
+                p.normal_(1.0 if n.endswith(("q_norm.weight", "k_norm.weight")) else 0.0, 0.2)
         directory = OUT / name
-        model.save_pretrained(directory)
-        tok.save(str(directory / "tokenizer.json"))
         rng = np.random.default_rng(0)
         input_ids = rng.integers(0, VOCAB, size=(2, 12))
         with torch.no_grad():
             logits = model(torch.tensor(input_ids)).logits.numpy()
-            out = model.generate(
-                torch.tensor([prompt_ids]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=eos_id,
-            )
-        greedy = out[0, len(prompt_ids) :].numpy()
+            greedy = _greedy(model, prompt_ids, eos_id)
+            if name in UNUSUAL_EOS:
+                # A second EOS (as Qwen's and Llama 3's lists): the first greedy token from
+                # the 4th on not seen before it; generation ends at either.
+                g = greedy.tolist()
+                eos_ids = [eos_id, next(x for i, x in enumerate(g) if i >= 3 and x not in g[:i])]
+                model.generation_config.eos_token_id = eos_ids
+                greedy = _greedy(model, prompt_ids, eos_ids)
+        model.save_pretrained(directory)
+        tok.save(str(directory / "tokenizer.json"))
+        tok_config = {"eos_token": eos, "tokenizer_class": "PreTrainedTokenizerFast"}
+        (directory / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
         save_file(
             {
                 "input_ids": input_ids.astype(np.int64),
@@ -129,8 +222,8 @@ def main() -> int:
             },
             str(directory / "reference.safetensors"),
         )
-        eos_at = list(greedy).index(eos_id) if eos_id in greedy else None
-        print(f"{name}: greedy {len(greedy)} tokens, EOS at {eos_at}")
+        print(f"{name}: greedy {greedy.tolist()}")
+    (OUT / "rope_frequencies.json").write_text(json.dumps(rope_cases(), indent=1) + "\n")
     versions = {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -144,5 +237,16 @@ def main() -> int:
     return 0
 
 
+def _greedy(model, prompt_ids: list[int], eos) -> np.ndarray:
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos if isinstance(eos, int) else eos[0],
+    )
+    return out[0, len(prompt_ids) :].numpy()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -2,9 +2,13 @@
 
 The references (tests/fixtures/hf, made by tests/make_hf_fixtures.py with transformers: see
 versions.json there) are tiny random LlamaForCausalLM (grouped-query: untied; tied with 4 heads
-per group; with attention and MLP biases) and GPT2LMHeadModel models, their fp32 logits for
-fixed ids and their greedy generations."""
+per group; with attention and MLP biases; Llama 3.1's RoPE scaling), GPT2LMHeadModel,
+Qwen2ForCausalLM, Qwen3ForCausalLM (its EOS <|im_end|>, a second one in generation_config.json),
+MistralForCausalLM, MixtralForCausalLM and Qwen3MoeForCausalLM models, their fp32 logits for
+fixed ids and their greedy generations. MoE models are compared computing every expert
+(moe_impl dense), as transformers does: dispatch's capacity would drop tokens."""
 
+import dataclasses
 import functools
 import json
 import math
@@ -25,7 +29,7 @@ from jaxdist.errors import ConfigError
 from jaxdist.hf.export import export
 from jaxdist.hf.generation import generation_mesh, run_generation
 from jaxdist.hf.safetensors_io import SafetensorsDir
-from jaxdist.hf.source import Source, check
+from jaxdist.hf.source import Source, check, eos_ids
 from jaxdist.inference.generate import SampleConfig, pick
 from jaxdist.rules import activation_rules, state_shardings
 from meshes.presets import STANDARD_RULES
@@ -36,6 +40,7 @@ from tests.helpers import mesh_for
 
 FIX = pathlib.Path(__file__).parent / "fixtures" / "hf"
 MODELS = ["llama-gqa", "llama-tied", "llama-bias", "gpt2"]
+MODELS += ["llama31", "qwen2", "qwen3", "mistral", "mixtral", "qwen3-moe"]
 SLOW = pytest.mark.slow
 
 
@@ -59,6 +64,8 @@ def load_on(name_or_path, layout: str):
 
 
 def logits_of(config, mesh, params, ids: np.ndarray) -> np.ndarray:
+    if config.num_experts:  # every token to its experts, nothing dropped
+        config = dataclasses.replace(config, moe_impl="dense")
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0))))
     state = jax.tree_util.tree_map_with_path(lambda p, _: params[p[0].key], abstract)
 
@@ -100,18 +107,20 @@ def _source(name: str, layout: str = "data=2,fsdp=2,tensor=2"):
     """One import per fixture model for the module: the tests read its arrays, never change
     them (generation donates its cache only)."""
     model, mesh, params = load_on(name, layout)
+    stops = eos_ids(model.hf_config, model.path)
     src = Source(
-        config=model.config,
+        config=FAMILY.computing(model.config, "float32"),
         params=params,
         mesh=mesh,
         rules=STANDARD_RULES,
         vocab_size=model.vocab_size,
-        eos_id=0,
+        eos_id=stops[0],
         tokenizer=model.path / "tokenizer.json",
         hf_config=model.hf_config,
         source_dir=model.path,
         dtype="float32",
         family=FAMILY,
+        eos_ids=stops,
     )
     return model, src
 
@@ -138,8 +147,9 @@ def test_export_of_import_is_bitwise(name, tmp_path):
     src_config = json.loads((FIX / name / "config.json").read_text())
     for key in ("architectures", "vocab_size", "tie_word_embeddings", "eos_token_id"):
         assert config[key] == src_config[key], key
-    for f in ("tokenizer.json", "generation_config.json"):
-        assert (tmp_path / "out" / f).read_bytes() == (FIX / name / f).read_bytes()
+    for f in ("tokenizer.json", "generation_config.json", "tokenizer_config.json"):
+        if (FIX / name / f).is_file():
+            assert (tmp_path / "out" / f).read_bytes() == (FIX / name / f).read_bytes()
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 
@@ -162,8 +172,12 @@ def test_sharded_export_reimports(tmp_path):
         np.testing.assert_array_equal(v, want, err_msg=k)
 
 
-# llama-gqa stays in the quick loop; each other architecture compiles its own two programs.
-@pytest.mark.parametrize("name", [MODELS[0], *(pytest.param(m, marks=SLOW) for m in MODELS[1:])])
+# llama-gqa and qwen3 (EOS from its config, two of them) stay in the quick loop; each other
+# architecture compiles its own two programs.
+QUICK = ("llama-gqa", "qwen3")
+
+
+@pytest.mark.parametrize("name", [m if m in QUICK else pytest.param(m, marks=SLOW) for m in MODELS])
 def test_greedy_generate_equals_transformers(name):
     ref = reference(name)
     _, src = _source(name)
@@ -223,8 +237,8 @@ def _copy(name: str, tmp_path: pathlib.Path) -> pathlib.Path:
 def test_unsupported_architecture_is_named(tmp_path):
     d = _copy("llama-gqa", tmp_path)
     config = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
-    with pytest.raises(ConfigError, match="MistralForCausalLM.*LlamaForCausalLM, GPT2LMHeadModel"):
+    (d / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2MoeForCausalLM"]}))
+    with pytest.raises(ConfigError, match="'Qwen2MoeForCausalLM' is not supported; supported: Ll"):
         hf.open_model(f"hf:{d}")
 
 
@@ -315,11 +329,14 @@ def test_models_without_a_hugging_face_form_are_refused():
     from models import decode
     from models.presets import get_model_config
 
-    moe = get_model_config("tiny-moe")
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        hf.export_pieces(moe, 256)
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        decode.check(moe)
+    moe = get_model_config("tiny-moe")  # exports as Mixtral: a router and 3 tensors an expert
+    names = [p.name(0) for p in hf.export_pieces(moe, 256)[0]]
+    assert "model.layers.0.block_sparse_moe.experts.7.w2.weight" in names
+    assert len([n for n in names if ".experts." in n]) == 8 * 3
+    with pytest.raises(ConfigError, match="GPT-2 style mixture-of-experts"):
+        hf.export_pieces(dataclasses.replace(moe, style="gpt2"), 256)
+    with pytest.raises(ConfigError, match="moe_impl dense"):
+        decode.check(moe)  # dispatch's capacity could drop a token's experts
     gqa_gpt2 = get_model_config("tiny", num_kv_heads=2)
     with pytest.raises(ConfigError, match="no GPT2LMHeadModel form"):
         hf.export_pieces(gqa_gpt2, 256)

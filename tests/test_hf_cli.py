@@ -334,3 +334,62 @@ def test_generate_hf_model_from_the_command_line():
     assert out.startswith(versions["prompt"] + got["text"])
     last = out.strip().splitlines()[-1]
     assert last.startswith(f"[{len(got['new_ids'])} tokens, ") and last.endswith(" tokens/s]")
+
+
+# Each architecture's export of a model as a run from scratch would give it (no source
+# config.json to start from: ours written whole), and llama31 as fine-tuned from its source.
+ARCHITECTURES = ["llama31", "qwen2", "qwen3", "mistral", "mixtral", "qwen3-moe", "llama31-base"]
+
+
+@pytest.fixture(scope="module")
+def transformers_exports(python, tmp_path_factory):
+    from jaxdist.hf.export import export
+    from tests.test_hf import _source
+
+    tmp = tmp_path_factory.mktemp("architectures")
+    ref = _Transformers(python, tmp_path_factory.mktemp("transformers-architectures"))
+    try:
+        for key in ARCHITECTURES:
+            _, src = _source(key.removesuffix("-base"))
+            if not key.endswith("-base"):
+                src = src._replace(hf_config=None, source_dir=None)
+            export(src, tmp / key, "float32", 1 << 30)
+            ref.add(key, tmp / key, 300, 3)
+        yield ref
+    finally:
+        if ref.proc.poll() is None:
+            ref.proc.kill()
+            ref.proc.communicate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ARCHITECTURES)
+def test_transformers_loads_each_architecture_export(transformers_exports, key):
+    from models.hf_config import hf_architecture
+    from tests.test_hf import _source
+
+    model, src = _source(key.removesuffix("-base"))
+    ours = logits_of(src.config, src.mesh, src.params, transformers_exports.ids[key])[..., :300]
+    chosen, theirs = transformers_exports.result(key)
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+    base = model.architecture if key.endswith("-base") else None
+    assert chosen == hf_architecture(src.config, base)
+    assert chosen == model.architecture or key == "mistral"  # a window-less Mistral is a Llama
+
+
+@pytest.mark.slow
+def test_generate_stops_at_an_eos_the_model_declares():
+    """qwen3's EOS is <|im_end|> (a name nothing guesses) and generation_config.json adds a
+    second: transformers stopped at the second, after 8 tokens, and so does this."""
+    from tests.test_hf import reference
+
+    versions = json.loads((FIX / "versions.json").read_text())
+    ref = reference("qwen3")
+    res, _ = jaxdist(
+        "generate", f"hf:{FIX / 'qwen3'}", "--prompt", versions["prompt"],
+        "--max-new-tokens", "32", "--json", "--devices", "cpu:8", "--mesh", "data=4,tensor=2",
+    )  # fmt: skip
+    got = json.loads(res.splitlines()[-1])
+    assert got["new_ids"] == ref["greedy_ids"].tolist() and len(got["new_ids"]) == 8
+    stops = json.loads((FIX / "qwen3" / "generation_config.json").read_text())["eos_token_id"]
+    assert got["new_ids"][-1] == stops[1] and stops[1] not in got["new_ids"][:-1]

@@ -204,8 +204,26 @@ def test_eos_is_the_first_known_end_token(tmp_path):
     # Three words (ids 0-2), then the special tokens in the order given.
     assert tk.load(hand_made(tmp_path / "a.json", ["<pad>", "</s>"])).eos_id == 4
     assert tk.load(hand_made(tmp_path / "b.json", ["</s>", "<|endoftext|>"])).eos_id == 4
-    with pytest.raises(ConfigError, match=r"c\.json has none of the end-of-text tokens"):
+    with pytest.raises(ConfigError, match=r"c\.json declares no EOS beside it.*has none of the"):
         tk.load(hand_made(tmp_path / "c.json", ["<pad>"]))
+
+
+def test_eos_declared_beside_the_tokenizer_comes_first(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    path = hand_made(model / "tokenizer.json", ["<|endoftext|>", "<|im_end|>"])  # ids 3, 4
+    assert tk.load(path).eos_id == 3  # by name, nothing declared
+    (model / "config.json").write_text(json.dumps({"eos_token_id": [4, 3]}))
+    assert tk.load(path).eos_id == 4  # config.json's, the first of its list
+    declared = {"eos_token": {"content": "<|endoftext|>", "special": True}}
+    (model / "tokenizer_config.json").write_text(json.dumps(declared))
+    assert tk.load(path).eos_id == 3  # the tokenizer's own declaration before the model's
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "d.txt").write_text("hello world")
+    manifest = run([tmp_path / "d.txt"], tmp_path / "out", str(model), eval_fraction=0)
+    assert manifest.eos_id == 4 and list(stored(tmp_path / "out", "train")[0]) == [1, 2]
+    # The data directory's copy has nothing beside it: its EOS is the manifest's.
+    assert tk.from_data_dir(tmp_path / "out").eos_id == 4
 
 
 def test_eos_never_inside_a_document(tmp_path):

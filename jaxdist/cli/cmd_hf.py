@@ -23,7 +23,8 @@ GENERATE_MESH_HELP = MESH_HELP.partition("; auto:")[0] + (
 
 @dataclasses.dataclass(frozen=True)
 class ExportHF:
-    """Write a run's checkpoint as a Hugging Face model directory (Llama or GPT-2)."""
+    """Write a run's checkpoint as a Hugging Face model directory (its source's architecture,
+    else the one its options imply: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, GPT-2)."""
 
     run_dir: tyro.conf.Positional[str]
     out_dir: tyro.conf.Positional[str]

@@ -167,11 +167,12 @@ def _encode(chunk, tokenizer: tk.Tokenizer, eval_fraction: float):
 _WORKER: tuple[tk.Tokenizer, float] | None = None
 
 
-def _init_worker(json_text: str | None, eval_fraction: float) -> None:
+def _init_worker(json_text: str | None, eos_id: int | None, eval_fraction: float) -> None:
     global _WORKER
     # One core per worker: the pool is the parallelism, not the library's thread pool.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER = (tk.Tokenizer(json_text), eval_fraction)
+    # The EOS the parent found (the model's files may declare one no name guess finds).
+    _WORKER = (tk.Tokenizer(json_text, eos_id=eos_id), eval_fraction)
 
 
 def _encode_in_worker(chunk):
@@ -217,7 +218,7 @@ def _encoded(files, tokenizer: tk.Tokenizer, config: TokenizeConfig, workers: in
         workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(tokenizer.json_text, config.eval_fraction),
+        initargs=(tokenizer.json_text, tokenizer.eos_id, config.eval_fraction),
     ) as pool:
         pending = collections.deque()
         try:

@@ -9,11 +9,15 @@ Three kinds, named by `--tokenizer`:
   PATH                a tokenizer.json (the format models ship with), copied byte for byte
 
 EOS opens every stored document, so it must never come out of a document's own text: special
-tokens are encoded as ordinary text (`encode_special_tokens`), and the writer checks it.
+tokens are encoded as ordinary text (`encode_special_tokens`), and the writer checks it. A
+model's tokenizer.json gets its EOS from the files beside it (`declared_eos`: the tokenizer's
+own tokenizer_config.json, else the model's config.json, else generation_config.json), and only
+without them from the names end-of-text tokens usually have (EOS_CANDIDATES).
 """
 
 import dataclasses
 import hashlib
+import json
 import pathlib
 from collections.abc import Iterable, Sequence
 
@@ -26,8 +30,8 @@ BYTES = "bytes"
 FILE = "tokenizer.json"
 BYTE_EOS = 256
 BYTE_VOCAB = 257
-# The EOS of a loaded tokenizer: the first of these it has (GPT-2 and most BPEs, Llama 2 and
-# T5, Llama 3 base, Gemma, Llama 3 instruct).
+# The EOS of a tokenizer no file declares one for: the first of these it has (GPT-2 and most
+# BPEs, Llama 2 and T5, Llama 3 base, Gemma, Llama 3 instruct).
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 TRAIN_EOS = "<|endoftext|>"
 SPEC_HELP = "pass bytes, train:VOCAB_SIZE (e.g. train:32768) or the path of a tokenizer.json"
@@ -35,9 +39,10 @@ SPEC_HELP = "pass bytes, train:VOCAB_SIZE (e.g. train:32768) or the path of a to
 
 class Tokenizer:
     """encode(text) -> ids, decode(ids) -> text. `json_text` None is the byte tokenizer; else
-    the tokenizer.json text (`source` names where it came from, for errors)."""
+    the tokenizer.json text (`source` names where it came from, for errors), with `eos_id` as
+    declared for it (None: the first special token named as EOS_CANDIDATES)."""
 
-    def __init__(self, json_text: str | None = None, source: str = FILE):
+    def __init__(self, json_text: str | None = None, source: str = FILE, eos_id: int | None = None):
         self.json_text = json_text
         self._hf = None
         if json_text is None:
@@ -56,12 +61,17 @@ class Tokenizer:
             hf.encode_special_tokens = True
             self._hf = hf
             self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
-            self.eos_id = _eos_id(hf, source)
+            self.eos_id = _eos_id(hf, source) if eos_id is None else eos_id
             top = max(hf.get_vocab(with_added_tokens=True).values())
             if top >= self.vocab_size:
                 raise ConfigError(
                     f"{source}: token id {top} is not below the vocabulary size "
                     f"{self.vocab_size} (ids with gaps); renumber the vocabulary densely"
+                )
+            if not 0 <= self.eos_id < self.vocab_size:
+                raise ConfigError(
+                    f"{source}: EOS id {self.eos_id} is not in its vocabulary of "
+                    f"{self.vocab_size}; fix eos_token_id beside it"
                 )
         self.dtype = np.dtype(mf.token_dtype(self.vocab_size))
 
@@ -106,10 +116,42 @@ def _eos_id(hf, source: str) -> int:
         if name in added:
             return added[name]
     raise ConfigError(
-        f"{source} has none of the end-of-text tokens {', '.join(EOS_CANDIDATES)} among its "
-        "special tokens, and every stored document starts with one; add one to the tokenizer "
-        "(tokenizer.add_special_tokens(['<|endoftext|>'])) or use --tokenizer train:VOCAB_SIZE"
+        f"{source} declares no EOS beside it (tokenizer_config.json eos_token, config.json "
+        f"eos_token_id) and has none of the end-of-text tokens {', '.join(EOS_CANDIDATES)} among "
+        "its special tokens, and every stored document starts with one; declare it in "
+        "tokenizer_config.json or use --tokenizer train:VOCAB_SIZE"
     )
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is unreadable ({e}); fix or remove it") from None
+
+
+def declared_eos(directory: pathlib.Path, json_text: str) -> int | None:
+    """The EOS id a model directory declares for its tokenizer.json: tokenizer_config.json's
+    eos_token (a name, looked up in the tokenizer), else config.json's eos_token_id, else
+    generation_config.json's (the first of a list); None where none does."""
+    name = _read_json(directory / "tokenizer_config.json").get("eos_token")
+    if isinstance(name, dict):  # an AddedToken written out
+        name = name.get("content")
+    if isinstance(name, str):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            found = HFTokenizer.from_str(json_text).token_to_id(name)
+        except Exception:  # not a tokenizer.json: Tokenizer() says so, in one line
+            found = None
+        if found is not None:
+            return found
+    for f in ("config.json", "generation_config.json"):
+        eos = _read_json(directory / f).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(eos, int):
+            return eos
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,15 +189,19 @@ def parse_spec(spec: str) -> TokenizerSpec:
     return TokenizerSpec(path=path)
 
 
-def load(path: str | pathlib.Path) -> Tokenizer:
-    """A tokenizer.json. Its exact bytes are kept: the copy in DATA_DIR has the same sha256."""
+def load(path: str | pathlib.Path, eos_id: int | None = None) -> Tokenizer:
+    """A tokenizer.json, its EOS `eos_id` if given, else as the files beside it declare
+    (declared_eos), else found by name. Its exact bytes are kept: the copy in DATA_DIR has the
+    same sha256."""
     path = pathlib.Path(path)
     try:
         # Bytes, not read_text: newline translation would change the checksum.
         text = path.read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read tokenizer {path} ({e}); {SPEC_HELP}") from None
-    return Tokenizer(text, source=str(path))
+    if eos_id is None:
+        eos_id = declared_eos(path.parent, text)
+    return Tokenizer(text, source=str(path), eos_id=eos_id)
 
 
 def train(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -193,7 +239,8 @@ def from_data_dir(directory: str | pathlib.Path) -> Tokenizer:
             raise ConfigError(
                 f"{path} is missing (the manifest names it); restore it or tokenize again"
             )
-        tokenizer = load(path)
+        # The manifest's EOS: the one declared beside the model's tokenizer when it was written.
+        tokenizer = load(path, eos_id=manifest.eos_id)
         if tokenizer.sha256 != manifest.tokenizer_sha256:
             raise ConfigError(
                 f"{path} is not the tokenizer the shards were written with (checksum differs); "

@@ -23,14 +23,14 @@ def check_prompt(source: str, family: ModelFamily, prompt: str) -> None:
     loaded (a run's tokenizer is known once its record is read, at load)."""
     if not source.startswith("hf:"):
         return
-    from jaxdist.data.tokenizer import Tokenizer
+    from jaxdist.data.tokenizer import load
     from jaxdist.inference.generate import check_prompt as fits
 
     model = family.open(source)
     tok_path = model.path / TOKENIZER
     if not tok_path.is_file():
         raise ConfigError(f"{model.path} has no {TOKENIZER}; generation needs its tokenizer")
-    ids = Tokenizer(tok_path.read_text(), str(tok_path)).encode(prompt).tolist()
+    ids = load(tok_path).encode(prompt).tolist()
     fits(ids, family.model_spec(model.config).seq_len)
 
 
@@ -49,11 +49,11 @@ def generation_mesh(checked: Checked, devices: str) -> str:
 
 
 def tokenizer(src: Source):
-    from jaxdist.data.tokenizer import Tokenizer
+    from jaxdist.data.tokenizer import Tokenizer, load
 
     if src.tokenizer is None:
         return Tokenizer(None)  # UTF-8 bytes (raw-byte or byte-tokenized runs)
-    return Tokenizer(src.tokenizer.read_text(), str(src.tokenizer))
+    return load(src.tokenizer, src.eos_id)
 
 
 def run_generation(src: Source, prompt_ids: list[int], sample: SampleConfig) -> Generated:
@@ -61,7 +61,7 @@ def run_generation(src: Source, prompt_ids: list[int], sample: SampleConfig) -> 
 
     decoder = src.family.decoder(src.config)
     return generate(
-        decoder, src.params, src.rules, src.mesh, prompt_ids, sample, src.vocab_size, src.eos_id
+        decoder, src.params, src.rules, src.mesh, prompt_ids, sample, src.vocab_size, src.stop_ids()
     )
 
 
@@ -71,5 +71,6 @@ def generate_text(src: Source, prompt: str, sample: SampleConfig) -> Text:
     tok = tokenizer(src)
     prompt_ids = [int(i) for i in tok.encode(prompt)]
     out = run_generation(src, prompt_ids, sample)
-    text = tok.decode(np.asarray([i for i in out.new_ids if i != src.eos_id], np.int64))
+    stops = src.stop_ids()
+    text = tok.decode(np.asarray([i for i in out.new_ids if i not in stops], np.int64))
     return Text(prompt_ids, out, text)

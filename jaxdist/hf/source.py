@@ -24,12 +24,18 @@ class Source(NamedTuple):
     mesh: Any
     rules: Any
     vocab_size: int  # the real vocabulary (ids past it are padding)
-    eos_id: int | None
+    eos_id: int | None  # the EOS (a run's documents' separator; export's config.json)
     tokenizer: pathlib.Path | None  # tokenizer.json; None: UTF-8 bytes
     hf_config: dict | None  # the Hugging Face config the model came from
     source_dir: pathlib.Path | None  # the Hugging Face directory it came from
     dtype: str  # the source weights' dtype
     family: ModelFamily
+    eos_ids: tuple[int, ...] = ()  # the other ids that end generation (a model's EOS list)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: eos_id, and eos_ids."""
+        first = () if self.eos_id is None else (self.eos_id,)
+        return tuple(dict.fromkeys(first + self.eos_ids))
 
 
 class Checked(NamedTuple):
@@ -52,13 +58,31 @@ def read_record(run_dir: pathlib.Path) -> dict:
         ) from None
 
 
-def eos_id(hf: dict, directory: pathlib.Path | None) -> int | None:
-    """EOS as generation_config.json says (transformers' generate stops there), else config.json."""
+def eos_ids(hf: dict, directory: pathlib.Path | None) -> tuple[int, ...]:
+    """Every id that ends generation, as transformers' generate reads them: generation_config.json's
+    eos_token_id (an id or a list: any of them stops it), else config.json's; else the EOS
+    declared for the tokenizer beside them (tokenizer_config.json), else one found by name."""
     gen = {}
     if directory is not None and (directory / "generation_config.json").is_file():
-        gen = json.loads((directory / "generation_config.json").read_text())
+        try:
+            gen = json.loads((directory / "generation_config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{directory}/generation_config.json is unreadable ({e})") from None
     eos = gen.get("eos_token_id", hf.get("eos_token_id"))
-    return eos[0] if isinstance(eos, list) else eos
+    if eos is None and directory is not None and (directory / TOKENIZER).is_file():
+        from jaxdist.data.tokenizer import load
+
+        try:
+            eos = load(directory / TOKENIZER).eos_id
+        except ConfigError:  # none declared nor named: generation runs to its length
+            eos = None
+    eos = eos if isinstance(eos, list) else [eos]
+    return tuple(dict.fromkeys(int(i) for i in eos if i is not None))
+
+
+def eos_id(hf: dict, directory: pathlib.Path | None) -> int | None:
+    """The first of eos_ids: the one EOS a config.json written for the model names."""
+    return next(iter(eos_ids(hf, directory)), None)
 
 
 def check(source: str, family: ModelFamily) -> Checked:
@@ -90,18 +114,20 @@ def load(checked: Checked, mesh, rules, compute_dtype: str, step: int | None = N
 
         params = family.load(model, _targets(family, config, mesh, rules))
         tok = model.path / TOKENIZER
+        stops = eos_ids(model.hf_config, model.path)
         return Source(
             config,
             params,
             mesh,
             rules,
             model.vocab_size,
-            eos_id(model.hf_config, model.path),
+            stops[0] if stops else None,
             tok if tok.is_file() else None,
             model.hf_config,
             model.path,
             SafetensorsDir(model.path).dtype(),
             family,
+            stops,
         )
     run_dir, record, spec = pathlib.Path(checked.source), checked.record, family.model_spec(config)
     params = _restore_params(run_dir, record, spec, mesh, rules, step)
@@ -109,9 +135,11 @@ def load(checked: Checked, mesh, rules, compute_dtype: str, step: int | None = N
     data = record.get("data_source") or {}
     vocab = data.get("vocab_size") or init.get("vocab_size") or spec.vocab_size
     hf_dir = pathlib.Path(init["path"]) if init else None
-    eos = data.get("eos_id")
-    if eos is None and init:
-        eos = eos_id(init.get("config", {}), hf_dir)
+    # The data's document separator, and whatever ends the source model's generation.
+    stops = (data["eos_id"],) if data.get("eos_id") is not None else ()
+    if init:
+        stops = tuple(dict.fromkeys(stops + eos_ids(init.get("config", {}), hf_dir)))
+    eos = stops[0] if stops else None
     return Source(
         config,
         params,
@@ -124,6 +152,7 @@ def load(checked: Checked, mesh, rules, compute_dtype: str, step: int | None = N
         hf_dir,
         init.get("dtype", "float32"),
         family,
+        stops,
     )
 
 

@@ -12,7 +12,7 @@ probability, greedy or sampled.
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, NamedTuple
 
 import jax
@@ -92,10 +92,11 @@ def generate(
     prompt_ids: list[int],
     sample: SampleConfig,
     vocab_size: int,
-    eos_id: int | None,
+    stop_ids: Collection[int],
 ) -> Generated:
     """New ids after the prompt: up to max_new_tokens (fewer if the context ends first),
-    stopping after EOS (which is included, as Hugging Face's generate does)."""
+    stopping after any of `stop_ids`, a model's EOS ids (included, as Hugging Face's generate
+    does)."""
     sample.validate()
     check_prompt(prompt_ids, decoder.context)
     P = len(prompt_ids)
@@ -138,7 +139,7 @@ def generate(
     ids_B, cache = prefill_c(params, tokens, cache, jax.random.fold_in(key, 0))
     new_ids = [int(jax.device_get(ids_B)[0])]
     for i in range(1, new):
-        if new_ids[-1] == eos_id:
+        if new_ids[-1] in stop_ids:
             break
         pos = jnp.int32(P + i - 1)
         ids_B, cache = step_c(params, ids_B, cache, pos, jax.random.fold_in(key, i))

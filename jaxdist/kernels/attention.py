@@ -29,6 +29,11 @@ Implementation = Literal["xla", "cudnn", "splash"]
 # Splash attention's tiles along the query and key positions: 512 is MaxText's choice on v5p
 # (256 or 128 where the sequence is not a multiple of 512).
 SPLASH_BLOCK = 512
+# The name (jax.ad_checkpoint.checkpoint_name) splash attention gives what its backward reads
+# of its forward: the output and the per-row log-sum-exp, sliced [.., T] out of the kernel's
+# 128-lane copy (128 times smaller). A remat policy saves these by name; saving the
+# pallas_call's outputs instead would keep the 128-lane copy, 4.3 GB per chip on Llama-2-7B.
+RESIDUALS = "attention_residuals"
 
 
 def document_mask(implementation: Implementation, docs: Documents) -> jax.Array:
@@ -119,7 +124,9 @@ def _splash_local(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT=None, *, interpret: boo
         block_kv_dq=block,
     )
     mask = splash.MultiHeadMask([splash.CausalMask((T, T))] * (N // G))
-    kernel = splash.make_splash_mqa_single_device(mask=mask, block_sizes=sizes, interpret=interpret)
+    kernel = splash.make_splash_mqa_single_device(
+        mask=mask, block_sizes=sizes, residual_checkpoint_name=RESIDUALS, interpret=interpret
+    )
     # Splash attention does not scale the scores: scale the queries.
     q_BGnTH = (q_BTNH * (H**-0.5)).reshape(B, T, G, N // G, H).transpose(0, 2, 3, 1, 4)
     k_BGTH, v_BGTH = k_BTGH.transpose(0, 2, 1, 3), v_BTGH.transpose(0, 2, 1, 3)

@@ -1,0 +1,192 @@
+"""The map between Hugging Face tensors and the stacked, fused parameters of
+models/transformer.py, for every architecture models/hf_config.py reads.
+
+Legend: as models/transformer.py (L layers, D embed, F mlp, N heads, G kv groups, QG query heads
+per group, H head_dim, V vocab, E experts).
+
+Every Hugging Face tensor is one of ours (one layer of it, for layer weights) under a reshape
+and a transpose: its dims, each split into factors, are our dims in another order (`Piece`).
+That one description serves both ways: import reads the block of each HF tensor that a device's
+shard needs (whole heads, a range of rows or columns) and transposes it into place; export
+transposes a gathered tensor back. Some of ours are several HF tensors side by side along one
+axis (`rows`): the fused QKV weight is Llama's q, k and v projections (GPT-2's c_attn already is
+[q|k|v]), and an expert-stacked MoE weight is one HF tensor per expert.
+Our vocabulary is padded to a multiple of 128: padded rows load as zeros and are cut on export.
+"""
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxdist.errors import ConfigError
+from models.transformer import TransformerConfig
+
+
+class Piece(NamedTuple):
+    """One HF tensor (`{l}` in the name: one per layer) as one of our parameters (per layer).
+
+    factors: each HF dim split into factors (row-major); perm: our dims, each given as the
+    index of its factor among all factors in order; rows: for a parameter assembled from
+    several HF tensors, the range of its axis `rows_axis` (of the per-layer tensor) this one
+    fills."""
+
+    hf: str
+    ours: str
+    factors: tuple[tuple[int, ...], ...]
+    perm: tuple[int, ...]
+    rows: tuple[int, int] | None = None
+    rows_axis: int = 0
+
+    def name(self, layer: int | None) -> str:
+        return self.hf.format(l=layer)
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return tuple(math.prod(f) for f in self.factors)
+
+
+def layered(ours: str) -> bool:
+    return "_L" in ours
+
+
+def pieces(c: TransformerConfig, vocab: int, positions: int, prefix: str = "") -> list[Piece]:
+    """Every HF tensor of config `c` (HF vocabulary `vocab`, `positions` learned positions)."""
+    if c.style == "llama":
+        return _llama_pieces(c, vocab) + (_moe_pieces(c) if c.num_experts else _mlp_pieces(c))
+    _no_gpt2_moe(c)
+    return _gpt2_pieces(c, vocab, positions, prefix)
+
+
+def _no_gpt2_moe(c: TransformerConfig) -> None:
+    if c.num_experts:
+        raise ConfigError("GPT-2 style mixture-of-experts models have no Hugging Face form")
+
+
+def _llama_pieces(c: TransformerConfig, vocab: int) -> list[Piece]:
+    """Embedding, norms, attention and head: Llama's names, which Mistral, Mixtral, Qwen2 and
+    Qwen3 (its q_norm and k_norm added) share."""
+    D, N, G, H = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
+    QG = N // G
+    layer = "model.layers.{l}."
+    out = [
+        Piece("model.embed_tokens.weight", "tok_embed_VD", ((vocab,), (D,)), (0, 1)),
+        Piece("model.norm.weight", "norm_f_scale_D", ((D,),), (0,)),
+        Piece(layer + "input_layernorm.weight", "norm1_scale_LD", ((D,),), (0,)),
+        Piece(layer + "post_attention_layernorm.weight", "norm2_scale_LD", ((D,),), (0,)),
+        Piece(layer + "self_attn.o_proj.weight", "wo_LNHD", ((D,), (N, H)), (1, 2, 0)),
+    ]
+    if not c.tie_embeddings:
+        out.append(Piece("lm_head.weight", "head_DV", ((vocab,), (D,)), (1, 0)))
+    rows = {"q": ((G, QG, H), (0, QG)), "k": ((G, 1, H), (QG, QG + 1))}
+    rows["v"] = ((G, 1, H), (QG + 1, QG + 2))
+    for x, (heads, qkv) in rows.items():
+        proj = f"{layer}self_attn.{x}_proj."
+        out.append(Piece(proj + "weight", "wqkv_LDGQH", (heads, (D,)), (3, 0, 1, 2), qkv, 2))
+        if c.attention_bias:
+            out.append(Piece(proj + "bias", "bias_qkv_LGQH", (heads,), (0, 1, 2), qkv, 1))
+    if c.out_bias:
+        out.append(Piece(layer + "self_attn.o_proj.bias", "bias_o_LD", ((D,),), (0,)))
+    if c.qk_norm:
+        for x in ("q", "k"):
+            norm = f"{layer}self_attn.{x}_norm.weight"
+            out.append(Piece(norm, f"{x}_norm_scale_LH", ((H,),), (0,)))
+    return out
+
+
+def _mlp_pieces(c: TransformerConfig) -> list[Piece]:
+    D, F = c.d_model, c.d_mlp
+    mlp = "model.layers.{l}.mlp."
+    out = [
+        Piece(mlp + "gate_proj.weight", "w_gate_LDF", ((F,), (D,)), (1, 0)),
+        Piece(mlp + "up_proj.weight", "w_up_LDF", ((F,), (D,)), (1, 0)),
+        Piece(mlp + "down_proj.weight", "w_down_LFD", ((D,), (F,)), (1, 0)),
+    ]
+    if c.mlp_bias:
+        for x, ours, n in (("gate", "bias_gate_LF", F), ("up", "bias_up_LF", F)):
+            out.append(Piece(f"{mlp}{x}_proj.bias", ours, ((n,),), (0,)))
+        out.append(Piece(mlp + "down_proj.bias", "bias_down_LD", ((D,),), (0,)))
+    return out
+
+
+def moe_architecture(c: TransformerConfig) -> str:
+    """The HF form of a MoE config: Qwen3-MoE (its per-head q/k norms) or Mixtral."""
+    if c.qk_norm:
+        return "Qwen3MoeForCausalLM"
+    if not c.moe_renormalize:
+        raise ConfigError(
+            "a mixture of experts without renormalized top-k weights and without q/k norms "
+            "has no Hugging Face form here (Mixtral renormalizes; Qwen3-MoE has q/k norms)"
+        )
+    return "MixtralForCausalLM"
+
+
+def _moe_pieces(c: TransformerConfig) -> list[Piece]:
+    """The router and one tensor per expert: Mixtral's block_sparse_moe (w1 gate, w3 up, w2
+    down) or Qwen3-MoE's mlp (gate_proj, up_proj, down_proj)."""
+    D, F, E = c.d_model, c.d_mlp, c.num_experts
+    if moe_architecture(c) == "MixtralForCausalLM":
+        block, names = "model.layers.{l}.block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        block, names = "model.layers.{l}.mlp.", ("gate_proj", "up_proj", "down_proj")
+    out = [Piece(block + "gate.weight", "router_LDE", ((E,), (D,)), (1, 0))]
+    for e in range(E):
+        expert = f"{block}experts.{e}."
+        # Each is [out, in]: our [E, in, out] rows e..e+1 (a size-1 factor for the E axis).
+        gate, up, down = (f"{expert}{n}.weight" for n in names)
+        out.append(Piece(gate, "w_gate_LEDF", ((1, F), (D,)), (0, 2, 1), (e, e + 1), 0))
+        out.append(Piece(up, "w_up_LEDF", ((1, F), (D,)), (0, 2, 1), (e, e + 1), 0))
+        out.append(Piece(down, "w_down_LEFD", ((1, D), (F,)), (0, 2, 1), (e, e + 1), 0))
+    return out
+
+
+def _gpt2_pieces(c: TransformerConfig, vocab: int, positions: int, prefix: str) -> list[Piece]:
+    D, F, N, G, H = c.d_model, c.d_mlp, c.num_heads, c.num_kv_heads, c.head_dim
+    if G != N:
+        raise ConfigError(
+            f"GPT-2 has one key/value head per query head; this model has {G} kv heads for "
+            f"{N} heads, so it has no GPT2LMHeadModel form (a llama-style model exports as Llama)"
+        )
+    p, layer = prefix, prefix + "h.{l}."
+    out = [
+        Piece(p + "wte.weight", "tok_embed_VD", ((vocab,), (D,)), (0, 1)),
+        Piece(p + "wpe.weight", "pos_embed_TD", ((positions,), (D,)), (0, 1)),
+        Piece(p + "ln_f.weight", "norm_f_scale_D", ((D,),), (0,)),
+        Piece(p + "ln_f.bias", "norm_f_bias_D", ((D,),), (0,)),
+        Piece(layer + "attn.c_attn.weight", "wqkv_LDGQH", ((D,), (3, N, H)), (0, 2, 1, 3)),
+        Piece(layer + "attn.c_attn.bias", "bias_qkv_LGQH", ((3, N, H),), (1, 0, 2)),
+        Piece(layer + "attn.c_proj.weight", "wo_LNHD", ((N, H), (D,)), (0, 1, 2)),
+        Piece(layer + "attn.c_proj.bias", "bias_o_LD", ((D,),), (0,)),
+        Piece(layer + "mlp.c_fc.weight", "w_up_LDF", ((D,), (F,)), (0, 1)),
+        Piece(layer + "mlp.c_fc.bias", "bias_up_LF", ((F,),), (0,)),
+        Piece(layer + "mlp.c_proj.weight", "w_down_LFD", ((F,), (D,)), (0, 1)),
+        Piece(layer + "mlp.c_proj.bias", "bias_down_LD", ((D,),), (0,)),
+    ]
+    for x in ("1", "2"):
+        out.append(Piece(f"{layer}ln_{x}.weight", f"norm{x}_scale_LD", ((D,),), (0,)))
+        out.append(Piece(f"{layer}ln_{x}.bias", f"norm{x}_bias_LD", ((D,),), (0,)))
+    if not c.tie_embeddings:
+        out.append(Piece("lm_head.weight", "head_DV", ((vocab,), (D,)), (1, 0)))
+    return out
+
+
+def export_pieces(c: TransformerConfig, vocab: int) -> tuple[list[Piece], TransformerConfig]:
+    """The HF tensors to write, with their sources; GPT-2 always has biases (zeros where our
+    model has none)."""
+    if c.style == "gpt2":
+        _no_gpt2_moe(c)
+        c = dataclasses.replace(c, attention_bias=True, attention_out_bias=None, mlp_bias=True)
+    return pieces(c, vocab, c.seq_len, "transformer." if c.style == "gpt2" else ""), c
+
+
+def hf_tensor(piece: Piece, ours_layer: np.ndarray | None) -> np.ndarray:
+    """The HF tensor (one layer's) from our gathered per-layer tensor; zeros where we have none."""
+    if ours_layer is None:
+        return np.zeros(piece.hf_shape, np.float32)
+    x = ours_layer
+    if piece.rows is not None:
+        x = np.take(x, np.arange(*piece.rows), axis=piece.rows_axis)
+    sizes = [f for dim in piece.factors for f in dim]
+    x = x[tuple(slice(0, sizes[f]) for f in piece.perm)]  # the padded vocabulary cut off
+    return np.transpose(x, np.argsort(piece.perm)).reshape(piece.hf_shape)

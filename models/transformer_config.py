@@ -1,0 +1,170 @@
+"""The transformer's configuration (models/transformer.py): its sizes and options, the checks
+a config must pass, and the shapes of its parameters.
+
+Legend: as models/transformer.py.
+"""
+
+import dataclasses
+import math
+from typing import Literal
+
+from jaxdist.errors import ConfigError
+from models import rope
+from models.moe import EXPERT_WEIGHTS, moe_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    name: str
+    style: Literal["gpt2", "llama"]
+    num_layers: int
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    d_mlp: int
+    vocab_size: int
+    seq_len: int
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    # Biases on the attention (QKV, output) and MLP linear layers: GPT-2 has both, Llama
+    # neither by default (its attention_bias / mlp_bias). The presets keep them off.
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    # The output projection's bias; None: as attention_bias (Qwen2 biases Q, K, V only).
+    attention_out_bias: bool | None = None
+    # Per-head width when it is not d_model / num_heads (Qwen3); 0: d_model / num_heads. Not
+    # stored as head_dim itself: a preset with d_model overridden must not keep a stale one.
+    head_dim_override: int = 0
+    # RMSNorm of each query and key head (weights [head_dim]) before RoPE (Qwen3).
+    qk_norm: bool = False
+    # RoPE scaling (models/rope.py): the HF rope_parameters' items but rope_theta; () plain.
+    rope_scaling: tuple = ()
+    # Sliding-window attention's window (Mistral v0.1); 0: none. Only lengths the window
+    # covers whole are supported, where full causal attention computes the same.
+    sliding_window: int = 0
+    # The output head is the token embedding transposed (GPT-2, small Llamas): no head_DV.
+    tie_embeddings: bool = False
+    compute_dtype: str = "float32"
+    # A policy of models/remat.py: none keeps all activations, full recomputes each layer in
+    # the backward pass, dots keeps matmul and attention-kernel outputs, dots_except_mlp all
+    # but the MLP's, offload dots' set in host memory.
+    remat: Literal["none", "full", "dots", "dots_except_mlp", "offload"] = "none"
+    # The attention kernel (jaxdist.kernels.attention): cudnn on GPUs, splash on TPUs, xla anywhere.
+    attention: Literal["xla", "cudnn", "splash"] = "xla"
+    # Mixture of experts (every layer's MLP) when num_experts > 0; d_mlp is each expert's.
+    num_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    dropless: bool = False
+    moe_impl: Literal["dispatch", "dense"] = "dispatch"
+    # The chosen experts' weights renormalized to sum to 1 (Mixtral; Qwen3-MoE's
+    # norm_topk_prob), else their router probabilities as they are.
+    moe_renormalize: bool = True
+    balance_coef: float = 0.01
+    z_loss_coef: float = 0.001
+
+    def __post_init__(self):
+        # A recorded config (JSON) gives lists: the tuple a frozen, hashable config needs.
+        object.__setattr__(self, "rope_scaling", tuple(tuple(kv) for kv in self.rope_scaling))
+        rope.check_length(self.rope_scaling, self.seq_len)
+        if self.sliding_window and self.seq_len > self.sliding_window:
+            raise ConfigError(
+                f"sliding-window attention is not supported: the model attends "
+                f"{self.sliding_window} tokens back, and {self.seq_len} is longer; pass "
+                f"--seq-len {self.sliding_window} or less"
+            )
+        if self.num_experts:
+            if not 1 <= self.top_k <= self.num_experts:
+                raise ConfigError(f"top-k {self.top_k} must lie in [1, {self.num_experts} experts]")
+            if self.capacity_factor <= 0:
+                raise ConfigError(f"capacity factor {self.capacity_factor} must be > 0")
+            if self.mlp_bias:
+                raise ConfigError("MLP biases with MoE layers are not supported; drop mlp_bias")
+        if self.d_model % self.num_heads and not self.head_dim_override:
+            raise ValueError(f"d_model {self.d_model} not divisible by heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"heads {self.num_heads} not divisible by kv_heads {self.num_kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_override or self.d_model // self.num_heads
+
+    @property
+    def out_bias(self) -> bool:
+        return self.attention_bias if self.attention_out_bias is None else self.attention_out_bias
+
+    def num_params(self) -> int:
+        """All parameters, embeddings included (the figure peers report)."""
+        return sum(math.prod(s) for s in _param_shapes(self).values())
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, PaLM formula: 6*N + 12*L*D*T.
+
+        N counts the weight matrices (attention, MLP and output head), not the input or
+        position embeddings, which are lookups; 12*L*D*T is attention's QK^T and AV, forward and
+        backward, without causal halving (the convention published MFU figures use).
+        """
+        shapes = _param_shapes(self)
+        # MoE: each token passes through top_k of the experts, so count those (MFU on active
+        # parameters, the convention MoE results are published with).
+        active = self.top_k / self.num_experts if self.num_experts else 1.0
+        n = sum(
+            math.prod(s) * (active if k in EXPERT_WEIGHTS else 1)
+            for k, s in shapes.items()
+            if len(s) >= 3 or k == "head_DV"
+        )
+        if self.tie_embeddings:  # the head's matmul is there, its weight is the embedding's
+            n += self.d_model * self.vocab_size
+        attn_width = self.num_heads * self.head_dim  # d_model unless head_dim is set apart
+        return 6 * n + 12 * self.num_layers * attn_width * self.seq_len
+
+
+def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    L, D, F, N, G, H, V = (
+        c.num_layers,
+        c.d_model,
+        c.d_mlp,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+    )
+    shapes = {
+        "tok_embed_VD": (V, D),
+        "head_DV": (D, V),
+        "norm_f_scale_D": (D,),
+        "wqkv_LDGQH": (L, D, G, N // G + 2, H),
+        "wo_LNHD": (L, N, H, D),
+        "norm1_scale_LD": (L, D),
+        "norm2_scale_LD": (L, D),
+        "w_up_LDF": (L, D, F),
+        "w_down_LFD": (L, F, D),
+    }
+    if c.tie_embeddings:
+        del shapes["head_DV"]
+    if c.attention_bias:
+        shapes["bias_qkv_LGQH"] = (L, G, N // G + 2, H)
+    if c.out_bias:
+        shapes["bias_o_LD"] = (L, D)
+    if c.qk_norm:
+        shapes |= {"q_norm_scale_LH": (L, H), "k_norm_scale_LH": (L, H)}
+    if c.mlp_bias:
+        shapes |= {"bias_up_LF": (L, F), "bias_down_LD": (L, D)}
+        if c.style == "llama":
+            shapes["bias_gate_LF"] = (L, F)
+    if c.num_experts:
+        for k in ("w_up_LDF", "w_down_LFD"):
+            del shapes[k]
+        shapes |= moe_shapes(L, D, F, c.num_experts)
+    if c.style == "gpt2":
+        shapes |= {
+            "pos_embed_TD": (c.seq_len, D),
+            "norm_f_bias_D": (D,),
+            "norm1_bias_LD": (L, D),
+            "norm2_bias_LD": (L, D),
+        }
+    elif not c.num_experts:
+        shapes["w_gate_LDF"] = (L, D, F)
+    return shapes
