@@ -38,6 +38,15 @@ class Hardware:
     # Per-device step-time jitter as a share of compute (kernel timing, clocks, host noise):
     # the straggler that every synchronous step waits for.
     jitter: float = 0.02
+    # The compute term (jaxdist.planning.compute): HBM bytes/s for element-wise work; the share
+    # of peak wide matmuls reach, and the width at which they reach half of it; the share fused
+    # attention kernels reach.
+    hbm_bandwidth: float = 0.0
+    matmul_efficiency: float = 0.5
+    matmul_half_width: float = 0.0
+    attention_efficiency: float = 0.5
+    # A Google Cloud slice name (v5p-16) this preset was asked for by; "" otherwise.
+    slice_name: str = ""
 
     @property
     def platform(self) -> str:
@@ -59,6 +68,10 @@ def _load() -> dict[str, Hardware]:
             kinds=tuple(row["kinds"]),
             overlap=row["overlap"],
             jitter=row["jitter"],
+            hbm_bandwidth=row["hbm_bandwidth"],
+            matmul_efficiency=row["matmul_efficiency"],
+            matmul_half_width=row["matmul_half_width"],
+            attention_efficiency=row["attention_efficiency"],
         )
         for name, row in table.items()
     }
@@ -70,14 +83,23 @@ _ALIASES = {"h100-nvlink": "h100", "h100-ib": "h100", "h200-nvlink": "h200"}
 
 
 def get_hardware(name: str) -> Hardware:
-    """A preset by name; a TPU slice size may follow (tpu-v5p-64 is tpu-v5p)."""
+    """A preset by name, or a Google Cloud TPU slice (v5p-16: 8 chips of tpu-v5p), whose chips
+    are then the preset's ICI domain: beyond it, slices talk over DCN."""
+    from jaxdist.planning.tpu import cloud_slice
+
     name = _ALIASES.get(name, name)
     if name in PRESETS:
         return PRESETS[name]
-    base, _, size = name.rpartition("-")
-    if base in PRESETS and size.isdigit():
-        return PRESETS[base]
-    raise ConfigError(f"unknown hardware {name!r}; choose one of: {', '.join(PRESETS)}")
+    found = cloud_slice(name)
+    if found is None:
+        raise ConfigError(
+            f"unknown hardware {name!r}; choose one of: {', '.join(PRESETS)}, or a Google "
+            "Cloud TPU slice such as v5p-16, v5e-256, v6e-8"
+        )
+    generation, chips = found
+    return dataclasses.replace(
+        PRESETS[f"tpu-{generation}"], devices_per_host=chips, slice_name=name
+    )
 
 
 def lookup(device: jax.Device) -> Hardware | None:

@@ -47,10 +47,10 @@ class StepConfig:
     document_mask: bool = True
     """with tokenized data: attention stays inside each packed document and positions restart
     at each (off: a row is one causal sequence)"""
-    loss_chunk_tokens: int = 8192
+    loss_chunk_tokens: int = 2048
     """fused cross-entropy: the sequence is cut into chunks of at most this many tokens per
-    device, whose fp32 logits (tokens x vocab x 4 bytes) are the most held at once; 0: the
-    whole logits, as the model returns them"""
+    device, whose fp32 logits (tokens x vocab x 4 bytes) are the most held at once (1 GB at
+    Llama 3's 128K vocabulary); 0: the whole logits, as the model returns them"""
     fault_nan_steps: tuple[int, ...] = ()
     """fault injection, for testing recovery: make these steps' loss and gradients NaN"""
 

@@ -59,12 +59,19 @@ def _load() -> dict[str, MeshPreset]:
 
 
 PRESETS: dict[str, MeshPreset] = _load()
+# Earlier names that counted chips where Google Cloud counts v5p TensorCores.
+RENAMED = {"tpu-v5p-8": "v5p-16", "tpu-v5p-64": "v5p-128"}
 
 
 def get_mesh_preset(text: str) -> MeshPreset:
     """A preset by name, or an inline `axis=size,...` layout with the standard rules."""
     if text in PRESETS:
         return PRESETS[text]
+    if text in RENAMED:
+        raise ConfigError(
+            f"mesh preset {text!r} is now {RENAMED[text]!r} (Google Cloud's name for that "
+            f"slice, which counts 2 TensorCores per v5p chip): use --mesh {RENAMED[text]}"
+        )
     if "=" in text:
         return MeshPreset(text, parse_mesh(text), STANDARD_RULES, "inline layout")
     raise ConfigError(

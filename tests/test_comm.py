@@ -39,8 +39,10 @@ def test_measured_bytes_match_expected(layout, model, microbatches):
     for r in rows:
         if r["expected_bytes"]:
             assert r["ratio"] == pytest.approx(1.0, abs=0.05), r
-        else:  # only scalar reductions (loss, norms) are left unmodelled
-            assert r["bytes"] < 1024, r
+    # Left unmodelled: scalar reductions (loss, norms) and the few small reshardings XLA's CPU
+    # partitioner adds around weights used in their stored layout (the router's, on tiny-moe).
+    unexpected = sum(r["bytes"] for r in rows if not r["expected_bytes"])
+    assert unexpected < 0.01 * total, [r for r in rows if not r["expected_bytes"]]
     axes = {r["axis"] for r in rows if r["bytes"] >= 1024}
     want = {a.split("=")[0] for a in layout.split(",")}
     # Every sharded axis carries traffic; data+fsdp reduce together where both exist.
@@ -159,3 +161,46 @@ def test_hlo_parser_reads_a_trip_count_from_the_loop_condition():
     # A condition of another form: counted once, as before.
     plain = SNIPPET.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
     assert {c.name: c for c in hlo.collectives(plain, MESH)}["ar"].executions == 1
+
+
+@pytest.mark.slow
+def test_comm_and_bench_take_a_hugging_face_config_and_custom_sizes(tmp_path):
+    """`comm` and `bench` build their model as `train` does: a local Hugging Face directory's
+    config.json (its 32 positions become the sequence) or --model custom's size flags."""
+    import json
+
+    from tests.helpers import cli
+
+    hf = tmp_path / "llama"
+    hf.mkdir()
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        vocab_size=384,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    (hf / "config.json").write_text(json.dumps(config))
+    r = cli("comm", "--model", f"hf:{hf}", "--batch-size", "16", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["seq_len"] == 32
+    # the default mesh's tensor axis splits its heads: partial sums compiled, and expected
+    tensor = [
+        row for row in report["rows"] if (row["axis"], row["kind"]) == ("tensor", "all-reduce")
+    ]
+    assert tensor and tensor[0]["bytes"] > 0 and tensor[0]["expected_bytes"] > 0
+    sizes = ["--model", "custom", "--style", "gpt2", "--layers", "1", "--d-model", "64"]
+    sizes += ["--heads", "4", "--d-mlp", "128", "--seq-len", "16", "--vocab", "256"]
+    r = cli("bench", *sizes, "--steps", "1", "--warmup", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (result["model"], result["seq_len"]) == ("custom", 16)
+    r = cli("bench", "--model", "custom", "--style", "gpt2")
+    assert r.returncode == 2 and "--model custom needs --layers" in r.stderr

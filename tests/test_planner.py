@@ -111,7 +111,13 @@ def test_two_layouts_worked_on_paper():
     result = plan(
         _model("tiny", "float32"),
         STANDARD_RULES,
-        PlanConfig(devices=2, hardware="h100", batch_size=512, axes=("data", "tensor")),
+        PlanConfig(
+            devices=2,
+            hardware="h100",
+            batch_size=512,
+            axes=("data", "tensor"),
+            compute_efficiency=0.5,  # one flat share of peak: the fleet law alone
+        ),
     )
     rows = {r["layout"]: r for r in result["layouts"]}
     assert list(rows) == ["data=2", "tensor=2"]  # fastest first
@@ -224,10 +230,10 @@ def test_tpu_topology_names():
     assert topology_name("v5p", 4) == "v5p:2x2x1"  # one host; libtpu refuses 1x2x2
     assert topology_name("v5e", 16) == "v5e:4x4"
     assert parse_target("tpu-v5p:4x4x4") == "v5p:4x4x4"
-    assert parse_target("tpu-v5p-64") == "v5p:4x4x4"
+    assert parse_target("v5p-128") == "v5p:4x4x4"  # Google Cloud's name: 64 chips
     with pytest.raises(ConfigError, match="powers of two"):
         topology_name("v5p", 48)
-    with pytest.raises(ConfigError, match="tpu-v5p:4x4x4"):
+    with pytest.raises(ConfigError, match="tpu-v5p:2x2x2"):
         parse_target("v5p")
 
 
@@ -252,7 +258,7 @@ def test_compile_for_a_tpu_slice_from_a_cpu_host():
     assert report["fits"] and report["per_device_bytes"]["peak_estimate"] > 0
     axes = {c["axis"] for c in report["collectives"]}
     assert "fsdp" in axes  # the FSDP gathers are there, compiled by the TPU compiler
-    assert report["xla_flops"] > 0
+    assert "xla_flops" not in report  # XLA counts a loop's body once: no such ratio is shown
 
 
 def test_target_without_compile_only_is_refused(capsys):
@@ -317,7 +323,7 @@ def test_expert_layouts_for_a_moe_model():
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install 'jaxdist[tpu]')")
 def test_plan_verifies_against_the_tpu_compiler(tmp_path):
     out = tmp_path / "plan.json"
-    args = ["plan", "--model", "tiny", "--devices", "8", "--hardware", "tpu-v5p-8"]
+    args = ["plan", "--model", "tiny", "--devices", "8", "--hardware", "v5p-16"]
     r = cli(*args, "--batch-size", "64", "--verify", "1", "--json", str(out))
     assert r.returncode == 0, r.stderr
     row = json.loads(out.read_text())["layouts"][0]
@@ -338,7 +344,7 @@ def test_planner_agrees_with_the_tpu_compiler_on_a_pipelined_1b(tmp_path):
     (whose stage gathers its weights once per step, and whose tick loop the TPU compiler
     counts twice: memory.predict's `tpu_copies`)."""
     out = tmp_path / "plan.json"
-    args = ["plan", "--model", "1b", "--devices", "64", "--hardware", "tpu-v5p-64"]
+    args = ["plan", "--model", "1b", "--devices", "64", "--hardware", "v5p-128", "--remat", "dots"]
     r = cli(*args, "--axes", "pipeline,fsdp", "--verify", "2", "--json", str(out), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["layouts"][:2]

@@ -2,37 +2,48 @@
 
 import dataclasses
 import json
-from typing import Annotated, Literal
+from typing import Annotated
 
 import tyro
 from rich.console import Console
 from rich.table import Table
 
-from jaxdist.cli.options import HARDWARE_HELP, MODEL_HELP
+from jaxdist import hardware as hardware_table
+from jaxdist.cli.options import MODEL_HELP, Common, model_config
 from jaxdist.errors import ConfigError
 from jaxdist.planning.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
 
+PLAN_HARDWARE_HELP = (
+    f"hardware preset ({', '.join(hardware_table.PRESETS)}), or a Google Cloud TPU slice as "
+    "its console names it: v5p-16 is 8 chips (v4 and v5p names count 2 TensorCores a chip), "
+    "v5e-256 (or v5litepod-256) 256, v6e-8 8"
+)
+PLAN_MESH_HELP = (
+    "auto: rank every layout of --axes; or price one layout alone, a mesh preset or "
+    "axis=size list (fsdp=8,tensor=2)"
+)
+
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """Rank the layouts of a model on N devices by predicted step time (memory must fit)."""
+class Plan(Common):
+    """Rank the layouts of a model on N devices by predicted step time (memory must fit).
+
+    The model, its size flags, remat and the step's microbatches and pipeline schedule are
+    `jaxdist train`'s: plan what you will run."""
 
     model: Annotated[str, tyro.conf.arg(help=MODEL_HELP)] = "1b"
-    devices: int = 64
-    hardware: Annotated[str, tyro.conf.arg(help=HARDWARE_HELP)] = "h100"
-    batch_size: int = 512
+    mesh: Annotated[str, tyro.conf.arg(help=PLAN_MESH_HELP)] = "auto"
+    devices: int | None = None
+    """devices to plan for; default: the --hardware slice's chips (times --slices), else 64"""
+    hardware: Annotated[str, tyro.conf.arg(help=PLAN_HARDWARE_HELP)] = "h100"
+    slices: int = 1
+    """TPU multi-slice: this many --hardware slices (a Google Cloud name such as v5p-128),
+    joined by DCN"""
+    batch_size: Annotated[int, tyro.conf.arg(help="global batch in rows")] = 512
     axes: str = "pipeline,data,fsdp,expert,tensor"
     """mesh axes the planner may use"""
-    microbatches: int = 0
-    """0: none without a pipeline, 4 per stage with one"""
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    """pipeline schedule priced for layouts with a pipeline axis"""
-    virtual_stages: int = 2
-    """layer chunks per device, for the interleaved schedule"""
-    remat: Literal["preset", "none", "full", "dots"] = "preset"
-    """rematerialization: preset (the model preset's own), none, full or dots"""
-    compute_efficiency: float = 0.5
-    """share of peak FLOP/s the matmuls reach (0.4-0.6 on well-tuned GPUs and TPUs)"""
+    compute_efficiency: float | None = None
+    """one flat share of peak for every FLOP instead of the hardware's calibrated figures"""
     top: int = 10
     verify: int = 0
     """compile the top K layouts ahead of time (for TPU hardware a TPU topology, for H100/H200
@@ -42,8 +53,41 @@ class Plan:
     """also write the plan as JSON to this file"""
 
 
-def _tpu_generation(hardware: str) -> str | None:
-    return hardware.removeprefix("tpu-").split("-")[0] if hardware.startswith("tpu-") else None
+def _devices(args: Plan, hw) -> int:
+    """The device count: a Google Cloud slice name gives it (times --slices), or --devices."""
+    if args.slices < 1:
+        raise ConfigError(f"--slices {args.slices} must be at least 1")
+    if not hw.slice_name:
+        if args.slices != 1:
+            raise ConfigError(
+                "--slices counts TPU slices: name one with --hardware, e.g. --hardware v5p-128"
+            )
+        return 64 if args.devices is None else args.devices
+    chips = hw.devices_per_host * args.slices
+    if args.devices is not None and args.devices != chips:
+        of = f"{args.slices} x {hw.slice_name}" if args.slices > 1 else hw.slice_name
+        raise ConfigError(
+            f"--devices {args.devices} contradicts --hardware {hw.slice_name} ({of} is {chips} "
+            "chips): drop --devices, or use --slices for more slices"
+        )
+    return chips
+
+
+def _with_recompute(model, model_cfg):
+    """The planner's model with what its remat policy reruns, priced as compute: the policy's
+    share of the layers' matmuls (models/remat.py), and attention's forward where full remat
+    reruns the kernel or XLA's unfused attention is not saved."""
+    from models.remat import RECOMPUTE
+
+    remat = model_cfg.remat
+    attention = remat == "full" or (model_cfg.attention == "xla" and remat != "none")
+    return dataclasses.replace(
+        model, recompute_matmul=RECOMPUTE[remat](model_cfg), recompute_attention=attention
+    )
+
+
+def _tpu_generation(hw) -> str | None:
+    return hw.name.removeprefix("tpu-") if hw.platform == "tpu" else None
 
 
 def _gpu_target(hw, devices: int):
@@ -69,73 +113,102 @@ def _gpu_target(hw, devices: int):
     return gpu.GpuTarget(hw.name, devices // per_host, per_host)
 
 
+def _plan_config(args: Plan, devices: int):
+    """The planner's settings from the flags: `jaxdist train`'s step settings, and one layout
+    (--mesh) or every split over --axes."""
+    from jaxdist.planning.planner import PlanConfig
+    from meshes.presets import get_mesh_preset
+
+    layout = ()
+    if args.mesh != "auto":
+        layout = tuple(get_mesh_preset(args.mesh).mesh.sizes().items())
+    return PlanConfig(
+        devices=devices,
+        hardware=args.hardware,
+        batch_size=args.batch_size,
+        axes=tuple(a.strip() for a in args.axes.split(",") if a.strip()),
+        # 1 (train's default) with a pipeline axis would leave stages idle: the planner's own
+        # default then, 4 microbatches per stage.
+        microbatches=args.step.microbatches if args.step.microbatches > 1 else 0,
+        schedule=args.step.pipeline_schedule,
+        virtual_stages=args.step.virtual_stages,
+        compute_efficiency=args.compute_efficiency,
+        max_layouts=max(args.top, args.verify),
+        loss_chunk_tokens=args.step.loss_chunk_tokens,
+        layout=layout,
+    )
+
+
 def run(args: Plan) -> int:
     from jaxdist.hardware import get_hardware
-    from jaxdist.planning.planner import PlanConfig, plan
+    from jaxdist.planning.planner import plan
 
+    args.validate()
     hw = get_hardware(args.hardware)
-    generation = _tpu_generation(args.hardware)
+    devices = _devices(args, hw)
+    args = dataclasses.replace(args, devices=devices)
+    generation = _tpu_generation(hw)
     if generation and args.verify:
         from jaxdist.planning import tpu
 
-        tpu.topology_name(generation, args.devices)  # a bad slice size fails before any work
+        if args.slices > 1:
+            raise ConfigError("--verify compiles one TPU slice; drop --slices or --verify")
+        tpu.topology_name(generation, devices)  # a bad slice size fails before any work
         if tpu.missing():
             raise ConfigError(tpu.missing())
-    gpu_target = _gpu_target(hw, args.devices) if args.verify else None
+    gpu_target = _gpu_target(hw, devices) if args.verify else None
     import jax
 
     if args.verify and not generation and not gpu_target:
         # Fake CPU devices, one per planned device, for the ahead-of-time compiles.
         from jaxdist.mesh import setup_devices
 
-        setup_devices(f"cpu:{args.devices}")
+        setup_devices(f"cpu:{devices}")
     from meshes.presets import STANDARD_RULES
     from models.inventory import plan_model
-    from models.presets import get_model_config, model_spec
+    from models.presets import model_spec
 
-    dtype = "float32" if hw.platform == "cpu" else "bfloat16"
-    # As `jaxdist train` runs it there: cuDNN's fused attention on GPUs, splash on TPUs.
-    attention = {"gpu": "cudnn", "tpu": "splash"}.get(hw.platform, "xla")
-    remat = {} if args.remat == "preset" else {"remat": args.remat}
-    model_cfg = get_model_config(args.model, compute_dtype=dtype, attention=attention, **remat)
-    cfg = PlanConfig(
-        devices=args.devices,
-        hardware=args.hardware,
-        batch_size=args.batch_size,
-        axes=tuple(a.strip() for a in args.axes.split(",") if a.strip()),
-        microbatches=args.microbatches,
-        schedule=args.pipeline_schedule,
-        virtual_stages=args.virtual_stages,
-        compute_efficiency=args.compute_efficiency,
-        max_layouts=max(args.top, args.verify),
-    )
-    result = plan(plan_model(model_cfg), STANDARD_RULES, cfg)
+    # As `jaxdist train` builds it there: its dtype, cuDNN's fused attention on GPUs, splash
+    # on TPUs, the flags' sizes and remat.
+    model_cfg = model_config(args, hw.platform)
+    cfg = _plan_config(args, devices)
+    policies = [model_cfg.remat]
+    if args.remat == "auto":  # each layout takes the fastest policy that fits it
+        from jaxdist.cli.remat_auto import order
+
+        policies = list(order())
+    configs = [dataclasses.replace(model_cfg, remat=p) for p in policies]
+    models = [
+        dataclasses.replace(_with_recompute(plan_model(c), c), remat=c.remat) for c in configs
+    ]
+    result = plan(models, STANDARD_RULES, cfg)
     console = Console(width=None if Console().is_terminal else 160)
     print_plan(result, console)
     if args.verify:
-        devices = None
+        targets = None
         if generation:
             from jaxdist.planning.tpu import topology_name, tpu_devices
 
-            devices = tpu_devices(topology_name(generation, args.devices))
+            targets = tpu_devices(topology_name(generation, args.devices))
         elif gpu_target:
             from jaxdist.planning.gpu import gpu_devices
 
-            devices = gpu_devices(gpu_target)
+            targets = gpu_devices(gpu_target)
         else:
-            devices = jax.devices()
+            targets = jax.devices()
         from jaxdist.planning.aot import verify
 
-        v = args.virtual_stages if args.pipeline_schedule == "interleaved" else 1
+        step = args.step
+        v = step.virtual_stages if step.pipeline_schedule == "interleaved" else 1
         for row in result["layouts"][: args.verify]:
             row["verify"] = verify(
                 row,
-                model_spec(model_cfg),
+                model_spec(dataclasses.replace(model_cfg, remat=row["remat"])),
                 STANDARD_RULES,
                 args.batch_size,
-                args.pipeline_schedule,
+                step.pipeline_schedule,
                 v,
-                devices,
+                targets,
             )
         print_verify(result["layouts"][: args.verify], console)
     if args.json:
@@ -149,6 +222,11 @@ def _ms(s: float) -> str:
 
 
 def print_plan(result: dict, console: Console) -> None:
+    if result.get("slice"):
+        chips = result["devices_per_host"]
+        slices = result["devices"] // chips
+        across = f"; {slices} slices joined by DCN" if slices > 1 else ""
+        console.print(f"{result['slice']}: {chips} chips{across}")
     table = Table(
         title=f"{result['model']} on {result['devices']} x {result['hardware']}, batch "
         f"{result['batch_size']}: {len(result['layouts'])} best of {result['considered']} "
@@ -157,6 +235,7 @@ def print_plan(result: dict, console: Console) -> None:
     for col in (
         "#",
         "layout",
+        "remat",
         "mem GB",
         "T_comp/N",
         "bubble",
@@ -167,7 +246,7 @@ def print_plan(result: dict, console: Console) -> None:
         "tok/s",
         "MFU",
     ):
-        table.add_column(col, justify="left" if col == "layout" else "right")
+        table.add_column(col, justify="left" if col in ("layout", "remat") else "right")
     naive = result.get("naive")
     rows = list(enumerate(result["layouts"], 1))
     if naive and all(r["layout"] != naive["layout"] for _, r in rows):
@@ -176,6 +255,7 @@ def print_plan(result: dict, console: Console) -> None:
         table.add_row(
             str(rank),
             r["layout"] + ("" if r["fits"] else " (does not fit)"),
+            r["remat"],
             f"{r['memory_bytes']['peak'] / 1e9:.3g}",
             _ms(r["compute_s"]),
             _ms(r["bubble_s"]),

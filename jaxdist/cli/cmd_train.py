@@ -78,6 +78,8 @@ def run(args: Train) -> int:
     else:
         model = model_spec(with_data_vocab(model_cfg, vocab_size))
     if args.compile_only:
+        if args.data is None:  # no data: the loss covers the model's own vocabulary
+            vocab_size = _own_vocab(args.model, model)
         return _compile_only(args, model, mesh, rules, vocab_size, eos_id)
     data = DataConfig(path=args.data, batch_size=args.batch_size, seed=args.loop.seed)
     config = loop.RunConfig(args.optim, data, args.step, args.loop, args.checkpoint, args.eval)
@@ -94,9 +96,57 @@ def run(args: Train) -> int:
     return 0
 
 
+def _own_vocab(name: str, model) -> int:
+    """The vocabulary a model's own tokens use: a Hugging Face architecture's (before our
+    padding to a multiple of 128), else the model's."""
+    if name.startswith("hf:"):
+        from models.hf_family import FAMILY
+
+        return FAMILY.open(name).vocab_size
+    return model.vocab_size
+
+
 def _compile_only(args: Train, model, mesh, rules, vocab_size, eos_id) -> int:
+    """Compiles the step and prints XLA's report; with --remat auto and a --target, a policy
+    the compiler refuses (or whose peak does not fit the chip) gives way to the next one."""
+    import dataclasses
+
+    from jaxdist.cli.remat_auto import order, target_hardware
+    from jaxdist.errors import ConfigError
+    from jaxdist.planning.aot import target_fit
+    from jaxdist.planning.fit import refused_for_memory
+    from models.presets import model_spec
+
+    auto = args.remat == "auto" and args.target is not None
+    tried, policies = [], order()
+    while True:
+        tried.append(model.config.remat)
+        try:
+            report = _compile_report(args, model, mesh, rules, vocab_size, eos_id)
+        except Exception as e:  # XLA's TPU compiler refuses a step that cannot fit the chip
+            if not (auto and refused_for_memory(e)):
+                raise
+            report, refusal = None, str(e).splitlines()[0][:200]
+        if report is not None and args.target:
+            hardware = target_hardware(args.target)
+            report |= target_fit(hardware, report, model, args.batch_size, mesh.size)
+        later = policies[policies.index(tried[-1]) + 1 :] if tried[-1] in policies else []
+        if not auto or not later or (report is not None and report["fits"]):
+            break
+        model = model_spec(dataclasses.replace(model.config, remat=later[0]))
+    if report is None:
+        raise ConfigError(
+            f"XLA refused the step for lack of memory at every policy tried ({', '.join(tried)}): "
+            f"{refusal}; use a smaller --batch-size or a mesh that shards more"
+        )
+    report["remat"] = {"policy": tried[-1], "tried": tried} if auto else model.config.remat
+    print(json.dumps(report))
+    return 0
+
+
+def _compile_report(args: Train, model, mesh, rules, vocab_size, eos_id) -> dict:
     from jaxdist.optim import make_optimizer
-    from jaxdist.planning.aot import compile_only, target_fit
+    from jaxdist.planning.aot import compile_only
     from jaxdist.step import Vocab, build
 
     # No data read: the batch is abstract (and a target's hosts are not this one).
@@ -107,8 +157,4 @@ def _compile_only(args: Train, model, mesh, rules, vocab_size, eos_id) -> int:
     )
     report = compile_only(jitted, args.batch_size, model.seq_len)
     report |= {"model": model.name, "params": jitted.num_params, "mesh": dict(mesh.shape)}
-    if args.target:
-        hardware = args.target.split(":")[0]
-        report |= target_fit(hardware, report, model, args.batch_size, mesh.size)
-    print(json.dumps(report))
-    return 0
+    return report | {"loss_vocab": vocab_size}  # the ids the loss may predict

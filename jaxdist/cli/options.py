@@ -15,6 +15,7 @@ from jaxdist.rules import ways
 from jaxdist.step import StepConfig
 from meshes.presets import PRESETS as MESH_PRESETS
 from models.presets import PRESETS as MODEL_PRESETS
+from models.remat import POLICIES as REMAT_POLICIES
 
 # The user's own cache, unless told otherwise (tests point it at a temporary directory).
 DEFAULT_CACHE = os.environ.get(
@@ -54,10 +55,11 @@ class Common:
     step: tyro.conf.OmitArgPrefixes[StepConfig] = StepConfig()
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto: bfloat16 on GPU/TPU, float32 on CPU; parameters stay float32"""
-    remat: Literal["preset", "none", "full", "dots"] = "preset"
-    """rematerialization: preset (the model preset's own: dots for the large ones, none for
-    tiny and custom), none, full (recompute each layer), dots (save matmul and attention
-    outputs, recompute element-wise work)"""
+    remat: Literal[("auto", "preset", *REMAT_POLICIES)] = "auto"  # type: ignore[valid-type]
+    """rematerialization: auto (the fastest policy whose step fits the device's memory, by
+    the planner's memory model, confirmed by the compiler for a --target), preset (the model
+    preset's own), none, full (recompute each layer), dots (save matmul and attention
+    outputs, recompute element-wise work), or another policy of models/remat.py"""
     capacity_factor: float | None = None
     """MoE: expert capacity = factor x tokens x top-k / experts (tokens past it are dropped)"""
     dropless: bool = False
@@ -149,12 +151,16 @@ def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | 
     if args.compile_cache != "off" and not target:
         _persistent_cache(args.compile_cache)
     platform, target_devices = _target_devices(target, gpu_target)
-    model_cfg = _model_config(args, platform)
+    model_cfg = model_config(args, platform)
     mesh, rules = _mesh(args.mesh, platform, gpu_target, target_devices)
     if args.batch_size is None:
         batch_ways = ways(mesh.shape, rules.mesh_axes("batch", "activation"))
         batch_size = max(16, batch_ways * args.step.microbatches)
         args = dataclasses.replace(args, batch_size=batch_size)
+    if args.remat == "auto":
+        from jaxdist.cli.remat_auto import resolve
+
+        model_cfg = resolve(args, model_cfg, mesh, rules, target).config
     return mesh, rules, model_cfg, args
 
 
@@ -196,7 +202,7 @@ def _target_devices(target: str | None, gpu_target) -> tuple[str, list | None]:
     return jax.default_backend(), None
 
 
-def _model_config(args: Common, platform: str):
+def model_config(args: Common, platform: str):
     """The model preset with the flags' overrides, for the platform's dtype and attention."""
     from models.presets import get_model_config
 
@@ -218,7 +224,7 @@ def _model_config(args: Common, platform: str):
         **moe,
         **args.model_overrides(),
         compute_dtype=dtype,
-        **({} if args.remat == "preset" else {"remat": args.remat}),
+        **({} if args.remat in ("preset", "auto") else {"remat": args.remat}),
         attention=_attention(platform, dtype),
     )
 

@@ -6,8 +6,12 @@ convention of jaxdist.planning.traffic: the full buffer):
   all-gather, reduce-scatter, all-to-all   (p-1) alpha + (p-1)/p n / B
   collective-permute   alpha + n / B
 Small messages pay mostly alpha (latency-bound: bucket them); large ones n/B (bandwidth-bound:
-shard or compress them).
+shard or compress them). Over many devices the ring's 2(p-1) latency steps dominate; NCCL then
+switches all-reduce to its double binary tree, 2 log2(p) alpha + 2 n / B, and an all-reduce is
+priced as the faster of the two.
 """
+
+import math
 
 from jaxdist.hardware import Hardware, Link
 from jaxdist.rules import ways
@@ -17,10 +21,33 @@ def collective_time(kind: str, nbytes: float, p: int, link: Link) -> float:
     if p <= 1 or nbytes <= 0:
         return 0.0
     if kind == "all-reduce":
-        return 2 * (p - 1) * link.alpha_s + 2 * (p - 1) / p * nbytes / link.bandwidth
+        ring = 2 * (p - 1) * link.alpha_s + 2 * (p - 1) / p * nbytes / link.bandwidth
+        tree = 2 * math.ceil(math.log2(p)) * link.alpha_s + 2 * nbytes / link.bandwidth
+        return min(ring, tree)
     if kind in ("all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all"):
         return (p - 1) * link.alpha_s + (p - 1) / p * nbytes / link.bandwidth
     return link.alpha_s + nbytes / link.bandwidth  # collective-permute, send/recv
+
+
+def spanning_time(kind: str, nbytes: float, group: int, stride: int, hw: Hardware) -> float:
+    """A collective over `group` devices `stride` apart. Inside one host (or TPU slice) it runs
+    on the inner links; spanning several, NCCL and XLA run it in two levels: over the k members
+    each host holds (inner links), then across hosts with 1/k of the buffer per member (outer
+    links: InfiniBand, DCN), every member's share in parallel. All-to-all and sends pay the
+    outer link for everything."""
+    if group * stride <= hw.devices_per_host:
+        return collective_time(kind, nbytes, group, hw.inner)
+    k = min(group, max(1, hw.devices_per_host // stride))
+    while group % k:
+        k -= 1
+    if k == 1 or kind not in ("all-reduce", "all-gather", "reduce-scatter"):
+        return collective_time(kind, nbytes, group, hw.outer)
+    across = group // k
+    if kind == "all-reduce":  # reduce-scatter inside, all-reduce across, all-gather inside
+        inside = 2 * collective_time("reduce-scatter", nbytes, k, hw.inner)
+    else:
+        inside = collective_time(kind, nbytes, k, hw.inner)
+    return inside + collective_time(kind, nbytes / k, across, hw.outer)
 
 
 def link_for(hw: Hardware, group_size: int, stride: int) -> Link:

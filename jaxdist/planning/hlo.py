@@ -224,15 +224,16 @@ def collectives(
 
 def _trip_from_condition(line: str, comps: dict[str, list[str]]) -> int:
     """A loop's trip count where XLA printed none (the TPU compiler does not): a counter from
-    0 compared `LT` against a constant in its condition, as every `lax.scan` compiles to;
-    1 when the condition has another form."""
+    0 compared `LT` against a constant in its condition, as every `lax.scan` compiles to
+    (an s32 counter, or u32 where XLA proved it never negative); 1 when the condition has
+    another form."""
     cond = re.search(r"\bcondition=%([\w.\-]+)", line)
     body = comps.get(cond.group(1), []) if cond else []
     root = next((x for x in body if x.lstrip().startswith("ROOT ")), "")
     if " compare(" not in root or "direction=LT" not in root:
         return 1
     for x in body:
-        m = re.search(r"= s32\[\][^ ]* constant\((\d+)\)", x)
+        m = re.search(r"= [su]32\[\][^ ]* constant\((\d+)\)", x)
         if m and x.split("=")[0].strip().lstrip("%") in root:
             return int(m.group(1))
     return 1

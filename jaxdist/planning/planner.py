@@ -6,31 +6,33 @@ with the fleet law and ranks them:
 
     T_step = T_compute/N (+ pipeline bubble) + T_comm + T_sync - T_overlap
 
-- T_compute: the model's training FLOPs at `compute_efficiency` of the device's peak;
+- T_compute: the model's training FLOPs and element-wise bytes, recompute included, at the
+  rates the hardware preset was calibrated to (planning.compute; experiments/calibration.py
+  sets them beside published runs), or all FLOPs at one `compute_efficiency` if given;
 - T_comm: the bytes planning.traffic expects for the layout (the figure `jaxdist comm` checks
   against the compiled HLO), priced by the alpha-beta model of planning.costmodel on the link
-  each axis's groups span (inner while a group fits in a host, outer beyond);
+  each axis's groups span (inner while a group fits in a host or TPU slice; a group spanning
+  several runs in two levels, inside each, then across over InfiniBand or DCN);
 - T_overlap: FSDP gathers, gradient reductions and pipeline sends can run behind compute (the
   hardware preset's `overlap` share of them, at most T_compute); tensor- and expert-parallel
   exchanges sit on the critical path and are always exposed;
 - T_sync: stragglers. With per-device step-time jitter sigma, the slowest of N devices is
   about sigma * sqrt(2 ln N) behind the mean, and every synchronous step waits for it.
-
 Every figure is a prediction; `--verify` compiles the top layouts and sets XLA beside them.
 """
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from flax import nnx
 from jax.sharding import AbstractMesh
 
 from jaxdist.errors import ConfigError
-from jaxdist.hardware import Link, get_hardware
+from jaxdist.hardware import get_hardware
 from jaxdist.mesh import MESH_AXES
 from jaxdist.parallel import pipeline
-from jaxdist.planning import costmodel, memory, traffic
+from jaxdist.planning import compute, costmodel, memory, traffic
 from jaxdist.rules import AxisRules, check_divisible, logical_axes, ways
 from jaxdist.step import StepConfig
 
@@ -51,6 +53,11 @@ class PlanModel:
     num_experts: int
     inventory: Callable[[int], memory.Inventory]  # rows of one microbatch -> activations
     partial_sums: Callable[[int, int, int], list]  # (batch, microbatches, batch_ways)
+    # What its remat policy reruns in the backward pass (planning.compute.Work): a share of
+    # each layer's forward weight matmuls, and attention's forward or not.
+    recompute_matmul: float = 0.0
+    recompute_attention: bool = False
+    remat: str = ""  # the policy's name, for the plan's rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +69,9 @@ class PlanConfig:
     microbatches: int = 0  # 0: 1 without a pipeline, 4 per stage with one
     schedule: str = "1f1b"
     virtual_stages: int = 1  # interleaved: layer chunks per device
-    compute_efficiency: float = 0.5
+    compute_efficiency: float | None = None  # None: the hardware's calibrated rates
     max_layouts: int = 10
+    layout: tuple[tuple[str, int], ...] = ()  # price this one layout instead of enumerating
     # The step's fused cross-entropy (jaxdist.step): tokens per device per chunk; 0: unfused.
     loss_chunk_tokens: int = StepConfig().loss_chunk_tokens
 
@@ -132,14 +140,14 @@ def why_not(
     return None
 
 
-def _axis_link(label: str, sizes: dict[str, int], hw) -> tuple[int, Link]:
-    """Group size of an axis label (data+fsdp) and the link its groups use: devices of inner
+def _axis_time(kind: str, nbytes: float, label: str, sizes: dict[str, int], hw) -> float:
+    """Seconds of one collective over the groups of an axis label (data+fsdp): devices of inner
     mesh axes sit between a group's members, so the stride is their product."""
     names = label.split("+")
     group = ways(sizes, names)
     innermost = max(MESH_AXES.index(a) for a in names)
     stride = ways(sizes, MESH_AXES[innermost + 1 :])
-    return group, costmodel.link_for(hw, group, stride)
+    return costmodel.spanning_time(kind, nbytes, group, stride, hw)
 
 
 OVERLAPPABLE = {"all-gather", "reduce-scatter", "collective-permute"}
@@ -185,8 +193,7 @@ def _comm_seconds(
     # One collective per layer and microbatch: each pays the latency term.
     messages = max(1, model.num_layers * m // max(1, stages))
     for (label, kind), nbytes in expected.items():
-        group, link = _axis_link(label, sizes, hw)
-        t = costmodel.collective_time(kind, nbytes / messages, group, link) * messages
+        t = _axis_time(kind, nbytes / messages, label, sizes, hw) * messages
         by_axis[f"{label} {kind}"] = {"bytes": nbytes, "seconds": t}
         if kind in OVERLAPPABLE or (kind == "all-reduce" and not _is_activation(label, rules)):
             hidden_candidates += t
@@ -225,25 +232,36 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
             schedule, model.abstract_params, rules, dict(mesh.shape), micro_act, model.compute_bytes
         )
     tokens = cfg.batch_size * model.seq_len
-    compute = model.flops_per_token * tokens / (cfg.devices * hw.peak_flops)
-    compute /= cfg.compute_efficiency
+    tensor = sizes.get("tensor", 1)
+    priced = compute.seconds(
+        compute.work_of(model),
+        tokens * tensor / cfg.devices,  # each device's tokens through every layer
+        hw,
+        tensor,
+        model.compute_bytes,
+        mem["params"],
+        cfg.compute_efficiency,
+    )
+    compute_s = priced["total"]
     # The schedule's own idle share b of stage-ticks stretches the step by b / (1 - b):
     # (p-1)/m for GPipe and 1F1B, (p-1)/(vm) interleaved.
     idle = schedule.bubble() if schedule else 0.0
-    bubble = compute * idle / (1 - idle)
+    bubble = compute_s * idle / (1 - idle)
     exposed, hidden_candidates, by_axis = _comm_seconds(expected, sizes, model, rules, m, hw)
     t_comm = exposed + hidden_candidates
-    t_overlap = min(compute, hw.overlap * hidden_candidates)
-    sync = hw.jitter * compute * math.sqrt(2 * math.log(cfg.devices)) if cfg.devices > 1 else 0.0
-    step = compute + bubble + t_comm + sync - t_overlap
+    t_overlap = min(compute_s, hw.overlap * hidden_candidates)
+    sync = hw.jitter * compute_s * math.sqrt(2 * math.log(cfg.devices)) if cfg.devices > 1 else 0
+    step = compute_s + bubble + t_comm + sync - t_overlap
     flops = model.flops_per_token * tokens
     return {
         "layout": describe(sizes),
+        "remat": model.remat,
         "mesh": {a: sizes.get(a, 1) for a in MESH_AXES},
         "microbatches": m,
         "memory_bytes": mem,
         "fits": mem["peak"] <= MEMORY_HEADROOM * hw.memory_bytes,
-        "compute_s": compute,
+        "compute_s": compute_s,
+        "compute_by_kind": priced,
         "bubble_s": bubble,
         "comm_s": t_comm,
         "comm_exposed_s": exposed,
@@ -265,18 +283,34 @@ def _is_activation(label: str, rules: AxisRules) -> bool:
     return not set(label.split("+")) <= batch
 
 
-def plan(model: PlanModel, rules: AxisRules, cfg: PlanConfig) -> dict:
-    """Every feasible layout, fastest first, or a ConfigError naming the nearest way out."""
+def fastest_fitting(
+    sizes: dict[str, int], models: Sequence[PlanModel], rules: AxisRules, cfg: PlanConfig
+) -> dict:
+    """The layout priced with the first of `models` (fastest remat first) that fits it."""
+    for model in models:
+        row = evaluate(sizes, model, rules, cfg)
+        if row["fits"]:
+            break
+    return row
+
+
+def plan(models: PlanModel | Sequence[PlanModel], rules: AxisRules, cfg: PlanConfig) -> dict:
+    """Every feasible layout, fastest first, or a ConfigError naming the nearest way out.
+    Several `models` (one per remat policy, fastest first): each layout takes the fastest."""
+    models = [models] if isinstance(models, PlanModel) else list(models)
+    model = models[0]
     hw = get_hardware(cfg.hardware)
     unknown = set(cfg.axes) - set(MESH_AXES)
     if unknown or not cfg.axes:
         raise ConfigError(f"--axes {','.join(cfg.axes)}: choose from {', '.join(MESH_AXES)}")
     if cfg.devices < 1 or cfg.batch_size < 1:
         raise ConfigError("--devices and --batch-size must be positive")
+    if cfg.layout:
+        return _one_layout(models, rules, cfg, hw)
     candidates, rejected = _candidates(model, rules, cfg, hw)
     if not candidates:
         raise ConfigError(_no_layout_message(model, rules, cfg, rejected))
-    rows = [evaluate(s, model, rules, cfg) for s in candidates]
+    rows = [fastest_fitting(s, models, rules, cfg) for s in candidates]
     fitting = [r for r in rows if r["fits"]]
     if not fitting:
         best = min(rows, key=lambda r: r["memory_bytes"]["peak"])
@@ -291,15 +325,45 @@ def plan(model: PlanModel, rules: AxisRules, cfg: PlanConfig) -> dict:
     fitting.sort(key=lambda r: r["step_s"])
     naive = next((r for r in rows if r["layout"] == f"data={cfg.devices}"), None)
     return {
-        "model": model.name,
-        "devices": cfg.devices,
-        "hardware": hw.name,
-        "batch_size": cfg.batch_size,
+        **_heading(model, cfg, hw),
         "considered": len(candidates) + sum(rejected.values()),
         "rejected": rejected,
         "too_big": len(rows) - len(fitting),
         "naive": naive,
         "layouts": fitting[: cfg.max_layouts],
+    }
+
+
+def _heading(model: PlanModel, cfg: PlanConfig, hw) -> dict:
+    return dict(model=model.name, devices=cfg.devices, hardware=hw.name, slice=hw.slice_name) | {
+        "devices_per_host": hw.devices_per_host,
+        "batch_size": cfg.batch_size,
+    }
+
+
+def _one_layout(models: list[PlanModel], rules: AxisRules, cfg: PlanConfig, hw) -> dict:
+    """The plan of one given layout (`--mesh`), priced whether or not it fits in memory."""
+    model = models[0]
+    sizes = {a: n for a, n in cfg.layout if n != 1}
+    name = describe(sizes)
+    if set(sizes) - set(MESH_AXES):
+        raise ConfigError(f"--mesh {name}: axes are {', '.join(MESH_AXES)}")
+    if math.prod(sizes.values()) != cfg.devices:
+        raise ConfigError(
+            f"--mesh {name} spans {math.prod(sizes.values())} devices, not --devices "
+            f"{cfg.devices}: make them agree"
+        )
+    reason = why_not(sizes, model, rules, cfg, hw)
+    if reason:
+        raise ConfigError(f"--mesh {name} cannot run {model.name}: {reason}")
+    row = fastest_fitting(sizes, models, rules, cfg)
+    return {
+        **_heading(model, cfg, hw),
+        "considered": 1,
+        "rejected": {},
+        "too_big": 0,
+        "naive": None,
+        "layouts": [row],
     }
 
 
@@ -310,7 +374,10 @@ def _candidates(model, rules, cfg, hw) -> tuple[list[dict[str, int]], dict[str, 
         if reason is None:
             candidates.append(sizes)
         else:
+            # One count per kind of reason, whatever its numbers (thousands of layouts at scale).
             key = reason.split(" ")[0] if reason.startswith("batch") else reason
+            if reason.startswith("layers or microbatches"):
+                key = "layers or microbatches do not split over the stages"
             rejected[key] = rejected.get(key, 0) + 1
     return candidates, rejected
 

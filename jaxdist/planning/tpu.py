@@ -8,6 +8,7 @@ collectives and cost analysis are read before a slice is rented. Nothing runs on
 import importlib.util
 import math
 import os
+import re
 
 from jaxdist.errors import ConfigError
 
@@ -31,23 +32,62 @@ def topology_name(generation: str, chips: int) -> str:
     return f"{generation}:{'x'.join(map(str, order))}"
 
 
+# Google Cloud's accelerator types count TensorCores for v4 and v5p (two per chip) and chips
+# for v5e (v5litepod in the console) and v6e: v5p-16 is 8 chips, v6e-8 is 8.
+_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
+_CLOUD = re.compile(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)")
+_OLD = re.compile(r"tpu-(v4|v5p|v5e|v6e)-(\d+)")
+
+
+def cloud_name(generation: str, chips: int) -> str:
+    """Google Cloud's name of a slice of `chips` chips: 8 v5p chips are v5p-16."""
+    return f"{generation}-{chips * _CORES_PER_CHIP[generation]}"
+
+
+def cloud_slice(name: str) -> tuple[str, int] | None:
+    """(generation, chips) of a Google Cloud accelerator type such as v5p-16 (8 chips); None
+    for a name of another form; a ConfigError for one that cannot be a slice, or for
+    jaxdist's old chip-counting names (tpu-v5p-64), which Google's would contradict."""
+    old = _OLD.fullmatch(name)
+    if old:
+        generation, chips = old[1], int(old[2])
+        raise ConfigError(
+            f"{name}: jaxdist no longer names slices by chips; Google Cloud calls {chips} "
+            f"{generation} chips {cloud_name(generation, chips)}: write that instead"
+        )
+    m = _CLOUD.fullmatch(name)
+    if not m:
+        return None
+    generation = "v5e" if m[1] == "v5litepod" else m[1]
+    count, per_chip = int(m[2]), _CORES_PER_CHIP[generation]
+    chips = count // per_chip
+    if count % per_chip or chips < 1 or chips & (chips - 1):
+        unit = "TensorCores, 2 per chip" if per_chip == 2 else "chips"
+        raise ConfigError(
+            f"{name}: Google Cloud {generation} names count {unit}, and jaxdist plans slices "
+            f"of a power of two chips; e.g. {cloud_name(generation, 8)} is 8 chips"
+        )
+    return generation, chips
+
+
 def parse_target(text: str) -> str:
-    """`tpu-v5p:4x4x4` -> `v5p:4x4x4`; `tpu-v5p-64` -> `v5p:4x4x4`."""
+    """`tpu-v5p:4x4x4` -> `v5p:4x4x4`; Google Cloud's `v5p-128` (64 chips) -> `v5p:4x4x4`."""
+    found = cloud_slice(text)
+    if found:
+        return topology_name(*found)
     body = text.removeprefix("tpu-")
     if body == text:
         raise ConfigError(
-            f"--target {text!r}: write tpu-GENERATION:TOPOLOGY (e.g. tpu-v5p:4x4x4) for a TPU "
-            "slice, or h100:N, h200:N, h100:HxN for GPUs"
+            f"--target {text!r}: write a Google Cloud slice (v5p-16, v6e-8) or "
+            "tpu-GENERATION:TOPOLOGY (tpu-v5p:2x2x2) for a TPU slice, or h100:N, h200:N, "
+            "h100:HxN for GPUs"
         )
     if ":" in body:
         generation, topology = body.split(":", 1)
         if generation not in _DIMS or not all(p.isdigit() for p in topology.split("x")):
             raise ConfigError(f"--target {text!r}: write e.g. tpu-v5p:4x4x4 or tpu-v5e:4x4")
         return body
-    generation, _, chips = body.rpartition("-")
-    if not chips.isdigit():
-        raise ConfigError(f"--target {text!r}: write e.g. tpu-v5p:4x4x4 or tpu-v5p-64")
-    return topology_name(generation, int(chips))
+    raise ConfigError(f"--target {text!r}: write e.g. tpu-v5p:4x4x4 or v5p-128")
 
 
 MISSING = "compiling for a TPU target needs the libtpu package: pip install 'jaxdist[tpu]'"

@@ -82,14 +82,16 @@ def expected(
         add(_label(mesh, gather), "all-gather", uses * compute_size)
         # Gradient: summed over the batch axes, except those the weight is also split over
         # where it is used (experts: each device holds the tokens routed to its experts).
-        # Where the weight is split over one of them the sum lands sharded (reduce-scatter),
-        # which XLA's CPU pipeline emits as all-reduce, combined with the other batch axes.
+        # A layer weight split over some of them (FSDP) is used in its stored layout, so its
+        # sum lands sharded: reduced over those axes first (a reduce-scatter; XLA's CPU
+        # pipeline emits an all-reduce), then the shard all-reduced over the other batch axes.
+        # Expert weights take the same two steps, by the explicit all_gather inside
+        # jaxdist.parallel.experts' shard_map, whose transpose is a reduce-scatter. Other
+        # weights (embedding, head) are used gathered: one sum over every batch axis.
         reduce_over = set(batch_axes) - act_axes
-        if "expert" in named and _label(mesh, gather):
-            # Expert weights are gathered by an explicit all_gather inside jaxdist.parallel.experts'
-            # shard_map; its transpose is a reduce-scatter on every platform, and the rest
-            # of the batch axes then sum the scattered shard.
-            add(_label(mesh, gather), "reduce-scatter", microbatches * compute_size)
+        if _label(mesh, gather) and "layers" in logical:
+            first = "reduce-scatter" if reduce_scatter or "expert" in named else "all-reduce"
+            add(_label(mesh, gather), first, microbatches * compute_size)
             add(
                 _label(mesh, reduce_over - gather),
                 "all-reduce",

@@ -1,0 +1,166 @@
+"""Move less, fit by default: FSDP gradients reduce-scattered (never all-reduced whole and
+sliced), counted in the compiled collectives of XLA's own TPU and GPU compilers; loop trips of
+every counter form; `--remat auto` choosing the fastest policy that fits."""
+
+import json
+
+import pytest
+
+from jaxdist.errors import ConfigError
+from jaxdist.planning import fit, hlo
+from tests.extras import needs_gpu_aot, needs_tpu
+from tests.helpers import cli
+
+# A small Llama with the 7B's mechanisms (GQA-free attention, SwiGLU, untied head, a 32,000
+# vocabulary): 4 layers, so a compile takes seconds. Weights: 4 x 12.6M + 2 x 32.8M = 116M.
+SMALL_LLAMA = (
+    "--model custom --style llama --layers 4 --d-model 1024 --heads 8 --d-mlp 2816 "
+    "--seq-len 512 --vocab 32000"
+).split()
+
+
+# The embedding and the head, [32000, 1024] each in bf16: used gathered, their gradients are
+# all-reduced whole (2 x 65.5 MB); every layer weight's is reduce-scattered.
+TABLES_BF16 = 2 * 32000 * 1024 * 2
+
+
+def _compile(target: str, mesh: str, batch: int, *extra: str) -> dict:
+    r = cli(
+        "train",
+        *SMALL_LLAMA,
+        "--mesh",
+        mesh,
+        "--batch-size",
+        str(batch),
+        "--compile-only",
+        "--target",
+        target,
+        *extra,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _by_kind(report: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in report["collectives"]:
+        out[c["kind"]] = out.get(c["kind"], 0.0) + c["bytes"]
+    return out
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_tpu_fsdp_gradients_are_not_all_reduced_whole():
+    report = _compile("tpu-v5p:2x2x2", "fsdp=8", 16, "--remat", "full")
+    kinds = _by_kind(report)
+    weights_bf16 = 2 * report["params"]
+    # Before: every weight's bf16 gradient all-reduced whole (about the weights' bytes again)
+    # and then sliced. Now only the embedding's and the head's (used gathered), the norm
+    # scales and scalars are.
+    assert kinds.get("all-reduce", 0) < TABLES_BF16 + 0.01 * weights_bf16, kinds
+    # XLA's windowed matmuls: gathers and reductions as collective-permute rings.
+    assert kinds.get("collective-permute", 0) > 0.5 * weights_bf16, kinds
+
+
+@pytest.mark.slow
+@needs_gpu_aot
+def test_gpu_fsdp_gradients_are_reduce_scattered():
+    report = _compile("h100:8", "fsdp=8", 16, "--remat", "full")
+    kinds = _by_kind(report)
+    weights_bf16 = 2 * report["params"]
+    assert kinds.get("all-reduce", 0) < TABLES_BF16 + 0.01 * weights_bf16, kinds
+    # Every layer weight's gradient reduce-scattered once (the full buffer counted, bf16):
+    # 4 layers of 4*D*D + 3*D*F weights.
+    layers_bf16 = 2 * 4 * (4 * 1024 * 1024 + 3 * 1024 * 2816)
+    assert kinds["reduce-scatter"] >= layers_bf16, kinds
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_remat_auto_takes_a_leaner_policy_when_the_batch_grows():
+    # 4 rows per chip fit with every activation kept; 256 rows per chip do not (the planner
+    # predicts about 181 GB without remat on a 95 GB chip), so auto must give some up.
+    small = _compile("tpu-v5p:2x2x1", "fsdp=4", 16, "--seq-len", "2048")
+    big = _compile("tpu-v5p:2x2x1", "fsdp=4", 1024, "--seq-len", "2048")
+    assert small["remat"]["policy"] == "none" and small["fits"]
+    assert big["remat"]["policy"] != "none" and big["fits"], big["remat"]
+
+
+def test_choose_takes_the_fastest_policy_that_fits():
+    peaks = {"none": 90e9, "dots": 40e9, "full": 20e9}
+    choice = fit.choose(("none", "dots", "full"), peaks.__getitem__, 50e9, "step")
+    assert choice.policy == "dots" and list(choice.predicted) == ["none", "dots"]
+    assert fit.next_policy(("none", "dots", "full"), choice) == "full"
+    assert fit.choose(("none", "dots", "full"), peaks.__getitem__, 95e9, "step").policy == "none"
+
+
+def test_choose_refuses_a_step_no_policy_fits():
+    peaks = {"none": 90e9, "full": 60e9}
+    with pytest.raises(ConfigError, match=r"leanest \(full\) needs about 60.0 GB"):
+        fit.choose(("none", "full"), peaks.__getitem__, 0.9 * 40e9, "step")
+    # Past the usable share but within the device: left to the compiler to decide.
+    assert fit.choose(("none", "full"), peaks.__getitem__, 0.9 * 62e9, "step").policy == "full"
+
+
+def test_xla_refusals_for_memory_are_recognised():
+    tpu = "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space"
+    assert fit.refused_for_memory(RuntimeError(tpu))
+    assert not fit.refused_for_memory(RuntimeError("INVALID_ARGUMENT: bad sharding"))
+
+
+# A layer loop as the TPU compiler prints it once it proved the counter never negative: a u32
+# counter, no known_trip_count. Its all-reduce runs 6 times a step.
+U32_LOOP = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (u32[], f32[256])) -> (u32[], f32[256]) {
+  %p = (u32[], f32[256]) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %x = f32[256] get-tuple-element(%p), index=1
+  %r = f32[256] all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+  %one = u32[] constant(1)
+  %j = u32[] add(%i, %one)
+  ROOT %t = (u32[], f32[256]) tuple(%j, %r)
+}
+
+%cond (q: (u32[], f32[256])) -> pred[] {
+  %q = (u32[], f32[256]) parameter(0)
+  %k = u32[] get-tuple-element(%q), index=0
+  %n = u32[] constant(6)
+  ROOT %lt = pred[] compare(%k, %n), direction=LT
+}
+
+ENTRY %main (x0: f32[256]) -> f32[256] {
+  %x0 = f32[256] parameter(0)
+  %zero = u32[] constant(0)
+  %init = (u32[], f32[256]) tuple(%zero, %x0)
+  %w = (u32[], f32[256]) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[256] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_loops_with_u32_counters_count_every_trip():
+    found = hlo.collectives(U32_LOOP, {"data": 2})
+    assert [(c.kind, c.executions, c.bytes) for c in found] == [("all-reduce", 6, 1024)]
+
+
+@pytest.mark.parametrize(
+    "model, vocab",
+    [
+        # 300 ids, padded to 384 in the model: the loss covers the model's own 300.
+        (["--model", "hf:tests/fixtures/hf/llama-gqa"], 300),
+        (["--model", "tiny-llama", "--vocab", "1000"], 1000),
+    ],
+)
+def test_a_compile_without_data_covers_the_models_own_vocabulary(model, vocab):
+    # Before, the loss masked every logit past 256 (the byte vocabulary of the default data)
+    # for whatever model was compiled.
+    r = cli("train", *model, "--mesh", "fsdp=8", "--batch-size", "8", "--compile-only")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["loss_vocab"] == vocab
