@@ -18,6 +18,7 @@ collective-permute x 1. About 30 minutes on 2 cores (each MaxText compile takes 
 
 import argparse
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -65,7 +66,7 @@ def maxtext(python: str, model: str, policy: str, rows: int, seq: int, work: pat
     cmd += ["compile_topology=v5p-16", "compile_topology_num_slices=1", f"model_name={model}"]
     cmd += [f"per_device_batch_size={rows}", f"max_target_length={seq}", "jax_cache_dir="]
     cmd += [f"remat_policy={policy}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(env))
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
     text = r.stdout + r.stderr
     if r.returncode:
         if "RESOURCE_EXHAUSTED" in text or "exceeds" in text:
@@ -82,12 +83,6 @@ def _field(text: str, name: str) -> float:
     if not m:
         raise SystemExit(f"MaxText printed no {name}_size_in_bytes; its output format changed")
     return float(m.group(1))
-
-
-def _env(extra: dict) -> dict:
-    import os
-
-    return {**os.environ, **extra}
 
 
 def jaxdist(model: str, remat: str, rows: int, seq: int) -> tuple[float | None, dict, str]:

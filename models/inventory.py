@@ -15,6 +15,7 @@ from jaxdist.parallel.experts import capacity
 from jaxdist.planning.memory import Activation, Inventory
 from jaxdist.planning.planner import PlanModel
 from jaxdist.planning.traffic import PartialSum
+from models.remat import RECOMPUTE
 from models.transformer import Transformer, TransformerConfig
 
 
@@ -32,6 +33,13 @@ def plan_model(config: TransformerConfig) -> PlanModel:
         num_experts=config.num_experts,
         inventory=lambda rows: activations(config, rows),
         partial_sums=lambda *a: partial_sums(config, *a),
+        # What the policy reruns, priced as compute: its share of the layers' matmuls, and
+        # attention's forward where full remat reruns the kernel or XLA's unfused attention
+        # (not a saved kernel output) is recomputed.
+        recompute_matmul=RECOMPUTE[config.remat](config),
+        recompute_attention=config.remat == "full"
+        or (config.attention == "xla" and config.remat != "none"),
+        remat=config.remat,
     )
 
 

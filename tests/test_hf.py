@@ -63,8 +63,8 @@ def load_on(name_or_path, layout: str):
     return model, mesh, hf.load(model, targets)
 
 
-def logits_of(config, mesh, params, ids: np.ndarray) -> np.ndarray:
-    if config.num_experts:  # every token to its experts, nothing dropped
+def logits_of(config, mesh, params, ids: np.ndarray, dense_moe: bool = True) -> np.ndarray:
+    if config.num_experts and dense_moe:  # every token to its experts, nothing dropped
         config = dataclasses.replace(config, moe_impl="dense")
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0))))
     state = jax.tree_util.tree_map_with_path(lambda p, _: params[p[0].key], abstract)

@@ -17,7 +17,7 @@ from jaxdist.hf.source import eos_ids
 from models import hf, rope
 from models.hf_config import hf_architecture
 from models.presets import from_record, get_model_config
-from tests.test_hf import FIX, MODELS, load_on, reference
+from tests.test_hf import FIX, MODELS, load_on, logits_of, reference
 
 
 def _config(name: str) -> dict:
@@ -130,35 +130,8 @@ def test_mixtral_dispatch_without_drops_equals_transformers():
     config = dataclasses.replace(model.config, moe_impl="dispatch", dropless=True)
     ids = np.tile(ref["input_ids"], (4, 1))
     # logits_of computes MoE dense; this is the dispatch path, experts over the expert axis.
-    logits = _dispatch_logits(config, mesh, params, ids)[:2]
+    logits = logits_of(config, mesh, params, ids, dense_moe=False)[:2]
     np.testing.assert_allclose(logits[..., :300], ref["logits"], atol=1e-4, rtol=0)
-
-
-def _transformer(config):
-    from flax import nnx
-
-    from models.transformer import Transformer
-
-    return Transformer(config, nnx.Rngs(0))
-
-
-def _dispatch_logits(config, mesh, params, ids):
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxdist.rules import activation_rules
-    from meshes.presets import STANDARD_RULES
-
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _transformer(config)))
-    state = jax.tree_util.tree_map_with_path(lambda p, _: params[p[0].key], abstract)
-
-    @jax.jit
-    def forward(state, ids):
-        with activation_rules(STANDARD_RULES, mesh):
-            return nnx.merge(graphdef, state)(ids)[0]
-
-    return np.asarray(forward(state, jnp.asarray(ids, jnp.int32)))
 
 
 def test_head_dim_follows_the_width_unless_set():

@@ -90,7 +90,9 @@ def test_choose_takes_the_fastest_policy_that_fits():
     peaks = {"none": 90e9, "dots": 40e9, "full": 20e9}
     choice = fit.choose(("none", "dots", "full"), peaks.__getitem__, 50e9, "step")
     assert choice.policy == "dots" and list(choice.predicted) == ["none", "dots"]
-    assert fit.next_policy(("none", "dots", "full"), choice) == "full"
+    assert fit.next_policy(("none", "dots", "full"), choice.policy) == "full"
+    assert fit.next_policy(("none", "dots", "full"), "full") is None
+    assert fit.next_policy(("none", "dots", "full"), "offload") is None
     assert fit.choose(("none", "dots", "full"), peaks.__getitem__, 95e9, "step").policy == "none"
 
 

@@ -73,19 +73,6 @@ def _devices(args: Plan, hw) -> int:
     return chips
 
 
-def _with_recompute(model, model_cfg):
-    """The planner's model with what its remat policy reruns, priced as compute: the policy's
-    share of the layers' matmuls (models/remat.py), and attention's forward where full remat
-    reruns the kernel or XLA's unfused attention is not saved."""
-    from models.remat import RECOMPUTE
-
-    remat = model_cfg.remat
-    attention = remat == "full" or (model_cfg.attention == "xla" and remat != "none")
-    return dataclasses.replace(
-        model, recompute_matmul=RECOMPUTE[remat](model_cfg), recompute_attention=attention
-    )
-
-
 def _tpu_generation(hw) -> str | None:
     return hw.name.removeprefix("tpu-") if hw.platform == "tpu" else None
 
@@ -178,10 +165,7 @@ def run(args: Plan) -> int:
 
         policies = list(order())
     configs = [dataclasses.replace(model_cfg, remat=p) for p in policies]
-    models = [
-        dataclasses.replace(_with_recompute(plan_model(c), c), remat=c.remat) for c in configs
-    ]
-    result = plan(models, STANDARD_RULES, cfg)
+    result = plan([plan_model(c) for c in configs], STANDARD_RULES, cfg)
     console = Console(width=None if Console().is_terminal else 160)
     print_plan(result, console)
     if args.verify:

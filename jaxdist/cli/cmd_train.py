@@ -114,7 +114,7 @@ def _compile_only(args: Train, model, mesh, rules, vocab_size, eos_id) -> int:
     from jaxdist.cli.remat_auto import order, target_hardware
     from jaxdist.errors import ConfigError
     from jaxdist.planning.aot import target_fit
-    from jaxdist.planning.fit import refused_for_memory
+    from jaxdist.planning.fit import next_policy, refused_for_memory
     from models.presets import model_spec
 
     auto = args.remat == "auto" and args.target is not None
@@ -130,10 +130,10 @@ def _compile_only(args: Train, model, mesh, rules, vocab_size, eos_id) -> int:
         if report is not None and args.target:
             hardware = target_hardware(args.target)
             report |= target_fit(hardware, report, model, args.batch_size, mesh.size)
-        later = policies[policies.index(tried[-1]) + 1 :] if tried[-1] in policies else []
-        if not auto or not later or (report is not None and report["fits"]):
+        leaner = next_policy(policies, tried[-1])
+        if not auto or leaner is None or (report is not None and report["fits"]):
             break
-        model = model_spec(dataclasses.replace(model.config, remat=later[0]))
+        model = model_spec(dataclasses.replace(model.config, remat=leaner))
     if report is None:
         raise ConfigError(
             f"XLA refused the step for lack of memory at every policy tried ({', '.join(tried)}): "

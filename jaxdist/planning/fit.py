@@ -63,9 +63,12 @@ def choose(
     return RematChoice(leanest, budget_bytes, predicted)
 
 
-def next_policy(order: Sequence[str], choice: RematChoice) -> str | None:
-    """The policy after `choice` in `order` (leaner, slower), None after the leanest."""
-    i = list(order).index(choice.policy)
+def next_policy(order: Sequence[str], policy: str) -> str | None:
+    """The policy after `policy` in `order` (leaner, slower); None after the leanest, or for
+    a policy outside the order (one asked for by name)."""
+    if policy not in order:
+        return None
+    i = list(order).index(policy)
     return order[i + 1] if i + 1 < len(order) else None
 
 
