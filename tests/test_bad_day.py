@@ -97,7 +97,9 @@ def test_a_stuck_process_ends_the_run_naming_it_with_its_stacks(tmp_path):
     # The stuck process's own stacks, showing where it is stuck: the injected sleep.
     assert "process 1's Python stacks" in p1 and "in before_step" in p1, p1[-3000:]
     assert "process 0's Python stacks" not in out
-    assert "process 1 was first to fail (exit 124)" in out
+    # The launcher names the stuck process, whichever process happened to exit first.
+    assert "jaxdist launch: failed; hang declared: stuck: process 1 on " in out, out[-3000:]
+    assert "(last finished step 4) (exit 124)" in out
     assert _left(run_dir) == []
 
 

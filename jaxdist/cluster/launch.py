@@ -192,12 +192,16 @@ def _attempt(processes, devices_per_process, train_args, platform, port, grace_s
         first_failure = bad[0] if bad else None
     if first_failure:
         i, rc = first_failure
-        sys.stderr.write(f"jaxdist launch: failed; process {i} was first to fail (exit {rc})\n")
         cause = restarts.cause(i, rc)
         if rc == restarts.HANG_EXIT and "hang" in heard:  # "no step finished ...; stuck: ..."
+            # Every process declares the hang; which exits first is a race (the stuck one
+            # dumps its stacks first), so the line names the stuck process, not the first out.
             cause = "hang declared: " + heard["hang"].split(". Exiting")[0].split("; ", 1)[-1]
-        elif own := _first_own_stop(heard.get("stopped", [])):
-            cause = own
+            sys.stderr.write(f"jaxdist launch: failed; {cause} (exit {rc})\n")
+        else:
+            sys.stderr.write(f"jaxdist launch: failed; process {i} was first to fail (exit {rc})\n")
+            if own := _first_own_stop(heard.get("stopped", [])):
+                cause = own
         return (rc if rc > 0 else 128 - rc), cause
     short = _stopped_short(split_run_dir(train_args)[1])
     return 0, (None if stopped or short is None else short)
