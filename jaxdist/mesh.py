@@ -15,9 +15,9 @@ from jax.sharding import AxisType, Mesh
 from jaxdist.errors import ConfigError
 
 # Outermost first: slow links (pipeline stages across racks, data across hosts) outside,
-# fast links (tensor) innermost;
-# expert all-to-all traffic sits on fast links too.
-MESH_AXES: tuple[str, ...] = ("pipeline", "data", "fsdp", "expert", "tensor")
+# fast links (tensor) innermost; context (K/V exchanged every layer) and expert all-to-all
+# traffic sit on fast links too.
+MESH_AXES: tuple[str, ...] = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -163,8 +163,9 @@ def state_shardings(state: nnx.State, rules: AxisRules, mesh: Mesh) -> nnx.State
 
 
 def batch_sharding(rules: AxisRules, mesh: Mesh) -> NamedSharding:
-    """Where a [batch, seq] token batch lives: split over the activation `batch` axes."""
-    return NamedSharding(mesh, rules.spec(("batch", "seq"), "activation", "token batch"))
+    """Where a [batch, seq + 1] token batch lives: split over the activation `batch` axes. The
+    sequence is split (context parallelism) only once inputs and targets are cut from it."""
+    return NamedSharding(mesh, rules.spec(("batch", None), "activation", "token batch"))
 
 
 def batch_ways(sharding: NamedSharding) -> int:
@@ -179,13 +180,22 @@ _ACTIVE = threading.local()
 
 
 @contextlib.contextmanager
-def activation_rules(rules: AxisRules, mesh: Mesh) -> Iterator[None]:
-    previous = getattr(_ACTIVE, "value", None)
-    _ACTIVE.value = (rules, mesh)
+def activation_rules(
+    rules: AxisRules, mesh: Mesh, context_strategy: str = "all-gather"
+) -> Iterator[None]:
+    """`context_strategy`: how attention crosses a sequence split over the mesh
+    (jaxdist.parallel.context), a step-wide choice the model never names."""
+    previous = getattr(_ACTIVE, "value", None), getattr(_ACTIVE, "context", None)
+    _ACTIVE.value, _ACTIVE.context = (rules, mesh), context_strategy
     try:
         yield
     finally:
-        _ACTIVE.value = previous
+        _ACTIVE.value, _ACTIVE.context = previous
+
+
+def active_context_strategy() -> str:
+    """The strategy the step is traced under (all-gather outside one)."""
+    return getattr(_ACTIVE, "context", None) or "all-gather"
 
 
 def active() -> tuple[AxisRules, Mesh]:

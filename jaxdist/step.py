@@ -7,6 +7,7 @@ and batch shardings imply; jaxdist.planning.traffic reads them back out of the c
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -19,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdist.errors import ConfigError
 from jaxdist.kernels import documents
 from jaxdist.kernels.fused_loss import fused_cross_entropy
-from jaxdist.parallel import pipeline
+from jaxdist.parallel import context, pipeline
 from jaxdist.rules import (
     AxisRules,
     activation_rules,
@@ -51,6 +52,9 @@ class StepConfig:
     """fused cross-entropy: the sequence is cut into chunks of at most this many tokens per
     device, whose fp32 logits (tokens x vocab x 4 bytes) are the most held at once (1 GB at
     Llama 3's 128K vocabulary); 0: the whole logits, as the model returns them"""
+    context_strategy: Literal["all-gather", "ring", "ulysses"] = "all-gather"
+    """how attention crosses a sequence split over the `context` mesh axis
+    (jaxdist.parallel.context)"""
     fault_nan_steps: tuple[int, ...] = ()
     """fault injection, for testing recovery: make these steps' loss and gradients NaN"""
 
@@ -62,6 +66,11 @@ class StepConfig:
         if self.loss_chunk_tokens < 0:
             raise ConfigError(
                 f"--loss-chunk-tokens {self.loss_chunk_tokens} must be >= 0 (0: unfused)"
+            )
+        if self.context_strategy not in context.STRATEGIES:
+            raise ConfigError(
+                f"--context-strategy {self.context_strategy!r}: choose from "
+                f"{', '.join(context.STRATEGIES)}"
             )
         if self.virtual_stages > 1 and self.pipeline_schedule != "interleaved":
             raise ConfigError(
@@ -101,9 +110,12 @@ def forward_loss(
     state and the output head, logits = h @ head) gets the fused loss (`chunk_tokens` > 0):
     its logits are never whole in memory; any other model is called for its logits."""
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
-    docs = ()
+    docs = None
     if document_mask and vocab.eos_id is not None:
-        docs = (documents.from_tokens(inputs_BT, vocab.eos_id),)
+        docs = documents.from_tokens(inputs_BT, vocab.eos_id)
+    # A sequence split over devices is reordered for causal balance, documents found first.
+    inputs_BT, targets_BT, docs = context.split_sequence(inputs_BT, targets_BT, docs)
+    docs = () if docs is None else (docs,)
     # (without docs, a model that knows nothing of documents is called as it always was)
     if chunk_tokens and hasattr(model, "features"):
         h_BTD, head_DV, aux = model.features(inputs_BT, *docs)
@@ -278,11 +290,23 @@ def _batch_sharding(rules: AxisRules, mesh: Mesh, config: StepConfig, batch_size
     return tokens_sharding
 
 
-def _check_documents(abstract_model: nnx.Module, config: StepConfig, vocab: Vocab) -> None:
-    """Packed documents need a model whose __call__ takes their masks."""
+def _check_documents(
+    abstract_model: nnx.Module, config: StepConfig, vocab: Vocab, rules: AxisRules, mesh: Mesh
+) -> None:
+    """Packed documents, and a sequence split over devices, need a model whose __call__ takes
+    `docs` (the latter: each token's place in the row, jaxdist.parallel.context)."""
+    params = inspect.signature(type(abstract_model).__call__).parameters
+    takes = "docs" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+    seq_axes = rules.mesh_axes("seq", "activation")
+    if not takes and math.prod(mesh.shape[a] for a in seq_axes) > 1:
+        raise ConfigError(
+            f"{type(abstract_model).__name__} takes no `docs`, which carry each token's place "
+            f"in the row when the sequence is split over {'x'.join(seq_axes)}; add "
+            "`docs: jaxdist.kernels.documents.Documents | None = None` to its __call__, or use "
+            "a mesh without a context axis"
+        )
     if config.document_mask and vocab.eos_id is not None:
-        params = inspect.signature(type(abstract_model).__call__).parameters
-        if "docs" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        if not takes:
             raise ConfigError(
                 f"{type(abstract_model).__name__} is called without document masks (its "
                 "__call__ takes no `docs`), and this data packs documents; add "
@@ -328,6 +352,11 @@ def _pipeline_schedule(
     """The schedule over the `pipeline` axis, checked against the layers; None without one."""
     if "pipeline" not in mesh.shape or mesh.shape["pipeline"] <= 1:
         return None
+    if mesh.shape.get("context", 1) > 1:
+        raise ConfigError(
+            "context parallelism inside pipeline stages is not built yet: use a mesh without "
+            "a pipeline axis (--mesh context=...,fsdp=...) or without a context axis"
+        )
     schedule = pipeline.make_schedule(
         config.pipeline_schedule,
         mesh.shape["pipeline"],
@@ -348,14 +377,20 @@ def build(
     seed: int,
     batch_size: int,
     vocab: Vocab | None = None,
+    seq_len: int | None = None,
 ) -> JittedStep:
     """Shapes, shardings and the jitted step, checked against the mesh before any compile.
-    `vocab`: the data's vocabulary and EOS (from the data; default: raw bytes, no packing)."""
+    `vocab`: the data's vocabulary and EOS (from the data; default: raw bytes, no packing);
+    `seq_len`, where known, is checked against a context split (else when the step traces)."""
     vocab = vocab or Vocab()
+    config.validate()
     rules.validate(mesh.axis_names)
+    if seq_len is not None:
+        seq_axes = rules.mesh_axes("seq", "activation")
+        context.balanced_order(seq_len, math.prod(mesh.shape[a] for a in seq_axes))
     tokens_sharding = _batch_sharding(rules, mesh, config, batch_size)
     abstract_model = nnx.eval_shape(lambda: init_model(nnx.Rngs(seed)))
-    _check_documents(abstract_model, config, vocab)
+    _check_documents(abstract_model, config, vocab, rules, mesh)
     graphdef, abstract_params = nnx.split(abstract_model)
     state_sharding, abstract_opt = _state_sharding(tx, abstract_params, rules, mesh)
     replicated = state_sharding.step
@@ -369,11 +404,11 @@ def build(
     step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab)
 
     def traced_step(state, batch):
-        with activation_rules(rules, mesh):
+        with activation_rules(rules, mesh, config.context_strategy):
             return step(state, batch)
 
     def eval_loss(params: nnx.State, tokens_BT1: jax.Array) -> jax.Array:
-        with activation_rules(rules, mesh):
+        with activation_rules(rules, mesh, config.context_strategy):
             model = nnx.merge(graphdef, params)
             return forward_loss(
                 model, tokens_BT1, vocab, config.document_mask, config.loss_chunk_tokens

@@ -158,7 +158,9 @@ def prepare(
     batches = TokenBatches(data, model.seq_len, model.vocab_size)
     tx, lr = make_optimizer(config.optim, config.loop.steps)
     vocab = Vocab(batches.vocab_size, batches.eos_id)
-    jitted = build(model.init, tx, lr, rules, mesh, config.step, seed, data.batch_size, vocab)
+    jitted = build(
+        model.init, tx, lr, rules, mesh, config.step, seed, data.batch_size, vocab, model.seq_len
+    )
     rows = process_rows(jitted.batch_sharding, (data.batch_size, model.seq_len + 1))
     return jitted, batches.for_rows(rows)
 

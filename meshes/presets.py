@@ -13,13 +13,16 @@ from jaxdist.rules import AxisRules
 # layer, gradients reduce-scattered); tensor parallelism splits heads, MLP width and vocab the
 # Megatron way, so each layer needs one all-reduce forward and one backward per sublayer.
 # `heads` is listed for completeness: attention weights are split by kv group (`kv_heads`).
-# Experts split over `expert`, whose devices also share the batch outside the expert layers
-# (expert parallelism inside data parallelism); tokens travel to their experts by all-to-all.
+# Context parallelism splits the sequence over `context`; its devices need every weight, as
+# data-parallel replicas do, so weights are stored split over it as over `fsdp` (torchtitan's
+# dp_shard x cp). Experts split over `expert`, whose devices also share the batch outside the
+# expert layers (expert parallelism inside data parallelism); tokens travel to their experts by
+# all-to-all.
 STANDARD_RULES = AxisRules(
     rows=(
         ("batch", None, ("data", "fsdp", "expert")),
-        ("seq", None, None),
-        ("embed", "fsdp", None),
+        ("seq", None, "context"),
+        ("embed", ("fsdp", "context"), None),
         ("mlp", "tensor", "tensor"),
         ("heads", "tensor", "tensor"),
         ("kv_heads", "tensor", "tensor"),

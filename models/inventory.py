@@ -7,6 +7,7 @@ over a layout. `plan_model` hands the planner the whole description.
 """
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 from flax import nnx
@@ -50,6 +51,7 @@ def partial_sums(
     batch_ways: int = 1,
     stages: int = 1,
     virtual: int = 1,
+    context: tuple[str, int] = ("all-gather", 1),
 ) -> list[PartialSum]:
     """Where this model's matmuls leave partial sums when their split dims are sharded,
     and (MoE) the buffers its experts exchange. `batch_ways`: devices sharing the batch.
@@ -83,6 +85,7 @@ def partial_sums(
         ]
         if c.style == "llama":
             per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))  # ... and of the gate
+    per_layer += _context_exchange(c, B, *context)
     sums = [dataclasses.replace(p, count=p.count * L) for p in per_layer]
     if stages > 1 and not c.num_experts:
         # The backward tick's replay needs each layer's output only as the next layer's input:
@@ -95,6 +98,48 @@ def partial_sums(
         PartialSum(3 * virtual, ("batch", "seq"), (B, T), "vocab", 4),
     ]
     return [dataclasses.replace(p, count=p.count * microbatches) for p in sums]
+
+
+def _context_exchange(c: TransformerConfig, B: int, strategy: str, cp: int) -> list[PartialSum]:
+    """What attention exchanges per layer across a sequence split over `cp` devices
+    (jaxdist.parallel.context), with "seq" as the split (PartialSum's `over`)."""
+    if cp == 1:
+        return []
+    T, G, N, H = c.seq_len, c.num_kv_heads, c.num_heads, c.head_dim
+    nbytes = jnp.dtype(c.compute_dtype).itemsize
+    kv_whole = ("batch", None, "kv_heads", "head_dim"), (B, T, G, H)
+    if strategy == "all-gather":
+        # K and V gathered forward and again for the backward (a gather is never saved:
+        # models/remat.py), their gradients reduce-scattered.
+        return [
+            PartialSum(4, *kv_whole, "seq", nbytes, "all-gather"),
+            PartialSum(2, *kv_whole, "seq", nbytes, "reduce-scatter"),
+        ]
+    # Policies other than none recompute the forward's exchanges in the backward.
+    fwd = 1 if c.remat == "none" else 2
+    if strategy == "ring":  # cp - 1 hops of K and V forward, of dK and dV backward
+        chunk = ("batch", "seq", "kv_heads", "head_dim"), (B, T, G, H)
+        return [PartialSum((fwd + 1) * 2 * (cp - 1), *chunk, "seq", nbytes, "collective-permute")]
+    # Ulysses: Q, K, V (kv heads repeated up to cp) and the output, each way.
+    g = G * (cp // math.gcd(G, cp))
+    return [
+        PartialSum(
+            (fwd + 1) * 2,
+            ("batch", "seq", "heads", "head_dim"),
+            (B, T, N, H),
+            "seq",
+            nbytes,
+            "all-to-all",
+        ),
+        PartialSum(
+            (fwd + 1) * 2,
+            ("batch", "seq", "kv_heads", "head_dim"),
+            (B, T, g, H),
+            "seq",
+            nbytes,
+            "all-to-all",
+        ),
+    ]
 
 
 def activations(c: TransformerConfig, batch_size: int) -> Inventory:

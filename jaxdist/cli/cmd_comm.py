@@ -25,13 +25,24 @@ def run(args: Comm) -> int:
     from jaxdist.parallel import pipeline
     from jaxdist.planning import traffic
     from jaxdist.rules import batch_ways
+    from jaxdist.rules import ways as split_ways
     from jaxdist.step import build
     from models.inventory import partial_sums
     from models.presets import model_spec
 
     model = model_spec(model_cfg)
     tx, lr = make_optimizer(OptimConfig(), 100)
-    jitted = build(model.init, tx, lr, rules, mesh, args.step, args.seed, args.batch_size)
+    jitted = build(
+        model.init,
+        tx,
+        lr,
+        rules,
+        mesh,
+        args.step,
+        args.seed,
+        args.batch_size,
+        seq_len=model.seq_len,
+    )
     ways = batch_ways(jitted.batch_sharding)
     dtype_bytes = jnp.dtype(model_cfg.compute_dtype).itemsize
     extra, share, stages, virtual = {}, None, mesh.shape["pipeline"], 1
@@ -58,7 +69,13 @@ def run(args: Comm) -> int:
         rules,
         args.batch_size,
         model_cfg.seq_len,
-        partial_sums(model_cfg, args.batch_size, args.step.microbatches, ways, stages, virtual),
+        partial_sums(
+            *(model_cfg, args.batch_size, args.step.microbatches, ways, stages, virtual),
+            context=(
+                args.step.context_strategy,
+                split_ways(mesh.shape, rules.mesh_axes("seq", "activation")),
+            ),
+        ),
         compute_bytes=dtype_bytes,
         microbatches=args.step.microbatches,
         extra_expected=extra,

@@ -153,7 +153,16 @@ def _compile_report(args: Train, model, mesh, rules, vocab_size, eos_id) -> dict
     tx, lr = make_optimizer(args.optim, args.loop.steps)
     vocab = Vocab(vocab_size, eos_id)
     jitted = build(
-        model.init, tx, lr, rules, mesh, args.step, args.loop.seed, args.batch_size, vocab
+        model.init,
+        tx,
+        lr,
+        rules,
+        mesh,
+        args.step,
+        args.loop.seed,
+        args.batch_size,
+        vocab,
+        model.seq_len,
     )
     report = compile_only(jitted, args.batch_size, model.seq_len)
     report |= {"model": model.name, "params": jitted.num_params, "mesh": dict(mesh.shape)}

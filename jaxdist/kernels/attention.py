@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import ConfigError
 from jaxdist.kernels.documents import Documents, attention_mask
+from jaxdist.parallel import context
 from jaxdist.rules import active, shard_map_here
 
 Implementation = Literal["xla", "cudnn", "splash"]
@@ -36,9 +37,12 @@ SPLASH_BLOCK = 512
 RESIDUALS = "attention_residuals"
 
 
-def document_mask(implementation: Implementation, docs: Documents) -> jax.Array:
+def document_mask(implementation: Implementation, docs: Documents):
     """Packed documents as the kernel takes them: segment ids [B, T] for splash attention,
-    else the bool mask [B, 1, T, S] (True where a query may see a key of its document)."""
+    else the bool mask [B, 1, T, S] (True where a query may see a key of its document); for a
+    sequence split over devices, each token's place and document (context.Split)."""
+    if docs.index_T is not None:
+        return context.Split(docs.index_T, docs.segment_ids_BT)
     if implementation == "splash":
         return docs.segment_ids_BT
     return attention_mask(docs)
@@ -53,6 +57,8 @@ def attention(
 ) -> jax.Array:
     """Causal attention of N query heads over G kv heads (query head n reads kv head
     n // (N / G)); `mask`: from `document_mask`, or None for one sequence per row."""
+    if isinstance(mask, context.Split):
+        return context.attend(q_BTNH, k_BTGH, v_BTGH, mask, implementation)
     if implementation == "splash":
         _, mesh = active()
         interpret = mesh.devices.flat[0].platform == "cpu"

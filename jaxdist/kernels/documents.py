@@ -14,8 +14,12 @@ import jax.numpy as jnp
 
 
 class Documents(NamedTuple):
-    segment_ids_BT: jax.Array  # int32: equal within one document of a row, rising along it
+    # int32: equal within one document of a row, rising along it (None: one per row)
+    segment_ids_BT: jax.Array | None
     positions_BT: jax.Array  # int32: 0 at each document's first token (its EOS)
+    # int32 [T]: each token's place in the row, where the sequence was reordered for context
+    # parallelism (jaxdist.parallel.context); None: tokens are in row order
+    index_T: jax.Array | None = None
 
 
 def from_tokens(tokens_BT: jax.Array, eos_id: int) -> Documents:

@@ -114,7 +114,7 @@ def verify(
     tx, lr = make_optimizer(OptimConfig(), 100)
     step = StepConfig(row["microbatches"], pipeline_schedule, virtual_stages=virtual_stages)
     t0 = time.perf_counter()
-    jitted = build(model.init, tx, lr, rules, mesh, step, 0, batch_size)
+    jitted = build(model.init, tx, lr, rules, mesh, step, 0, batch_size, seq_len=model.seq_len)
     try:
         exe = jitted.compile_abstract((batch_size, model.seq_len + 1))
     except Exception as e:  # the TPU compiler refuses a step that cannot fit the chip

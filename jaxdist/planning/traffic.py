@@ -62,6 +62,7 @@ def expected(
             out[(label, kind)] = out.get((label, kind), 0.0) + nbytes
 
     batch_axes = rules.mesh_axes("batch", "activation")
+    seq_axes = rules.mesh_axes("seq", "activation")
     pipelined = mesh.shape.get("pipeline", 1) > 1
     for var in variables(abstract_params):
         logical = logical_axes(var)
@@ -100,9 +101,13 @@ def expected(
         else:
             kind = "reduce-scatter" if reduce_scatter and _label(mesh, gather) else "all-reduce"
             add(_label(mesh, reduce_over), kind, microbatches * compute_size)
+            # A split sequence (context): its devices hold other tokens of the same rows, so
+            # the sum goes over them too, as XLA emits it: a second all-reduce, over them.
+            add(_label(mesh, set(seq_axes) - act_axes), "all-reduce", microbatches * compute_size)
     for ps in partial_sums:
         over = rules.mesh_axes(ps.over, "activation")
-        spec_axes = {a for n in ps.logical for a in rules.mesh_axes(n, "activation")}
+        named = [n for n in ps.logical if n is not None]
+        spec_axes = {a for n in named for a in rules.mesh_axes(n, "activation")}
         size = math.prod(ps.shape) / ways(mesh.shape, spec_axes) * ps.dtype_bytes
         add(_label(mesh, over), ps.kind, ps.count * size)
     # Not modelled: scalar reductions (loss, norms), a few bytes that show as unexpected rows.

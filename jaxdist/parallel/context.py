@@ -1,0 +1,202 @@
+"""Context parallelism: the sequence split over the `context` mesh axis, attention exact across it.
+
+The rule table maps the activations' `seq` axis to `context` (its devices hold different
+tokens of the same rows); everything but attention is per token, so jit's shardings realize
+it. Attention needs the keys of other devices, in one of three ways (`--context-strategy`):
+
+  all-gather  K and V gathered over `context`; each device attends its own queries to every
+              key. Pays one all-gather of K/V per layer (and a reduce-scatter of their
+              gradients), K/V memory of the whole sequence; simplest, MaxText's default.
+  ring        K/V chunks passed round the ring with ppermute, cp steps, partial results merged
+              by their log-sum-exp (flash attention's rule); the backward, by autodiff of the
+              ring, passes dK/dV round the other way. Pays cp permutes of 1/cp of K/V, each
+              overlappable with a chunk's attention; never holds more than 2 chunks of K/V.
+  ulysses     all-to-all from sequence-split to head-split, whole-sequence attention on 1/cp of
+              the heads, all-to-all back (DeepSpeed Ulysses). Pays 4 all-to-alls of 1/cp of
+              Q/K/V/O; needs the query heads (per tensor shard) to divide by cp, and repeats
+              kv heads where there are fewer than cp (GQA).
+
+Causal load balance: split naively, device cp-1 holds the last tokens, which see the whole
+row, and device 0 the first, which see little. The sequence is cut into 2cp chunks and
+reordered once, before the model, so device i holds chunks i and 2cp-1-i (torchtitan's and
+MaxText's head-tail order). Positions (RoPE, learned) and document ids travel with the tokens,
+the targets too, so the loss is unchanged; attention's mask compares each token's place in the
+row (`Documents.index_T`), not its place on the device.
+
+Legend: B batch  T seq  N query heads  G kv heads  R query heads per kv head  H head_dim
+  S key positions  t, s a device's share of them
+"""
+
+import math
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.errors import ConfigError
+from jaxdist.kernels.documents import Documents
+from jaxdist.rules import active, active_context_strategy, shard_map_here, ways
+
+Strategy = Literal["all-gather", "ring", "ulysses"]
+STRATEGIES: tuple[str, ...] = ("all-gather", "ring", "ulysses")
+
+
+class Split(NamedTuple):
+    """What attention needs of a context-split sequence: each token's place in the row
+    [T] (causality) and its document id [B, T] (None: one document per row)."""
+
+    index_T: jax.Array
+    segment_ids_BT: jax.Array | None
+
+
+def ways_here() -> int:
+    """How many devices split the sequence under the active rules (1: none)."""
+    rules, mesh = active()
+    return ways(mesh.shape, rules.mesh_axes("seq", "activation"))
+
+
+def balanced_order(T: int, cp: int) -> np.ndarray:
+    """The permutation of positions 0..T-1 that gives device i chunks i and 2cp-1-i."""
+    if T % (2 * cp):
+        raise ConfigError(
+            f"context parallelism over {cp} devices cuts the sequence into {2 * cp} equal "
+            f"chunks (two per device, for causal balance); --seq-len {T} is not a multiple of "
+            f"{2 * cp}: use --seq-len {max(2 * cp, T // (2 * cp) * 2 * cp)}"
+        )
+    c = T // (2 * cp)
+    chunks = [k for i in range(cp) for k in (i, 2 * cp - 1 - i)]
+    return np.concatenate([np.arange(k * c, (k + 1) * c) for k in chunks])
+
+
+def split_sequence(inputs_BT, targets_BT, docs: Documents | None):
+    """Inputs, targets and documents in the balanced order, and the documents carrying each
+    token's place in the row; unchanged where the sequence is not split."""
+    cp = ways_here()
+    if cp == 1:
+        return inputs_BT, targets_BT, docs
+    T = inputs_BT.shape[1]
+    order = balanced_order(T, cp)
+    if docs is None:  # one document per row: positions are places; no ids to compare
+        positions_BT, segments_BT = jnp.arange(T, dtype=jnp.int32)[None], None
+    else:
+        positions_BT, segments_BT = docs.positions_BT, docs.segment_ids_BT
+    take = lambda x: None if x is None else x[:, order]  # noqa: E731
+    placed = Documents(take(segments_BT), take(positions_BT), jnp.asarray(order, jnp.int32))
+    return take(inputs_BT), take(targets_BT), placed
+
+
+def attend(q_BTNH, k_BTGH, v_BTGH, split: Split, implementation: str) -> jax.Array:
+    """Causal attention of a context-split sequence (queries, keys and values in the balanced
+    order), by the active strategy, in a shard_map over batch, sequence and head axes."""
+    rules, mesh = active()
+    strategy = active_context_strategy()
+    if implementation == "splash":
+        raise ConfigError(
+            "context parallelism runs attention with XLA's or cuDNN's kernel; splash "
+            "attention across `context` is not built yet: add --attention xla"
+        )
+    batch = rules.mesh_axes("batch", "activation") or None
+    seq = rules.mesh_axes("seq", "activation")
+    heads = rules.mesh_axes("heads", "activation") or None
+    kv_heads = rules.mesh_axes("kv_heads", "activation") or None
+    cp = ways(mesh.shape, seq)
+    local_n = q_BTNH.shape[2] // ways(mesh.shape, heads or ())
+    if strategy == "ulysses" and local_n % cp:
+        raise ConfigError(
+            f"--context-strategy ulysses splits the heads over context: {local_n} query heads "
+            f"per tensor shard do not divide by context={cp}; use --context-strategy all-gather "
+            "or ring"
+        )
+    q_spec, kv_spec = P(batch, seq, heads, None), P(batch, seq, kv_heads, None)
+    local = {"all-gather": _all_gather, "ring": _ring, "ulysses": _ulysses}[strategy]
+    segments = split.segment_ids_BT
+    if segments is None:
+        segments = jnp.zeros((q_BTNH.shape[0], q_BTNH.shape[1]), jnp.int32)
+
+    def run(q, k, v, index, seg):
+        return local(q, k, v, index, seg, seq, cp, implementation)
+
+    specs = (q_spec, kv_spec, kv_spec, P(seq), P(batch, seq))
+    return shard_map_here(run, specs, q_spec)(q_BTNH, k_BTGH, v_BTGH, split.index_T, segments)
+
+
+def _allowed(index_q_t, index_k_s, seg_q_bt, seg_k_bs) -> jax.Array:
+    """[b, t, s] bool: query t may see key s (same document, not after it in the row)."""
+    causal_ts = index_k_s[None, :] <= index_q_t[:, None]
+    return causal_ts[None] & (seg_q_bt[:, :, None] == seg_k_bs[:, None, :])
+
+
+def _dense(q, k, v, allowed_bts, implementation):
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=allowed_bts[:, None], implementation=implementation
+    )
+
+
+def _all_gather(q, k, v, index_t, seg_bt, axis, cp, implementation):
+    k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
+    v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
+    index_s = jax.lax.all_gather(index_t, axis, axis=0, tiled=True)
+    seg_bs = jax.lax.all_gather(seg_bt, axis, axis=1, tiled=True)
+    return _dense(q, k_all, v_all, _allowed(index_t, index_s, seg_bt, seg_bs), implementation)
+
+
+def _ulysses(q, k, v, index_t, seg_bt, axis, cp, implementation):
+    # Sequence-split, all heads -> whole sequence, 1/cp of the heads; the whole sequence comes
+    # in device order, as all_gather's, so the gathered places and ids line up with it.
+    to_heads = lambda x: jax.lax.all_to_all(x, axis, 2, 1, tiled=True)  # noqa: E731
+    index_T = jax.lax.all_gather(index_t, axis, axis=0, tiled=True)
+    seg_BT = jax.lax.all_gather(seg_bt, axis, axis=1, tiled=True)
+    # Query heads stay with their kv head: heads n..n+R of group g go where group g goes.
+    b, t, N, H = q.shape
+    # Fewer kv heads than devices (GQA): each is repeated, consecutively, so query head n
+    # still reads kv head n // R (R the query heads per repeated kv head); K/V cost f x bytes.
+    f = cp // math.gcd(k.shape[2], cp)
+    k, v = jnp.repeat(k, f, axis=2), jnp.repeat(v, f, axis=2)
+    G = k.shape[2]
+    q_btGRH = q.reshape(b, t, G, N // G, H)
+    q_bTgRH = jax.lax.all_to_all(q_btGRH, axis, 2, 1, tiled=True)
+    o_bTgRH = _dense(
+        q_bTgRH.reshape(b, t * cp, N // cp, H),
+        to_heads(k),
+        to_heads(v),
+        _allowed(index_T, index_T, seg_BT, seg_BT),
+        implementation,
+    ).reshape(q_bTgRH.shape)
+    o_btGRH = jax.lax.all_to_all(o_bTgRH, axis, 1, 2, tiled=True)
+    return o_btGRH.reshape(b, t, N, H)
+
+
+# A score that is masked out: finite, so a key chunk that a query cannot see at all gives
+# weights exp(-1e30 - lse) = 0 when merged, not NaN (inf - inf).
+_MASKED = -1e30
+
+
+def _ring(q, k, v, index_t, seg_bt, axis, cp, implementation):
+    """Flash attention's merge over the ring: chunk j of K/V arrives at step j, its partial
+    output and log-sum-exp are folded into the running ones."""
+    b, t, N, H = q.shape
+    G = k.shape[2]
+    q_btGRH = (q.astype(jnp.float32) * H**-0.5).reshape(b, t, G, N // G, H)
+    shift = [(j, (j + 1) % cp) for j in range(cp)]
+    o_btGRH = lse_bGRt = None
+    kv = (k, v, index_t, seg_bt)
+    for step in range(cp):
+        k_s, v_s, index_s, seg_bs = kv
+        scores = jnp.einsum("btgrh,bsgh->bgrts", q_btGRH, k_s.astype(jnp.float32))
+        allowed = _allowed(index_t, index_s, seg_bt, seg_bs)[:, None, None]
+        scores = jnp.where(allowed, scores, _MASKED)
+        lse_c = jax.nn.logsumexp(scores, axis=-1)
+        o_c = jnp.einsum("bgrts,bsgh->btgrh", jnp.exp(scores - lse_c[..., None]), v_s)
+        if step == 0:
+            o_btGRH, lse_bGRt = o_c, lse_c
+            kv = tuple(jax.lax.ppermute(x, axis, shift) for x in kv)
+            continue
+        merged = jnp.logaddexp(lse_bGRt, lse_c)
+        w_old = jnp.exp(lse_bGRt - merged).transpose(0, 3, 1, 2)[..., None]
+        w_new = jnp.exp(lse_c - merged).transpose(0, 3, 1, 2)[..., None]
+        o_btGRH, lse_bGRt = o_btGRH * w_old + o_c * w_new, merged
+        if step < cp - 1:  # the next chunk, from the neighbour; overlappable with this one
+            kv = tuple(jax.lax.ppermute(x, axis, shift) for x in kv)
+    return o_btGRH.reshape(b, t, N, H).astype(q.dtype)

@@ -1,0 +1,170 @@
+"""Context parallelism: the sequence split over `context`, attention exact across it by each
+strategy; 10 steps equal the single-device run (losses rtol 1e-5, first gradients and final
+weights), for plain rows and packed documents; the balanced order balances; bad layouts are
+refused before anything is compiled."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.errors import ConfigError
+from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.parallel import context
+from jaxdist.planning.planner import PlanConfig, plan
+from jaxdist.step import StepConfig, Vocab, build
+from meshes.presets import STANDARD_RULES
+from models.inventory import plan_model
+from models.presets import get_model_config
+from models.transformer import Transformer
+from tests.helpers import mesh_for
+from tests.test_equivalence import _assert_close, _first_gradients
+
+STEPS, ROWS = 10, 8
+EOS = 10  # packed runs: about one token in eight opens a document
+SLOW = pytest.mark.slow
+
+
+@functools.cache
+def _run(layout: str, strategy: str = "all-gather", packed: bool = True, model="tiny-llama"):
+    """STEPS steps (fp32) of ROWS rows: (losses, first gradients, final params)."""
+    mc = get_model_config(model, compute_dtype="float32")
+    tx, lr = make_optimizer(OptimConfig(warmup_steps=2), STEPS)
+    vocab = Vocab(mc.vocab_size, EOS if packed else None)
+    jitted = build(
+        lambda r: Transformer(mc, r),
+        *(tx, lr, STANDARD_RULES, mesh_for(layout)),
+        StepConfig(context_strategy=strategy),
+        *(0, ROWS, vocab, mc.seq_len),
+    )
+    data = TokenBatches(DataConfig(batch_size=ROWS), mc.seq_len, mc.vocab_size)
+    state, losses, grads0 = jitted.init_fn(), [], None
+    for s in range(STEPS):
+        tokens = np.asarray(data.batch(s))
+        if packed:  # documents of random lengths; row 0 stays one document
+            opens = np.random.default_rng(s).random(tokens.shape) < 1 / 8
+            tokens[1:] = np.where(opens[1:], EOS, tokens[1:])
+        state, metrics = jitted.step_fn(state, jax.device_put(tokens, jitted.batch_sharding))
+        losses.append(float(metrics["loss"]))
+        if s == 0:
+            grads0 = _first_gradients(state, float(metrics["grad_norm"]))
+    return losses, grads0, jax.device_get(state.params)
+
+
+def _assert_matches(got, reference):
+    np.testing.assert_allclose(got[0], reference[0], rtol=1e-5)
+    assert got[0][-1] < got[0][0]  # it learns
+    _assert_close(got[1], reference[1], rtol=1e-4, atol=1e-6)
+    _assert_close(got[2], reference[2], rtol=1e-4, atol=1e-5)
+
+
+CASES = [
+    pytest.param(layout, strategy, packed, marks=() if quick else SLOW)
+    for layout in ("context=4,fsdp=2", "context=2,data=2,tensor=2")
+    for strategy in context.STRATEGIES
+    for packed in (True, False)
+    # the quick loop keeps one: ring (the most machinery) over packed documents
+    for quick in [(layout, strategy, packed) == ("context=4,fsdp=2", "ring", True)]
+]
+
+
+@pytest.mark.parametrize("layout,strategy,packed", CASES)
+def test_context_parallel_step_equals_single_device(layout, strategy, packed):
+    _assert_matches(_run(layout, strategy, packed), _run("single", packed=packed))
+
+
+@SLOW
+def test_learned_positions_travel_with_the_tokens():
+    # GPT-2 style: positions index a learned table, so a token placed on the wrong position
+    # would change the loss.
+    reference = _run("single", model="tiny")
+    _assert_matches(_run("context=4,fsdp=2", "all-gather", model="tiny"), reference)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_balanced_order_gives_each_device_equal_causal_work(cp):
+    T = 64 * cp
+    order = context.balanced_order(T, cp)
+    assert sorted(order) == list(range(T))
+    per_device = order.reshape(cp, T // cp)
+    c = T // (2 * cp)
+    for i, held in enumerate(per_device):  # chunks i and 2cp-1-i, in order
+        expect = [*range(i * c, (i + 1) * c), *range((2 * cp - 1 - i) * c, (2 * cp - i) * c)]
+        assert list(held) == expect
+    # Causal work: the keys each query sees (its place + 1), summed over a device's tokens.
+    work = (per_device + 1).sum(axis=1)
+    assert work.max() == work.min()
+    naive = (np.arange(T).reshape(cp, T // cp) + 1).sum(axis=1)
+    assert naive.max() / naive.min() > 2 * cp - 2  # what the order removes
+
+
+def _build(layout, seq_len=128, **step):
+    mc = get_model_config("tiny-llama")
+    tx, lr = make_optimizer(OptimConfig(), 10)
+    return build(
+        lambda r: Transformer(mc, r),
+        *(tx, lr, STANDARD_RULES, mesh_for(layout)),
+        StepConfig(**step),
+        *(0, ROWS, Vocab(mc.vocab_size, None), seq_len),
+    )
+
+
+def test_layouts_it_cannot_run_are_refused_before_compiling():
+    with pytest.raises(ConfigError, match=r"--seq-len 100 is not a multiple of 8: use .* 96"):
+        _build("context=4,fsdp=2", seq_len=100)
+    with pytest.raises(ConfigError, match="context parallelism inside pipeline stages"):
+        _build("pipeline=2,context=2,data=2")
+    with pytest.raises(ConfigError, match="--context-strategy 'tree': choose from all-gather"):
+        _build("context=4,fsdp=2", context_strategy="tree")
+    with pytest.raises(ConfigError, match="does not price the context axis"):
+        model = plan_model(get_model_config("tiny-llama"))
+        plan(model, STANDARD_RULES, PlanConfig(8, "h100", 8, ("context", "fsdp")))
+
+
+def test_ulysses_refuses_heads_that_do_not_divide():
+    # tiny-llama: 4 query heads, 2 per tensor shard on tensor=2; context=4 cannot split 2.
+    jitted = _build("context=4,tensor=2", context_strategy="ulysses")
+    state = jitted.init_fn()
+    tokens = jax.device_put(np.zeros((ROWS, 129), np.int32), jitted.batch_sharding)
+    with pytest.raises(ConfigError, match="2 query heads per tensor shard do not divide"):
+        jitted.step_fn(state, tokens)
+
+
+COMM = [
+    pytest.param(layout, strategy, marks=() if quick else SLOW)
+    for layout, strategy, quick in (
+        ("context=4,fsdp=2", "all-gather", True),
+        ("context=4,fsdp=2", "ring", False),
+        ("context=4,fsdp=2", "ulysses", False),
+        ("context=2,data=2,tensor=2", "all-gather", False),
+    )
+]
+
+
+@pytest.mark.parametrize("layout,strategy", COMM)
+def test_comm_rows_match_the_expected_exchange(layout, strategy):
+    """Each strategy's own collective over `context` (K/V all-gathers and their gradients'
+    reduce-scatters; ring permutes; Ulysses all-to-alls) and the weights' gradients summed
+    over `context` too, as traffic.expected prices them, within 5%."""
+    from jaxdist.planning import traffic
+    from models.inventory import partial_sums
+
+    mc = get_model_config("tiny-llama", compute_dtype="float32")
+    mesh = mesh_for(layout)
+    jitted = _build(layout, context_strategy=strategy)
+    cp = mesh.shape["context"]
+    batch_ways = ROWS // jitted.batch_sharding.shard_shape((ROWS, 129))[0]
+    sums = partial_sums(mc, ROWS, 1, batch_ways, context=(strategy, cp))
+    rep = traffic.report(jitted, mesh, STANDARD_RULES, ROWS, mc.seq_len, sums, compute_bytes=4)
+    rows = {(r["axis"], r["kind"]): r for r in rep["rows"]}
+    own = {"all-gather": "all-gather", "ring": "collective-permute", "ulysses": "all-to-all"}
+    assert rows[("context", own[strategy])]["bytes"] > 0
+    for r in rep["rows"]:
+        if r["expected_bytes"]:
+            assert r["ratio"] == pytest.approx(1.0, abs=0.05), r
+    total = sum(r["bytes"] for r in rep["rows"])
+    unexpected = [r for r in rep["rows"] if not r["expected_bytes"]]
+    # Left out: the tokens' places and document ids, gathered once ([T] and [B, T] int32).
+    assert sum(r["bytes"] for r in unexpected) < 0.01 * total, unexpected
