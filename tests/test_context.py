@@ -28,10 +28,17 @@ SLOW = pytest.mark.slow
 
 
 @functools.cache
-def _run(layout: str, strategy: str = "all-gather", packed: bool = True, model="tiny-llama"):
-    """STEPS steps (fp32) of ROWS rows: (losses, first gradients, final params)."""
-    mc = get_model_config(model, compute_dtype="float32")
-    tx, lr = make_optimizer(OptimConfig(warmup_steps=2), STEPS)
+def _run(
+    layout: str,
+    strategy: str = "all-gather",
+    packed: bool = True,
+    model="tiny-llama",
+    overrides=(),
+    steps=STEPS,
+):
+    """`steps` steps (fp32) of ROWS rows: (losses, first gradients, final params)."""
+    mc = get_model_config(model, compute_dtype="float32", **dict(overrides))
+    tx, lr = make_optimizer(OptimConfig(warmup_steps=2), steps)
     vocab = Vocab(mc.vocab_size, EOS if packed else None)
     jitted = build(
         lambda r: Transformer(mc, r),
@@ -41,7 +48,7 @@ def _run(layout: str, strategy: str = "all-gather", packed: bool = True, model="
     )
     data = TokenBatches(DataConfig(batch_size=ROWS), mc.seq_len, mc.vocab_size)
     state, losses, grads0 = jitted.init_fn(), [], None
-    for s in range(STEPS):
+    for s in range(steps):
         tokens = np.asarray(data.batch(s))
         if packed:  # documents of random lengths; row 0 stays one document
             opens = np.random.default_rng(s).random(tokens.shape) < 1 / 8
@@ -81,6 +88,17 @@ def test_learned_positions_travel_with_the_tokens():
     # would change the loss.
     reference = _run("single", model="tiny")
     _assert_matches(_run("context=4,fsdp=2", "all-gather", model="tiny"), reference)
+
+
+@SLOW
+def test_splash_attention_across_context_equals_xla_on_one_device():
+    # TPU's kernel (Pallas interpret mode here): one kernel for the whole balanced mask, its
+    # block tables split over the query shards; packed documents' ids gathered with K/V.
+    over = {"seq_len": 256}
+    reference = _run("single", packed=True, overrides=tuple(over.items()), steps=3)
+    splash = (*over.items(), ("attention", "splash"))
+    got = _run("context=2,fsdp=2,tensor=2", packed=True, overrides=splash, steps=3)
+    _assert_matches(got, reference)
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])

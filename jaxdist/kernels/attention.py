@@ -113,13 +113,27 @@ def _splash_local(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT=None, *, interpret: boo
 
     B, T, N, H = q_BTNH.shape
     G = k_BTGH.shape[2]
+    mask = splash.MultiHeadMask([splash.CausalMask((T, T))] * (N // G))
+    kernel = splash.make_splash_mqa_single_device(
+        mask=mask,
+        block_sizes=splash_blocks(T),
+        residual_checkpoint_name=RESIDUALS,
+        interpret=interpret,
+    )
+    return splash_per_group(kernel, q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, segment_ids_BT)
+
+
+def splash_blocks(T: int):
+    """Splash attention's tiles for T query positions on a device."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
     block = next((b for b in (SPLASH_BLOCK, 256, 128) if T % b == 0), None)
     if block is None:
         raise ConfigError(
-            f"splash attention tiles the sequence in blocks of 128 positions; sequence length "
-            f"{T} is not a multiple of 128: use --seq-len {max(128, T // 128 * 128)}"
+            f"splash attention tiles the sequence in blocks of 128 positions; {T} positions "
+            f"per device is not a multiple of 128: use a --seq-len that makes it one"
         )
-    sizes = splash.BlockSizes(
+    return splash.BlockSizes(
         block_q=block,
         block_kv=block,
         block_kv_compute=block,
@@ -129,21 +143,26 @@ def _splash_local(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT=None, *, interpret: boo
         block_q_dq=block,
         block_kv_dq=block,
     )
-    mask = splash.MultiHeadMask([splash.CausalMask((T, T))] * (N // G))
-    kernel = splash.make_splash_mqa_single_device(
-        mask=mask, block_sizes=sizes, residual_checkpoint_name=RESIDUALS, interpret=interpret
-    )
+
+
+def splash_per_group(kernel, q_BTNH, k_BSGH, v_BSGH, seg_q_BT, seg_kv_BS):
+    """An MQA splash kernel run per (row, kv head) over that head's queries; segment ids of
+    the queries and keys (None: one document per row)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    B, T, N, H = q_BTNH.shape
+    G = k_BSGH.shape[2]
     # Splash attention does not scale the scores: scale the queries.
     q_BGnTH = (q_BTNH * (H**-0.5)).reshape(B, T, G, N // G, H).transpose(0, 2, 3, 1, 4)
-    k_BGTH, v_BGTH = k_BTGH.transpose(0, 2, 1, 3), v_BTGH.transpose(0, 2, 1, 3)
+    k_BGSH, v_BGSH = k_BSGH.transpose(0, 2, 1, 3), v_BSGH.transpose(0, 2, 1, 3)
 
-    def one(q_nTH, k_TH, v_TH, seg_T):
-        ids = None if seg_T is None else splash.SegmentIds(q=seg_T, kv=seg_T)
-        return kernel(q_nTH, k_TH, v_TH, segment_ids=ids)
+    def one(q_nTH, k_SH, v_SH, seg_q_T, seg_kv_S):
+        ids = None if seg_q_T is None else splash.SegmentIds(q=seg_q_T, kv=seg_kv_S)
+        return kernel(q_nTH, k_SH, v_SH, segment_ids=ids)
 
-    seg_axis = None if segment_ids_BT is None else 0
-    per_group = jax.vmap(one, in_axes=(0, 0, 0, None))
-    o_BGnTH = jax.vmap(per_group, in_axes=(0, 0, 0, seg_axis))(
-        q_BGnTH, k_BGTH, v_BGTH, segment_ids_BT
+    seg_axis = None if seg_q_BT is None else 0
+    per_group = jax.vmap(one, in_axes=(0, 0, 0, None, None))
+    o_BGnTH = jax.vmap(per_group, in_axes=(0, 0, 0, seg_axis, seg_axis))(
+        q_BGnTH, k_BGSH, v_BGSH, seg_q_BT, seg_kv_BS
     )
     return o_BGnTH.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q_BTNH.dtype)

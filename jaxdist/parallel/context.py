@@ -27,6 +27,7 @@ Legend: B batch  T seq  N query heads  G kv heads  R query heads per kv head  H 
   S key positions  t, s a device's share of them
 """
 
+import functools
 import math
 from typing import Literal, NamedTuple
 
@@ -92,16 +93,18 @@ def attend(q_BTNH, k_BTGH, v_BTGH, split: Split, implementation: str) -> jax.Arr
     order), by the active strategy, in a shard_map over batch, sequence and head axes."""
     rules, mesh = active()
     strategy = active_context_strategy()
-    if implementation == "splash":
-        raise ConfigError(
-            "context parallelism runs attention with XLA's or cuDNN's kernel; splash "
-            "attention across `context` is not built yet: add --attention xla"
-        )
     batch = rules.mesh_axes("batch", "activation") or None
     seq = rules.mesh_axes("seq", "activation")
     heads = rules.mesh_axes("heads", "activation") or None
     kv_heads = rules.mesh_axes("kv_heads", "activation") or None
     cp = ways(mesh.shape, seq)
+    if implementation == "splash":
+        if strategy != "all-gather":
+            raise ConfigError(
+                f"--context-strategy {strategy} runs with XLA's or cuDNN's attention; with "
+                "splash attention (TPU) use --context-strategy all-gather, or --attention xla"
+            )
+        return _splash_all_gather(q_BTNH, k_BTGH, v_BTGH, split, (batch, seq, heads, kv_heads))
     local_n = q_BTNH.shape[2] // ways(mesh.shape, heads or ())
     if strategy == "ulysses" and local_n % cp:
         raise ConfigError(
@@ -200,3 +203,66 @@ def _ring(q, k, v, index_t, seg_bt, axis, cp, implementation):
         if step < cp - 1:  # the next chunk, from the neighbour; overlappable with this one
             kv = tuple(jax.lax.ppermute(x, axis, shift) for x in kv)
     return o_btGRH.reshape(b, t, N, H).astype(q.dtype)
+
+
+def _splash_all_gather(q_BTNH, k_BTGH, v_BTGH, split: Split, axes) -> jax.Array:
+    """All-gather with splash attention (TPU; Pallas interpret mode on CPU), as MaxText runs
+    it: one kernel for the whole [T, T] mask, its block tables split over the devices' query
+    shards (`q_seq_shards`), K/V gathered and put back in row order, so the mask is causal
+    over each query's place (`_balanced_class`) and whole key blocks are skipped as usual."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+    from jax.sharding import NamedSharding
+
+    from jaxdist.kernels.attention import RESIDUALS, splash_blocks, splash_per_group
+
+    _, mesh = active()
+    batch, seq, heads, kv_heads = axes
+    B, T, N, _ = q_BTNH.shape
+    G = k_BTGH.shape[2]
+    cp = ways(mesh.shape, seq)
+    order = balanced_order(T, cp)
+    back = np.argsort(order)  # gathered (balanced) order -> row order
+    kernel = splash.make_splash_mqa(
+        mask=splash.MultiHeadMask([_balanced_class()(T, order)] * (N // G)),
+        block_sizes=splash_blocks(T // cp),
+        head_shards=1,
+        q_seq_shards=cp,
+        residual_checkpoint_name=RESIDUALS,
+        interpret=mesh.devices.flat[0].platform == "cpu",
+    )
+    kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, seq)))
+    docs = split.segment_ids_BT is not None
+
+    def run(q, k, v, kernel, *seg):
+        gather = lambda x: jax.lax.all_gather(x, seq, axis=1, tiled=True)[:, back]  # noqa: E731
+        seg_q = seg[0] if docs else None
+        seg_kv = gather(seg[0]) if docs else None
+        return splash_per_group(kernel, q, gather(k), gather(v), seg_q, seg_kv)
+
+    q_spec, kv_spec = P(batch, seq, heads, None), P(batch, seq, kv_heads, None)
+    specs = (q_spec, kv_spec, kv_spec, kernel_spec) + ((P(batch, seq),) if docs else ())
+    args = (q_BTNH, k_BTGH, v_BTGH, kernel) + ((split.segment_ids_BT,) if docs else ())
+    return shard_map_here(run, specs, q_spec)(*args)
+
+
+@functools.cache
+def _balanced_class():
+    """Splash's in-kernel mask base, subclassed on first use (Pallas loads only then)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask
+
+    class Balanced(splash_attention_mask._ComputableMask):
+        """Causal over each query's place in the row, queries in the balanced order (their
+        places: `q_sequence`, which splash reads per query block), keys in row order."""
+
+        def __init__(self, T: int, order: np.ndarray):
+            super().__init__((T, T), lambda q_ids, kv_ids: q_ids >= kv_ids)
+            self.q_sequence = np.asarray(order, np.int32)
+
+        def __eq__(self, other):
+            same = isinstance(other, Balanced) and self.shape == other.shape
+            return same and np.array_equal(self.q_sequence, other.q_sequence)
+
+        def __hash__(self):
+            return hash((self.shape, self.q_sequence.tobytes()))
+
+    return Balanced
