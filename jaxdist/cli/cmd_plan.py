@@ -41,7 +41,7 @@ class Plan(Common):
     joined by DCN"""
     batch_size: Annotated[int, tyro.conf.arg(help="global batch in rows")] = 512
     axes: str = "pipeline,data,fsdp,expert,tensor"
-    """mesh axes the planner may use"""
+    """mesh axes the planner may use (add context for long rows: it splits the sequence)"""
     compute_efficiency: float | None = None
     """one flat share of peak for every FLOP instead of the hardware's calibrated figures"""
     top: int = 10
@@ -122,6 +122,7 @@ def _plan_config(args: Plan, devices: int):
         compute_efficiency=args.compute_efficiency,
         max_layouts=max(args.top, args.verify),
         loss_chunk_tokens=args.step.loss_chunk_tokens,
+        context_strategy=args.step.context_strategy,
         layout=layout,
     )
 

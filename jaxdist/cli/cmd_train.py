@@ -124,7 +124,7 @@ def _compile_only(args: Train, model, mesh, rules, vocab_size, eos_id) -> int:
         try:
             report = _compile_report(args, model, mesh, rules, vocab_size, eos_id)
         except Exception as e:  # XLA's TPU compiler refuses a step that cannot fit the chip
-            if not (auto and refused_for_memory(e)):
+            if not refused_for_memory(e):
                 raise
             report, refusal = None, str(e).splitlines()[0][:200]
         if report is not None and args.target:
@@ -135,9 +135,11 @@ def _compile_only(args: Train, model, mesh, rules, vocab_size, eos_id) -> int:
             break
         model = model_spec(dataclasses.replace(model.config, remat=leaner))
     if report is None:
+        leaner = "" if auto else ", a leaner --remat (or auto)"
         raise ConfigError(
             f"XLA refused the step for lack of memory at every policy tried ({', '.join(tried)}): "
-            f"{refusal}; use a smaller --batch-size or a mesh that shards more"
+            f"{refusal}; use a smaller --batch-size{leaner} or a mesh that shards more "
+            "(a context axis splits long rows)"
         )
     report["remat"] = {"policy": tried[-1], "tried": tried} if auto else model.config.remat
     print(json.dumps(report))

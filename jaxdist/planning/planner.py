@@ -60,9 +60,9 @@ class PlanModel:
     remat: str = ""  # the policy's name, for the plan's rows
 
 
-# The axes the planner prices; context parallelism's K/V traffic is not modelled yet.
-PRICED_AXES: tuple[str, ...] = tuple(a for a in MESH_AXES if a != "context")
-UNPRICED = "the planner does not price the context axis yet (its K/V traffic is not modelled)"
+# The axes searched unless --axes names others: a context split pays K/V traffic every layer
+# and only long rows need it, so it is considered where asked for (--axes ...,context).
+DEFAULT_AXES: tuple[str, ...] = tuple(a for a in MESH_AXES if a != "context")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ class PlanConfig:
     devices: int
     hardware: str
     batch_size: int
-    axes: tuple[str, ...] = PRICED_AXES
+    axes: tuple[str, ...] = DEFAULT_AXES
     microbatches: int = 0  # 0: 1 without a pipeline, 4 per stage with one
     schedule: str = "1f1b"
     virtual_stages: int = 1  # interleaved: layer chunks per device
@@ -79,6 +79,7 @@ class PlanConfig:
     layout: tuple[tuple[str, int], ...] = ()  # price this one layout instead of enumerating
     # The step's fused cross-entropy (jaxdist.step): tokens per device per chunk; 0: unfused.
     loss_chunk_tokens: int = StepConfig().loss_chunk_tokens
+    context_strategy: str = StepConfig().context_strategy  # how attention crosses `context`
 
 
 def _factorizations(n: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
@@ -122,6 +123,9 @@ def why_not(
         return f"batch {cfg.batch_size} not divisible by {m} microbatches x {n} batch ways"
     if stages > 1 and model.num_experts:
         return "pipeline with experts is not supported"
+    cp = ways(sizes, rules.mesh_axes("seq", "activation"))
+    if cp > 1 and (stages > 1 or model.seq_len % (2 * cp)):
+        return "context split beside a pipeline, or not into 2 x context equal chunks"
     if stages > 1 and m < stages:
         return f"{m} microbatches fewer than {stages} stages"
     v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
@@ -213,6 +217,7 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
     stages = sizes.get("pipeline", 1)
     m = _microbatches(cfg, stages)
     batch_ways = ways(sizes, rules.mesh_axes("batch", "activation"))
+    context_ways = ways(sizes, rules.mesh_axes("seq", "activation"))
     mesh = _abstract_mesh(sizes)
     v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
     schedule = pipeline.make_schedule(cfg.schedule, stages, m, v) if stages > 1 else None
@@ -227,7 +232,9 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
         model.abstract_params,
         mesh,
         rules,
-        model.partial_sums(cfg.batch_size, m, batch_ways, stages, v),
+        model.partial_sums(
+            cfg.batch_size, m, batch_ways, stages, v, (cfg.context_strategy, context_ways)
+        ),
         model.compute_bytes,
         m,
         reduce_scatter=hw.platform != "cpu",
@@ -305,11 +312,9 @@ def plan(models: PlanModel | Sequence[PlanModel], rules: AxisRules, cfg: PlanCon
     models = [models] if isinstance(models, PlanModel) else list(models)
     model = models[0]
     hw = get_hardware(cfg.hardware)
-    if "context" in cfg.axes or dict(cfg.layout or ()).get("context", 1) > 1:
-        raise ConfigError(f"{UNPRICED}: leave it out of --axes and --mesh")
-    unknown = set(cfg.axes) - set(PRICED_AXES)
+    unknown = set(cfg.axes) - set(MESH_AXES)
     if unknown or not cfg.axes:
-        raise ConfigError(f"--axes {','.join(cfg.axes)}: choose from {', '.join(PRICED_AXES)}")
+        raise ConfigError(f"--axes {','.join(cfg.axes)}: choose from {', '.join(MESH_AXES)}")
     if cfg.devices < 1 or cfg.batch_size < 1:
         raise ConfigError("--devices and --batch-size must be positive")
     if cfg.layout:
