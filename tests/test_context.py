@@ -186,3 +186,28 @@ def test_comm_rows_match_the_expected_exchange(layout, strategy):
     unexpected = [r for r in rep["rows"] if not r["expected_bytes"]]
     # Left out: the tokens' places and document ids, gathered once ([T] and [B, T] int32).
     assert sum(r["bytes"] for r in unexpected) < 0.01 * total, unexpected
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["all-gather", pytest.param("ring", marks=SLOW), pytest.param("ulysses", marks=SLOW)],
+)
+def test_plan_prices_a_context_split_as_the_compiler_builds_it(tmp_path, capsys, strategy):
+    """`plan --axes fsdp,context --verify`: memory within 15% and collective bytes within 5% of
+    the compiled step (XLA's CPU compiler, 8 fake devices), each strategy's exchange priced."""
+    import json
+
+    from jaxdist.cli.main import main
+
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "tiny-llama", "--devices", "8", "--hardware", "cpu"]
+    args += ["--batch-size", "8", "--mesh", "context=4,fsdp=2", "--context-strategy", strategy]
+    assert main([*args, "--verify", "1", "--json", str(out)]) == 0
+    assert "every verified layout within" in capsys.readouterr().out
+    row = json.loads(out.read_text())["layouts"][0]
+    assert row["mesh"]["context"] == 4
+    own = {"all-gather": "all-gather", "ring": "collective-permute", "ulysses": "all-to-all"}
+    assert row["expected"][f"context|{own[strategy]}"] > 0
+    v = row["verify"]
+    assert abs(row["memory_bytes"]["peak"] / v["xla_peak_bytes"] - 1) <= 0.15, v
+    assert abs(row["comm_bytes"] / v["hlo_collective_bytes"] - 1) <= 0.05, v

@@ -88,7 +88,8 @@ def export_hf(args: ExportHF) -> int:
 
 def generate(args: Generate) -> int:
     from jaxdist.hf.generation import check_prompt, generate_text, generation_mesh
-    from jaxdist.inference.generate import SampleConfig
+    from jaxdist.inference.generate import SampleConfig, check_unsplit
+    from meshes.presets import STANDARD_RULES, get_mesh_preset
 
     sample = SampleConfig(args.max_new_tokens, args.temperature, args.top_k, args.seed)
     sample.validate()
@@ -97,6 +98,7 @@ def generate(args: Generate) -> int:
     check_prompt(args.source, FAMILY, args.prompt)  # hf:PATH: before anything is loaded
     checked = check(args.source, FAMILY)  # before any device starts
     mesh = args.mesh if args.mesh != "auto" else generation_mesh(checked, args.devices)
+    check_unsplit(STANDARD_RULES, get_mesh_preset(mesh).mesh.sizes())
     src = _load(checked, mesh, args.devices, args.compile_cache)
     prompt_ids, out, text = generate_text(src, args.prompt, sample)
     import jax

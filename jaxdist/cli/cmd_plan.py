@@ -194,6 +194,7 @@ def run(args: Plan) -> int:
                 step.pipeline_schedule,
                 v,
                 targets,
+                step.context_strategy,
             )
         print_verify(result["layouts"][: args.verify], console)
     if args.json:

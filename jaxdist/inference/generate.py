@@ -84,6 +84,17 @@ def check_prompt(prompt_ids: list[int], context: int) -> None:
         )
 
 
+def check_unsplit(rules: AxisRules, mesh_shape) -> None:
+    """Generation adds one token a step: a sequence split (context) has nothing to split and
+    would reshard the cache every step, so such a mesh is refused, before anything loads."""
+    seq_axes = [a for a in rules.mesh_axes("seq", "activation") if mesh_shape.get(a, 1) > 1]
+    if seq_axes:
+        raise ConfigError(
+            f"generation does not split the sequence over {'x'.join(seq_axes)}: use --mesh "
+            "without a context axis (a checkpoint restores onto any mesh)"
+        )
+
+
 def generate(
     decoder: Decoder,
     params: Any,
@@ -99,6 +110,7 @@ def generate(
     does)."""
     sample.validate()
     check_prompt(prompt_ids, decoder.context)
+    check_unsplit(rules, mesh.shape)
     P = len(prompt_ids)
     new = min(sample.max_new_tokens, decoder.context - P)
     tokens_sharding = batch_sharding(rules, mesh)

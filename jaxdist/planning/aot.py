@@ -107,12 +107,18 @@ def verify(
     pipeline_schedule: str,
     virtual_stages: int,
     devices: list,
+    context_strategy: str = "all-gather",
 ) -> dict:
     """Compiles a planned layout's real train step for abstract inputs on `devices` and sets
     XLA's memory and the HLO's collective bytes beside the planner's predictions."""
     mesh = build_mesh(MeshConfig(ici=tuple(row["mesh"].items())), devices)
     tx, lr = make_optimizer(OptimConfig(), 100)
-    step = StepConfig(row["microbatches"], pipeline_schedule, virtual_stages=virtual_stages)
+    step = StepConfig(
+        row["microbatches"],
+        pipeline_schedule,
+        virtual_stages=virtual_stages,
+        context_strategy=context_strategy,
+    )
     t0 = time.perf_counter()
     jitted = build(model.init, tx, lr, rules, mesh, step, 0, batch_size, seq_len=model.seq_len)
     try:
