@@ -11,6 +11,7 @@ import pytest
 
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
+from jaxdist.inference.generate import check_unsplit
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.parallel import context
 from jaxdist.planning.planner import PlanConfig, plan
@@ -136,9 +137,14 @@ def test_layouts_it_cannot_run_are_refused_before_compiling():
         _build("pipeline=2,context=2,data=2")
     with pytest.raises(ConfigError, match="--context-strategy 'tree': choose from all-gather"):
         _build("context=4,fsdp=2", context_strategy="tree")
-    with pytest.raises(ConfigError, match="does not price the context axis"):
-        model = plan_model(get_model_config("tiny-llama"))
-        plan(model, STANDARD_RULES, PlanConfig(8, "h100", 8, ("context", "fsdp")))
+    with pytest.raises(ConfigError, match="generation does not split the sequence over context"):
+        check_unsplit(STANDARD_RULES, {"context": 4, "fsdp": 2})
+    check_unsplit(STANDARD_RULES, {"fsdp": 8, "context": 1})  # no split: generation runs
+    with pytest.raises(
+        ConfigError, match="fsdp=2,context=4 cannot run .*: sequence not a multiple of 2 x context"
+    ):
+        model = plan_model(get_model_config("tiny-llama", seq_len=100))
+        plan(model, STANDARD_RULES, PlanConfig(8, "h100", 8, layout=(("context", 4), ("fsdp", 2))))
 
 
 def test_ulysses_refuses_heads_that_do_not_divide():

@@ -124,8 +124,10 @@ def why_not(
     if stages > 1 and model.num_experts:
         return "pipeline with experts is not supported"
     cp = ways(sizes, rules.mesh_axes("seq", "activation"))
-    if cp > 1 and (stages > 1 or model.seq_len % (2 * cp)):
-        return "context split beside a pipeline, or not into 2 x context equal chunks"
+    if cp > 1 and stages > 1:
+        return "a context axis beside a pipeline is not built"
+    if cp > 1 and model.seq_len % (2 * cp):
+        return "sequence not a multiple of 2 x context (each device holds two equal chunks)"
     if stages > 1 and m < stages:
         return f"{m} microbatches fewer than {stages} stages"
     v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
