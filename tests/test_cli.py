@@ -62,7 +62,14 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     # Untrained, the model guesses near uniformly over the 256 byte values.
     assert lines[0]["loss"] == pytest.approx(math.log(256), abs=0.25)
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["mesh"] == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert config["mesh"] == {
+        "pipeline": 1,
+        "data": 2,
+        "fsdp": 2,
+        "context": 1,
+        "expert": 1,
+        "tensor": 2,
+    }
     assert config["model"]["name"] == "tiny" and config["devices"]["count"] == 8
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["step_time_s"]["n"] == 4

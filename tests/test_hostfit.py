@@ -14,7 +14,7 @@ from models.inventory import plan_model
 from models.presets import get_model_config
 
 GB = 1e9
-CPU8 = {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+CPU8 = {"pipeline": 1, "data": 2, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2}
 
 
 def model(name: str, **overrides):

@@ -10,13 +10,27 @@ from meshes.presets import PRESETS, get_mesh_preset
 
 def test_parse_and_build_inline_layout():
     mesh = build_mesh(parse_mesh("data=2,fsdp=2,tensor=2"))
-    assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert dict(mesh.shape) == {
+        "pipeline": 1,
+        "data": 2,
+        "fsdp": 2,
+        "context": 1,
+        "expert": 1,
+        "tensor": 2,
+    }
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
 
 
 def test_fill_axis():
     mesh = build_mesh(parse_mesh("data=2,fsdp=-1"))
-    assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert dict(mesh.shape) == {
+        "pipeline": 1,
+        "data": 2,
+        "fsdp": 4,
+        "context": 1,
+        "expert": 1,
+        "tensor": 1,
+    }
 
 
 @pytest.mark.parametrize(
@@ -47,6 +61,7 @@ def test_presets():
         "pipeline": 1,
         "data": 2,
         "fsdp": 2,
+        "context": 1,
         "expert": 1,
         "tensor": 2,
     }

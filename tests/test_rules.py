@@ -36,9 +36,11 @@ def test_bad_tables_are_errors(rows, message):
 
 
 def test_spec_resolution_and_axis_used_twice():
-    assert STANDARD_RULES.spec(("embed", "mlp"), "param") == P("fsdp", "tensor")
+    # Weights are stored split over fsdp and context (whose devices hold other tokens of the
+    # same rows); activations split the batch over the replica axes and the sequence over context.
+    assert STANDARD_RULES.spec(("embed", "mlp"), "param") == P(("fsdp", "context"), "tensor")
     assert STANDARD_RULES.spec(("batch", "seq", "embed"), "activation") == P(
-        ("data", "fsdp", "expert"), None, None
+        ("data", "fsdp", "expert"), "context", None
     )
     rows = _rows_without("embed") + (("embed", "tensor", None),)
     with pytest.raises(ConfigError, match="would split both 'embed' and 'mlp'"):

@@ -281,7 +281,7 @@ def test_goodput_adds_up_over_two_kill9_and_their_resumes(killed_twice):
     # The steps redone are those the loop said it recomputes, counted by the ledger.
     redone = 0
     for row, err in zip(rows[1:], errs[1:], strict=True):
-        m = re.search(r"at step (\d+); steps (\d+)\.\.(\d+) are recomputed", err)
+        m = re.search(r"at step (\d+); steps (\d+)\.\.(\d+) are recomputed", " ".join(err.split()))
         assert m, err
         first, last = int(m.group(2)), int(m.group(3))
         assert row["recompute"] == [first, last] and row["first_step"] == int(m.group(1))

@@ -108,7 +108,7 @@ def compare_with_checkpoint(run_dir: pathlib.Path, record: dict) -> list[str]:
             "run, or give the old values to resume this one"
         )
     return [
-        f"{k} {old.get(k)!r} -> {new[k]!r}"
+        f"{k} {old.get(k)!r} -> {new.get(k)!r}"
         for k in sorted(set(old) | set(new))
         if old.get(k) != new.get(k) and not k.startswith(_UNREPORTED)
     ]
