@@ -85,7 +85,7 @@ def partial_sums(
         ]
         if c.style == "llama":
             per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))  # ... and of the gate
-    per_layer += _context_exchange(c, B, *context)
+    per_layer += _context_exchange(c, B, *context, pipelined=stages > 1)
     sums = [dataclasses.replace(p, count=p.count * L) for p in per_layer]
     if stages > 1 and not c.num_experts:
         # The backward tick's replay needs each layer's output only as the next layer's input:
@@ -100,9 +100,12 @@ def partial_sums(
     return [dataclasses.replace(p, count=p.count * microbatches) for p in sums]
 
 
-def _context_exchange(c: TransformerConfig, B: int, strategy: str, cp: int) -> list[PartialSum]:
+def _context_exchange(
+    c: TransformerConfig, B: int, strategy: str, cp: int, pipelined: bool
+) -> list[PartialSum]:
     """What attention exchanges per layer across a sequence split over `cp` devices
-    (jaxdist.parallel.context), with "seq" as the split (PartialSum's `over`)."""
+    (jaxdist.parallel.context), with "seq" as the split (PartialSum's `over`); `pipelined`:
+    a pipeline's backward tick replays the forward."""
     if cp == 1:
         return []
     T, G, N, H = c.seq_len, c.num_kv_heads, c.num_heads, c.head_dim
@@ -110,13 +113,14 @@ def _context_exchange(c: TransformerConfig, B: int, strategy: str, cp: int) -> l
     kv_whole = ("batch", None, "kv_heads", "head_dim"), (B, T, G, H)
     if strategy == "all-gather":
         # K and V gathered forward and again for the backward (a gather is never saved:
-        # models/remat.py), their gradients reduce-scattered.
+        # models/remat.py; full remat's replay shares the latter), once more in a pipeline's
+        # backward tick, whose replay is a separate forward; gradients reduce-scattered.
         return [
-            PartialSum(4, *kv_whole, "seq", nbytes, "all-gather"),
+            PartialSum(6 if pipelined else 4, *kv_whole, "seq", nbytes, "all-gather"),
             PartialSum(2, *kv_whole, "seq", nbytes, "reduce-scatter"),
         ]
     # Policies other than none recompute the forward's exchanges in the backward.
-    fwd = 1 if c.remat == "none" else 2
+    fwd = 1 if c.remat == "none" and not pipelined else 2
     if strategy == "ring":  # cp - 1 hops of K and V forward, of dK and dV backward
         chunk = ("batch", "seq", "kv_heads", "head_dim"), (B, T, G, H)
         return [PartialSum((fwd + 1) * 2 * (cp - 1), *chunk, "seq", nbytes, "collective-permute")]

@@ -75,7 +75,9 @@ def test_gpu_fsdp_gradients_are_reduce_scattered():
     assert kinds["reduce-scatter"] >= layers_bf16, kinds
 
 
-@pytest.mark.slow
+# A study (two 1B compiles for TPU, about 2 min on CI's two cores): -m experiment. The suite
+# keeps the choice (test_choose_*) and the refusal it reacts to (test_xla_refusals_*).
+@pytest.mark.experiment
 @needs_tpu
 def test_remat_auto_takes_a_leaner_policy_when_the_batch_grows():
     # 4 rows per chip fit with every activation kept; 256 rows per chip do not (the planner

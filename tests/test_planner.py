@@ -336,7 +336,9 @@ def test_plan_verifies_against_the_tpu_compiler(tmp_path):
     assert ("FLAG" in r.stdout) == (not (v["memory_ok"] and v["bytes_ok"]))
 
 
-@pytest.mark.slow
+# A study (a pipelined 1B compiled for TPU, about 100 s on CI's two cores): -m experiment.
+# The suite keeps test_plan_verifies_against_the_tpu_compiler on a smaller model.
+@pytest.mark.experiment
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install 'jaxdist[tpu]')")
 def test_planner_agrees_with_the_tpu_compiler_on_a_pipelined_1b(tmp_path):
     """The issue's bar on 64 v5p chips, the preset's remat: memory within 15% and collective

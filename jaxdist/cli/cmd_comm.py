@@ -55,7 +55,7 @@ def run(args: Comm) -> int:
             args.batch_size,
             step.microbatches,
             ways,
-            model_cfg.seq_len,
+            model_cfg.seq_len // split_ways(mesh.shape, rules.mesh_axes("seq", "activation")),
             model_cfg.d_model,
             dtype_bytes,
         )

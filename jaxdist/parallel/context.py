@@ -99,6 +99,11 @@ def attend(q_BTNH, k_BTGH, v_BTGH, split: Split, implementation: str) -> jax.Arr
     kv_heads = rules.mesh_axes("kv_heads", "activation") or None
     cp = ways(mesh.shape, seq)
     if implementation == "splash":
+        if set(seq) & set(jax.sharding.get_abstract_mesh().manual_axes):
+            raise ConfigError(
+                "splash attention across `context` inside pipeline stages is not built: add "
+                "--attention xla, or use a mesh without a pipeline axis"
+            )
         if strategy != "all-gather":
             raise ConfigError(
                 f"--context-strategy {strategy} runs with XLA's or cuDNN's attention; with "

@@ -44,7 +44,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import ConfigError
-from jaxdist.parallel import stage_weights, ticks
+from jaxdist.kernels import documents
+from jaxdist.parallel import context, stage_weights, ticks
 from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeline's public surface
     SCHEDULES,
     Schedule,
@@ -232,13 +233,13 @@ def _reduced(pipe: Pipeline, s, g_layers: dict, g_shared: dict) -> tuple[dict, d
     return g_layers, g_shared
 
 
-def _per_stage(pipe: Pipeline, layers, shared, micro_MbT1, *tables):
+def _per_stage(pipe: Pipeline, layers, shared, feed, *tables):
     """One device's stage for the whole step (inside the shard_map): gather its weights, run
     the schedule's ticks, reduce its gradients. Returns (loss sums, layer and shared grads)."""
     s = jax.lax.axis_index(pipe.axis)
     stored_layers, stored_shared = layers, shared
     layers, shared = _gathered(pipe, s, layers, shared)
-    x0 = pipe.stages.embed(shared, *ticks.inputs(micro_MbT1, pipe.eos_id, 0))
+    x0 = pipe.stages.embed(shared, *ticks.inputs(feed, pipe.eos_id, 0))
     zeros_x = jnp.zeros(x0.shape, x0.dtype)
     buf = jnp.zeros((pipe.slots, *x0.shape), x0.dtype)
     g0_layers = stage_weights.zeros_like_stored(layers, stored_layers)
@@ -249,7 +250,7 @@ def _per_stage(pipe: Pipeline, layers, shared, micro_MbT1, *tables):
     ctx = ticks.StageContext(
         pipe.stages,
         pipe.head_loss,
-        micro_MbT1,
+        feed,
         layers,
         shared,
         s,
@@ -306,8 +307,7 @@ def value_and_grad(
     specs = {
         k: stage_weights.manual_spec(stages.axes[k], rules, {axis, *batch}) for k in stages.weights
     }
-    B, M = tokens_BT1.shape[0], microbatches
-    micro_MbT1 = tokens_BT1.reshape(B // M, M, -1).swapaxes(0, 1)
+    feed, feed_specs = _feed(tokens_BT1, microbatches, eos_id, rules, batch)
     layers = {k: stages.weights[k] for k in stages.layer_keys}
     shared = {k: w for k, w in stages.weights.items() if k not in layers}
     tables = _tables(schedule)
@@ -321,8 +321,37 @@ def value_and_grad(
         partial(_per_stage, pipe),
         mesh=mesh,
         axis_names={axis, *batch},
-        in_specs=(layer_spec, shared_spec, P(None, batch), *[P()] * len(tables)),
+        in_specs=(layer_spec, shared_spec, feed_specs, *[P()] * len(tables)),
         out_specs=(P(), layer_spec, shared_spec),
         check_vma=False,
-    )(layers, shared, micro_MbT1, *tables)
+    )(layers, shared, feed, *tables)
     return losses[0], {**g_layers, **g_shared}, losses[1]
+
+
+def _feed(tokens_BT1, M: int, eos_id: int | None, rules, manual) -> tuple[dict, dict]:
+    """The microbatches as the stages read them (ticks.inputs), and their specs. Microbatch m
+    takes rows m, m+M, ...: each device keeps its own rows. A sequence split over `context`
+    is reordered here, before the pipeline, documents found first (jaxdist.parallel.context);
+    each device then holds its share of the positions too."""
+    B = tokens_BT1.shape[0]
+    rows = tuple(a for a in manual if a in rules.mesh_axes("batch", "activation"))
+    seq = tuple(a for a in manual if a in rules.mesh_axes("seq", "activation"))
+
+    def micro(x_BX):  # [B, ...] -> [M, B / M, ...]
+        return x_BX.reshape(B // M, M, *x_BX.shape[1:]).swapaxes(0, 1)
+
+    if not seq:
+        return {"tokens": micro(tokens_BT1)}, {"tokens": P(None, rows)}
+    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    docs = None if eos_id is None else documents.from_tokens(inputs_BT, eos_id)
+    inputs_BT, targets_BT, docs = context.split_sequence(inputs_BT, targets_BT, docs)
+    feed = {
+        "inputs": micro(inputs_BT),
+        "targets": micro(targets_BT),
+        "positions": micro(jnp.broadcast_to(docs.positions_BT, inputs_BT.shape)),
+        "index": docs.index_T,
+    }
+    if docs.segment_ids_BT is not None:
+        feed["segments"] = micro(docs.segment_ids_BT)
+    specs = {k: P(seq) if k == "index" else P(None, rows, seq) for k in feed}
+    return feed, specs

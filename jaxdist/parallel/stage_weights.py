@@ -24,10 +24,12 @@ from jaxdist.rules import AxisRules, active
 
 
 def batch_axes(rules: AxisRules, mesh_shape: dict[str, int]) -> tuple[str, ...]:
-    """The mesh axes the batch is split over (of more than one device): manual inside the
-    pipeline. A size-1 axis stays automatic: a collective over it would move nothing, yet it
+    """The mesh axes whose devices hold other tokens (of more than one device): the batch's,
+    then the sequence's (context); manual inside the pipeline, weights gathered over them once
+    per step. A size-1 axis stays automatic: a collective over it would move nothing, yet it
     made the partitioner gather tensor-split weights whole before it."""
-    return tuple(a for a in rules.mesh_axes("batch", "activation") if mesh_shape.get(a, 1) > 1)
+    axes = (*rules.mesh_axes("batch", "activation"), *rules.mesh_axes("seq", "activation"))
+    return tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
 
 
 def manual_spec(logical, rules: AxisRules, manual: set[str], kind: str = "param") -> P:
@@ -66,7 +68,9 @@ def _per_shard(fn, x: jax.Array, logical, rules: AxisRules, auto: tuple[str, ...
 def _moved(logical, rules: AxisRules, axes: tuple[str, ...]) -> tuple[str, ...]:
     """The batch axes a weight is gathered over and its gradient summed over: all but those
     its compute layout splits too (experts: each device runs its own on the tokens sent)."""
-    kept = {a for n in logical if n for a in rules.mesh_axes(n, "activation")}
+    # (A table along the sequence, GPT-2's positions, is gathered whole: the tokens a device
+    # holds look up any position, their order balanced across the context split.)
+    kept = {a for n in logical if n and n != "seq" for a in rules.mesh_axes(n, "activation")}
     return tuple(a for a in axes if a not in kept)
 
 

@@ -30,7 +30,7 @@ class StageContext(NamedTuple):
 
     stages: "Stages"
     head_loss: Callable  # (weights, y_bTD, targets_bT) -> the last stage's mean loss
-    micro_MbT1: jax.Array  # this device's rows of every microbatch
+    feed: dict  # this device's rows of every microbatch (see `inputs`)
     layers: dict  # [v, layers per chunk, ...]: its chunks in the order it runs them, gathered
     shared: dict  # the other weights, gathered
     index: jax.Array  # this stage's position on the pipeline axis
@@ -72,10 +72,20 @@ class Work(NamedTuple):
     inbox_f: jax.Array  # the activations received, this tick's arrival included
 
 
-def inputs(micro_MbT1: jax.Array, eos_id: int | None, i):
-    """Microbatch i's input tokens and their documents (or None)."""
-    tokens_bT = micro_MbT1[i, :, :-1]
+def inputs(feed: dict, eos_id: int | None, i):
+    """Microbatch i's input tokens and their documents (or None). `feed` holds "tokens"
+    [M, b, T+1]; or, for a sequence split over `context`, what jaxdist.parallel.context made of
+    them before the pipeline: "inputs", "targets", "positions" [M, b, T], "segments" where rows
+    are packed documents, and "index" [T], each token's place in the row."""
+    if "index" in feed:
+        segments = feed["segments"][i] if "segments" in feed else None
+        return feed["inputs"][i], documents.Documents(segments, feed["positions"][i], feed["index"])
+    tokens_bT = feed["tokens"][i, :, :-1]
     return tokens_bT, None if eos_id is None else documents.from_tokens(tokens_bT, eos_id)
+
+
+def targets(feed: dict, i):
+    return feed["targets"][i] if "index" in feed else feed["tokens"][i, :, 1:]
 
 
 def neighbours(p: int, v: int) -> tuple[list, list]:
@@ -89,7 +99,7 @@ def neighbours(p: int, v: int) -> tuple[list, list]:
 
 def last_loss(ctx: StageContext, shared, y, i):
     # This device's rows: the batch mean is the sum over the nb batch shards / nb.
-    return ctx.head_loss(shared, y, ctx.micro_MbT1[i, :, 1:]) * ctx.scale / ctx.parts
+    return ctx.head_loss(shared, y, targets(ctx.feed, i)) * ctx.scale / ctx.parts
 
 
 def idle(ctx: StageContext, work: Work, held: Held):
@@ -102,7 +112,7 @@ def forward(ctx: StageContext, work: Work, held: Held):
     mb, _, slot, chunk, first, is_last, inbox_f = work
     inbox_b, stash, g_layers, g_shared, loss = held
     on = first.astype(inbox_f.dtype)
-    tokens_bT, docs = inputs(ctx.micro_MbT1, ctx.eos_id, mb)
+    tokens_bT, docs = inputs(ctx.feed, ctx.eos_id, mb)
     # Embedding and head run on every stage and are masked: a cond on the stage
     # index inside the partially manual shard_map trips XLA's sharding verifier.
     x = on * ctx.stages.embed(ctx.shared, tokens_bT, docs) + (1 - on) * inbox_f[slot]
@@ -124,7 +134,7 @@ def backward(ctx: StageContext, work: Work, held: Held):
     first chunk, the embedding's gradient too."""
     mb, k, slot, chunk, first, _, _ = work
     inbox_b, stash, g_layers, g_shared, loss = held
-    tokens_bT, docs = inputs(ctx.micro_MbT1, ctx.eos_id, mb)
+    tokens_bT, docs = inputs(ctx.feed, ctx.eos_id, mb)
     # Recompute the forward; the documents are constants here, not differentiated.
     _, vjp = jax.vjp(lambda w, x: ctx.stages.body(w, x, docs), chunk, stash[slot])
     # The stage's auxiliary loss (MoE balance) joins the objective like the head's.

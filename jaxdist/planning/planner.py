@@ -124,8 +124,8 @@ def why_not(
     if stages > 1 and model.num_experts:
         return "pipeline with experts is not supported"
     cp = ways(sizes, rules.mesh_axes("seq", "activation"))
-    if cp > 1 and stages > 1:
-        return "a context axis beside a pipeline is not built"
+    if cp > 1 and stages > 1 and cfg.context_strategy == "ring":
+        return "ring attention inside pipeline stages is not supported"
     if cp > 1 and model.seq_len % (2 * cp):
         return "sequence not a multiple of 2 x context (each device holds two equal chunks)"
     if stages > 1 and m < stages:
@@ -224,7 +224,9 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
     v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
     schedule = pipeline.make_schedule(cfg.schedule, stages, m, v) if stages > 1 else None
     micro_act = pipeline.microbatch_bytes(
-        cfg.batch_size, m, batch_ways, model.seq_len, model.d_model, model.compute_bytes
+        # a device's share of the sequence, where context splits it
+        *(cfg.batch_size, m, batch_ways, model.seq_len // context_ways),
+        *(model.d_model, model.compute_bytes),
     )
     # Three buffers (forward inbox, backward inbox, stash), each of `capacity` microbatch inputs
     # per virtual stage: all m for GPipe, at most p for 1F1B.

@@ -69,8 +69,9 @@ def expected(
         named = [n for n in logical if n is not None]
         param_axes = {a for n in named for a in rules.mesh_axes(n, "param")}
         act_axes = {a for n in named for a in rules.mesh_axes(n, "activation")}
-        if pipelined:
-            moved = set(batch_axes) - act_axes
+        if pipelined:  # stage weights move over the batch and context axes alike
+            kept = {a for n in named if n != "seq" for a in rules.mesh_axes(n, "activation")}
+            moved = (set(batch_axes) | set(seq_axes)) - kept
             _stage_weight(add, mesh, var, named, param_axes, moved, compute_bytes)
             continue
         compute_size = math.prod(var.shape) / ways(mesh.shape, act_axes) * compute_bytes
