@@ -124,25 +124,19 @@ def _context_exchange(
     if strategy == "ring":  # cp - 1 hops of K and V forward, of dK and dV backward
         chunk = ("batch", "seq", "kv_heads", "head_dim"), (B, T, G, H)
         return [PartialSum((fwd + 1) * 2 * (cp - 1), *chunk, "seq", nbytes, "collective-permute")]
-    # Ulysses: Q, K, V (kv heads repeated up to cp) and the output, each way.
+    # Ulysses: Q and the output [B, T, N, H], K and V (kv heads repeated up to cp), each way.
     g = G * (cp // math.gcd(G, cp))
+    heads = (("heads", N), ("kv_heads", g))
     return [
         PartialSum(
             (fwd + 1) * 2,
-            ("batch", "seq", "heads", "head_dim"),
-            (B, T, N, H),
+            ("batch", "seq", h, "head_dim"),
+            (B, T, n, H),
             "seq",
             nbytes,
             "all-to-all",
-        ),
-        PartialSum(
-            (fwd + 1) * 2,
-            ("batch", "seq", "kv_heads", "head_dim"),
-            (B, T, g, H),
-            "seq",
-            nbytes,
-            "all-to-all",
-        ),
+        )
+        for h, n in heads
     ]
 
 

@@ -208,7 +208,7 @@ def test_bad_pipeline_input():
     with pytest.raises(ConfigError, match="interleaved needs --virtual-stages 2 or more"):
         _compiled("pipeline=4,data=2", "interleaved", virtual=1)
     with pytest.raises(
-        ConfigError, match="--virtual-stages 2 needs --pipeline-schedule interleaved"
+        ConfigError, match="--virtual-stages 2 applies to the interleaved schedule; add --pipel"
     ):
         _compiled("pipeline=4,data=2", "1f1b", virtual=2)
     with pytest.raises(ConfigError, match="not divisible by 3 microbatches"):

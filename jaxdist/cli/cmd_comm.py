@@ -32,17 +32,8 @@ def run(args: Comm) -> int:
 
     model = model_spec(model_cfg)
     tx, lr = make_optimizer(OptimConfig(), 100)
-    jitted = build(
-        model.init,
-        tx,
-        lr,
-        rules,
-        mesh,
-        args.step,
-        args.seed,
-        args.batch_size,
-        seq_len=model.seq_len,
-    )
+    step = (args.step, args.seed, args.batch_size)
+    jitted = build(model.init, tx, lr, rules, mesh, *step, seq_len=model.seq_len)
     ways = batch_ways(jitted.batch_sharding)
     dtype_bytes = jnp.dtype(model_cfg.compute_dtype).itemsize
     extra, share, stages, virtual = {}, None, mesh.shape["pipeline"], 1
