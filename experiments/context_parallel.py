@@ -1,11 +1,12 @@
 """Context parallelism: all-gather against ring against Ulysses, measured and predicted.
 
-    python experiments/context_parallel.py              # both parts; about 4 min on 2 cores
+    python experiments/context_parallel.py              # both parts; about 20 min on 2 cores
     python experiments/context_parallel.py --part plan  # the prediction only (seconds)
 
 Part 1, measured: tiny-llama on 8 fake CPU devices (`context=4,fsdp=2`), each strategy, T from
-1K to 4K at a fixed 8K tokens per step: step time p50/p90/max over the timed steps. Fake
-devices are threads on two cores, so this ranks the strategies' work, not their links.
+1K to 4K at 16K tokens per step: step time p50/p90/max over the timed steps (--steps, after
+two untimed). Fake devices are threads on two cores, so this ranks the strategies' work, not
+their links.
 
 Part 2, predicted: Llama-2-7B (MaxText's published setting) on `v5p-16` (8 chips) and 8 H100s,
 `context=8`, 64K tokens per step, T from 4K to 128K: the planner's step time and exchanged bytes
@@ -40,7 +41,7 @@ def measured(steps: int) -> list[dict]:
     rows = []
     for T in (1024, 2048, 4096):
         mc = get_model_config("tiny-llama", seq_len=T)
-        batch = 8192 // T * 2  # 2 rows per fsdp device at 1K, ... fixed tokens per step
+        batch = 8192 // T * 2  # 16K tokens per step at every T
         for strategy in STRATEGIES:
             tx, lr = make_optimizer(OptimConfig(), steps + 2)
             jitted = build(
