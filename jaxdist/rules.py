@@ -80,11 +80,14 @@ class AxisRules:
     def spec(
         self, logical: tuple[str | None, ...], kind: str, what: str = "array"
     ) -> PartitionSpec:
-        """The PartitionSpec for a tensor whose dims carry these logical names."""
+        """The PartitionSpec for a tensor whose dims carry these logical names. A name given
+        twice (a [T, T] table as ("seq", "seq")) is split on its first dim only: the second
+        indexes the whole of it, as attention's keys do for its queries."""
         entries: list[tuple[str, ...] | None] = []
         used: dict[str, str] = {}
-        for dim_name in logical:
-            axes = () if dim_name is None else self.mesh_axes(dim_name, kind)
+        for d, dim_name in enumerate(logical):
+            again = dim_name in logical[:d]
+            axes = () if dim_name is None or again else self.mesh_axes(dim_name, kind)
             for axis in axes:
                 if axis in used:
                     raise ConfigError(

@@ -42,6 +42,8 @@ def test_spec_resolution_and_axis_used_twice():
     assert STANDARD_RULES.spec(("batch", "seq", "embed"), "activation") == P(
         ("data", "fsdp", "expert"), "context", None
     )
+    # A name given twice ([T, T] as seq, seq) splits its first dim only.
+    assert STANDARD_RULES.spec(("seq", "seq"), "activation") == P("context", None)
     rows = _rows_without("embed") + (("embed", "tensor", None),)
     with pytest.raises(ConfigError, match="would split both 'embed' and 'mlp'"):
         AxisRules(rows).spec(("embed", "mlp"), "param", "parameter w")
