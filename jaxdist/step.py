@@ -7,7 +7,6 @@ and batch shardings imply; jaxdist.planning.traffic reads them back out of the c
 
 import dataclasses
 import inspect
-import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -27,6 +26,7 @@ from jaxdist.rules import (
     batch_sharding,
     batch_ways,
     state_shardings,
+    ways,
 )
 
 
@@ -298,7 +298,7 @@ def _check_documents(
     params = inspect.signature(type(abstract_model).__call__).parameters
     takes = "docs" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
     seq_axes = rules.mesh_axes("seq", "activation")
-    if not takes and math.prod(mesh.shape[a] for a in seq_axes) > 1:
+    if not takes and ways(mesh.shape, seq_axes) > 1:
         raise ConfigError(
             f"{type(abstract_model).__name__} takes no `docs`, which carry each token's place "
             f"in the row when the sequence is split over {'x'.join(seq_axes)}; add "
@@ -389,7 +389,7 @@ def build(
     rules.validate(mesh.axis_names)
     if seq_len is not None:
         seq_axes = rules.mesh_axes("seq", "activation")
-        context.balanced_order(seq_len, math.prod(mesh.shape[a] for a in seq_axes))
+        context.balanced_order(seq_len, ways(mesh.shape, seq_axes))
     tokens_sharding = _batch_sharding(rules, mesh, config, batch_size)
     abstract_model = nnx.eval_shape(lambda: init_model(nnx.Rngs(seed)))
     _check_documents(abstract_model, config, vocab, rules, mesh)
