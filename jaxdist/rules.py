@@ -233,12 +233,14 @@ def _without(entry: MeshAxes, axes: set[str]) -> MeshAxes:
 
 
 def batch_mean(x: jax.Array, axis: tuple[int, ...]) -> jax.Array:
-    """The mean of an activation over dims `axis` (the batch's among them) taken over the
-    whole batch, also where the batch's mesh axes are manual (inside the pipeline's shard_map
-    each device holds its own rows: the local means, of equal row counts, are averaged)."""
+    """The mean of an activation over its batch and sequence dims (`axis`, the first two) taken
+    over the whole batch, also where their mesh axes are manual (inside the pipeline's
+    shard_map each device holds its own rows, or its own part of them under `context`: the
+    local means, of equal token counts, are averaged)."""
     rules, _ = active()
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    axes = tuple(a for a in rules.mesh_axes("batch", "activation") if a in manual)
+    split = rules.mesh_axes("batch", "activation") + rules.mesh_axes("seq", "activation")
+    axes = tuple(a for a in split if a in manual)
     mean = jnp.mean(x, axis)
     return jax.lax.pmean(mean, axes) if axes else mean
 

@@ -69,7 +69,8 @@ def partial_sums(
     ]
     if c.num_experts:
         E = c.num_experts
-        C = capacity(B // batch_ways * T, E, c.top_k, c.capacity_factor, c.dropless)
+        # each device routes its own tokens: its rows' share of the sequence under `context`
+        C = capacity(B // batch_ways * T // context[1], E, c.top_k, c.capacity_factor, c.dropless)
         ecd = (E, C, D)  # per device, whole: nothing further splits it
         per_layer += [
             # dispatch and combine, forward; their transposes, backward

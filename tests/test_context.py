@@ -38,7 +38,8 @@ def _run(
     overrides=(),
     steps=STEPS,
 ):
-    """`steps` steps (fp32) of ROWS rows: (losses, first gradients, final params)."""
+    """`steps` steps (fp32) of ROWS rows: (losses, first gradients, final params, MoE
+    auxiliary losses)."""
     mc = get_model_config(model, compute_dtype="float32", **dict(overrides))
     tx, lr = make_optimizer(OptimConfig(warmup_steps=2), steps)
     vocab = Vocab(mc.vocab_size, EOS if packed else None)
@@ -50,7 +51,7 @@ def _run(
         *(0, ROWS, vocab, mc.seq_len),
     )
     data = TokenBatches(DataConfig(batch_size=ROWS), mc.seq_len, mc.vocab_size)
-    state, losses, grads0 = jitted.init_fn(), [], None
+    state, losses, grads0, aux = jitted.init_fn(), [], None, []
     for s in range(steps):
         tokens = np.asarray(data.batch(s))
         if packed:  # documents of random lengths; row 0 stays one document
@@ -58,9 +59,10 @@ def _run(
             tokens[1:] = np.where(opens[1:], EOS, tokens[1:])
         state, metrics = jitted.step_fn(state, jax.device_put(tokens, jitted.batch_sharding))
         losses.append(float(metrics["loss"]))
+        aux.append(float(metrics.get("aux_loss", 0.0)))
         if s == 0:
             grads0 = _first_gradients(state, float(metrics["grad_norm"]))
-    return losses, grads0, jax.device_get(state.params)
+    return losses, grads0, jax.device_get(state.params), aux
 
 
 def _assert_matches(got, reference):
@@ -95,6 +97,21 @@ def test_learned_positions_travel_with_the_tokens():
     # would change the loss.
     reference = _run("single", model="tiny")
     _assert_matches(_run("context=4,fsdp=2", "all-gather", model="tiny"), reference)
+
+
+@SLOW
+def test_experts_beside_context_route_each_devices_own_tokens():
+    # Dropless, so no token's fate depends on where it sits. Each device routes its own part
+    # of the sequence (test_comm_rows_...: no gather of it into the layer, all-to-alls of the
+    # local tokens only). Inside a pipeline the balance and z-losses are means over the whole
+    # sequence, as in the same pipeline without the split (microbatched, so not the flat run).
+    moe = {"model": "tiny-moe", "overrides": (("dropless", True),)}
+    _assert_matches(_run("context=2,expert=2,fsdp=2", **moe), _run("single", **moe))
+    piped = _run("pipeline=2,context=2,expert=2", **moe)
+    unsplit = _run("pipeline=2,expert=2,data=2", **moe)
+    assert min(piped[3]) > 0
+    np.testing.assert_allclose(piped[3], unsplit[3], rtol=1e-6)
+    _assert_matches(piped, unsplit)
 
 
 @SLOW
@@ -163,30 +180,32 @@ def test_ulysses_refuses_heads_that_do_not_divide():
 
 
 COMM = [
-    pytest.param(layout, strategy, marks=() if quick else SLOW)
-    for layout, strategy, quick in (
-        ("context=4,fsdp=2", "all-gather", True),
-        ("context=4,fsdp=2", "ring", False),
-        ("context=4,fsdp=2", "ulysses", False),
-        ("context=2,data=2,tensor=2", "all-gather", False),
-        ("pipeline=2,context=2,data=2", "all-gather", False),
-        ("pipeline=2,context=2,data=2", "ulysses", False),
+    pytest.param(layout, strategy, model, marks=() if quick else SLOW)
+    for layout, strategy, model, quick in (
+        ("context=4,fsdp=2", "all-gather", "tiny-llama", True),
+        ("context=4,fsdp=2", "ring", "tiny-llama", False),
+        ("context=4,fsdp=2", "ulysses", "tiny-llama", False),
+        ("context=2,data=2,tensor=2", "all-gather", "tiny-llama", False),
+        ("pipeline=2,context=2,data=2", "all-gather", "tiny-llama", False),
+        ("pipeline=2,context=2,data=2", "ulysses", "tiny-llama", False),
+        ("context=2,expert=2,fsdp=2", "all-gather", "tiny-moe", False),
     )
 ]
 
 
-@pytest.mark.parametrize("layout,strategy", COMM)
-def test_comm_rows_match_the_expected_exchange(layout, strategy, capsys):
+@pytest.mark.parametrize("layout,strategy,model", COMM)
+def test_comm_rows_match_the_expected_exchange(layout, strategy, model, capsys):
     """`jaxdist comm`: each strategy's own collective over `context` (K/V all-gathers and their
     gradients' reduce-scatters; ring permutes; Ulysses all-to-alls), the weights' gradients
     summed over `context` too and, in a pipeline, stage weights moved once per step over it,
-    within 5% of what traffic.expected prices."""
+    within 5% of what traffic.expected prices. MoE: the experts' all-to-alls carry each
+    device's own part of the sequence (a gathered one would double them and the K/V gathers)."""
     import json
 
     from jaxdist.cli.main import main
 
-    args = ["comm", "--model", "tiny-llama", "--mesh", layout, "--batch-size", str(ROWS)]
-    args += ["--context-strategy", strategy, "--json"]
+    args = ["comm", "--model", model, "--mesh", layout, "--batch-size", str(ROWS)]
+    args += ["--context-strategy", strategy, "--json"] + (["--dropless"] if "moe" in model else [])
     args += ["--microbatches", "2"] if "pipeline" in layout else []
     assert main(args) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

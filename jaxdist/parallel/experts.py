@@ -42,7 +42,7 @@ class _Routing(NamedTuple):
     expert: tuple[str, ...]  # the mesh axes the experts are split over (all-to-all)
     embed: tuple[str, ...]  # the FSDP axes the expert weights are gathered over here
     mlp: tuple[str, ...]  # the axes the experts' MLP width is split over (partial sums)
-    batch: tuple[str, ...]  # the batch axes the stats are summed over
+    batch: tuple[str, ...]  # the batch and sequence axes the stats are summed over
 
 
 def _swiglu(recv_sECD, up_eDF, gate_eDF, down_eFD):
@@ -116,6 +116,9 @@ def moe_ffn(
         return tuple(a for a in axes if a not in manual)
 
     batch = rules.mesh_axes("batch", "activation")
+    # A context split holds different tokens of the same rows: each device routes its own
+    # (the experts see tokens, not rows), so the sequence stays split through the layer.
+    seq = rules.mesh_axes("seq", "activation")
     expert = used(rules.mesh_axes("expert", "param"))
     embed = used(free(rules.mesh_axes("embed", "param")))  # FSDP: gathered here, where used
     mlp = used(rules.mesh_axes("mlp", "param"))
@@ -123,13 +126,17 @@ def moe_ffn(
     E = w_up_EDF.shape[0] * math.prod(mesh.shape[a] for a in expert if a in manual)
     n_ep = math.prod(mesh.shape[a] for a in expert)
     B, T, _ = x_BTD.shape
-    tokens = B // math.prod(mesh.shape[a] for a in free(batch)) * T
+    tokens = (
+        B
+        // math.prod(mesh.shape[a] for a in free(batch))
+        * (T // math.prod(mesh.shape[a] for a in free(seq)))
+    )
     K = expert_BTK.shape[-1]
     C = capacity(tokens, E, K, capacity_factor, dropless)
-    tok = P(free(batch) or None, None, None)
+    tok = P(free(batch) or None, free(seq) or None, None)
     w_in = P(free(expert) or None, embed or None, free(mlp) or None)
     w_out = P(free(expert) or None, free(mlp) or None, embed or None)
-    routing = _Routing(E, K, C, n_ep, expert, embed, mlp, used(batch))
+    routing = _Routing(E, K, C, n_ep, expert, embed, mlp, used(batch + seq))
     stats_spec = {"dropped": P(), "assigned": P(), "load_E": P()}
     where = {"axis_names": set(free(mesh.axis_names))} if manual else {"mesh": mesh}
     return jax.shard_map(
