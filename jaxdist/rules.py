@@ -215,8 +215,14 @@ def active() -> tuple[AxisRules, Mesh]:
 def constrain(x: jax.Array, logical: tuple[str | None, ...], kind: str = "activation") -> jax.Array:
     """x laid out as the rules say for these logical axes: as an activation, or ("param") as
     a stored parameter (a weight kept in its FSDP layout where a model uses it)."""
-    rules, mesh = active()
-    spec = rules.spec(logical, kind, f"{kind} {logical}")
+    rules, _ = active()
+    return pin(x, rules.spec(logical, kind, f"{kind} {logical}"))
+
+
+def pin(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """x laid out by a spec of mesh axes over the active mesh (`constrain` for a layout the
+    rule table has no logical names for)."""
+    _, mesh = active()
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     if manual:  # inside a shard_map: its manual axes are already split, per device
         spec = PartitionSpec(*(_without(entry, manual) for entry in spec))
@@ -225,6 +231,29 @@ def constrain(x: jax.Array, logical: tuple[str | None, ...], kind: str = "activa
         # (the padded-vocabulary mask of the loss inside a pipeline stage did).
         mesh = jax.sharding.get_abstract_mesh()
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def gathered(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    """A weight used gathered (laid out as an activation: split over the tensor axes only)
+    whose gradient comes back in its stored layout. Pinned gathered both ways, XLA sums the
+    whole gradient over every batch axis and then slices it (the output head's: 262 MB of
+    all-reduce a step on Llama-2-7B, fsdp=8); landing in the stored layout, it is
+    reduce-scattered over the FSDP axes, as the layer weights' are."""
+    rules, mesh = active()
+    strategy = active_context_strategy()
+
+    @jax.custom_vjp
+    def use(x):
+        return constrain(x, logical)
+
+    def back(_, g):
+        # The transpose may be traced after the caller's activation_rules has closed (a
+        # jax.grad taken outside it): the rules in force where the weight was used apply.
+        with activation_rules(rules, mesh, strategy):
+            return (constrain(g, logical, "param"),)
+
+    use.defvjp(lambda x: (use(x), None), back)
+    return use(x)
 
 
 def _without(entry: MeshAxes, axes: set[str]) -> MeshAxes:

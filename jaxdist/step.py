@@ -353,8 +353,9 @@ def _pipeline_schedule(
     if "pipeline" not in mesh.shape or mesh.shape["pipeline"] <= 1:
         return None
     if mesh.shape.get("context", 1) > 1 and config.context_strategy == "ring":
-        # XLA's CPU compiler (jax 0.11.2) crashes (SIGSEGV) on the ring's permutes over
-        # `context` inside the pipeline's shard_map; untried on GPU and TPU, so refused.
+        # XLA's CPU runtime (jax 0.11.2) crashes (SIGSEGV) running the ring's permutes over
+        # `context` inside the pipeline's shard_map, also with the ring called directly in the
+        # stage (no nested shard_map); untried on GPU and TPU, so refused.
         raise ConfigError(
             "--context-strategy ring inside pipeline stages is not supported: use all-gather "
             "or ulysses with a pipeline axis"

@@ -31,7 +31,7 @@ from flax import nnx
 from jaxdist.kernels.attention import attention, document_mask
 from jaxdist.kernels.documents import Documents
 from jaxdist.parallel.pipeline import Stages
-from jaxdist.rules import constrain
+from jaxdist.rules import constrain, gathered
 from models import moe, remat, rope
 from models.moe import EXPERT_WEIGHTS, MOE_LOGICAL
 from models.transformer_config import TransformerConfig, _param_shapes
@@ -119,8 +119,10 @@ class Transformer(nnx.Module):
 
 def _cast(c: TransformerConfig, name: str, v: jax.Array) -> jax.Array:
     # Cast before use so FSDP gathers and tensor-parallel reductions move compute-dtype bytes.
-    # The embedding and head are laid out for compute where they are used (gathered over the
-    # batch axes). Layer weights keep their stored layout inside the scan body (_stored).
+    # The embedding table is laid out for compute where it is used (gathered over the batch
+    # axes, its gradient summed whole: XLA's lookup transposes vary too much by layout to do
+    # better reliably); the head is gathered too, its gradient landing where it is stored
+    # (head_weight). Layer weights keep their stored layout inside the scan body (_stored).
     v = v.astype(jnp.dtype(c.compute_dtype))
     return v if "_L" in name else constrain(v, _LOGICAL[name])
 
@@ -182,8 +184,8 @@ def final_norm(c: TransformerConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
 def head_weight(c: TransformerConfig, p: dict) -> jax.Array:
     """The output head [D, V] in the compute dtype: its own weight, or the embedding's."""
     if c.tie_embeddings:
-        return constrain(_cast(c, "tok_embed_VD", p["tok_embed_VD"]).T, _LOGICAL["head_DV"])
-    return _cast(c, "head_DV", p["head_DV"])
+        return gathered(_cast(c, "tok_embed_VD", p["tok_embed_VD"]).T, _LOGICAL["head_DV"])
+    return gathered(p["head_DV"].astype(jnp.dtype(c.compute_dtype)), _LOGICAL["head_DV"])
 
 
 def _norm(c: TransformerConfig, x_BTD, scale_D, bias_D):

@@ -88,10 +88,18 @@ def expected(
         # sum lands sharded: reduced over those axes first (a reduce-scatter; XLA's CPU
         # pipeline emits an all-reduce), then the shard all-reduced over the other batch axes.
         # Expert weights take the same two steps, by the explicit all_gather inside
-        # jaxdist.parallel.experts' shard_map, whose transpose is a reduce-scatter. Other
-        # weights (embedding, head) are used gathered: one sum over every batch axis.
+        # jaxdist.parallel.experts' shard_map, whose transpose is a reduce-scatter; so does
+        # the output head [embed, vocab], used gathered but its gradient landing in its stored
+        # layout (rules.gathered). Other weights are summed in one all-reduce over every
+        # batch axis: the embedding table (a lookup, used gathered both ways) and a layer's
+        # vectors (norm scales: reductions over the batch's tokens), whole; a layer's weight
+        # with one named dim (the router, [embed, experts]), as the slice it is stored as.
         reduce_over = set(batch_axes) - act_axes
-        if _label(mesh, gather) and "layers" in logical:
+        head = tuple(named) == ("embed", "vocab")
+        one_dim = "layers" in logical and len(named) == 2
+        if one_dim and len(logical) > 2:
+            add(_label(mesh, reduce_over), "all-reduce", compute_size / ways(mesh.shape, gather))
+        elif _label(mesh, gather) and ("layers" in logical or head) and not one_dim:
             first = "reduce-scatter" if reduce_scatter or "expert" in named else "all-reduce"
             add(_label(mesh, gather), first, microbatches * compute_size)
             add(
