@@ -14,6 +14,9 @@ per chip is XLA's argument + output + temp - alias in both. Collectives are coun
 compiled HLO by jaxdist.planning.hlo (loop trips multiplied in); bytes each chip sends per step
 are all-gather x (n-1)/n, all-reduce x 2(n-1)/n, reduce-scatter x (n-1)/n of the full buffer,
 collective-permute x 1. About 30 minutes on 2 cores (each MaxText compile takes 2-3).
+
+Long context (`--context 4 --seq 32768 --fraction-rows 0.25`): the sequence split over 4
+chips, fsdp over 2, both programs' all-gather strategy; one policy pair, about 5 minutes.
 """
 
 import argparse
@@ -52,8 +55,11 @@ def _step_hlo(dump: pathlib.Path) -> str:
     return files[-1].read_text()
 
 
-def maxtext(python: str, model: str, policy: str, rows: int, seq: int, work: pathlib.Path):
-    """MaxText's compile for v5p-16: (GB per chip or None where XLA refused, HLO summary)."""
+def maxtext(
+    python: str, model: str, policy: str, rows: float, seq: int, work: pathlib.Path, cp: int = 1
+):
+    """MaxText's compile for v5p-16: (GB per chip or None where XLA refused, HLO summary).
+    `cp` > 1: the sequence split over `context` (MaxText's all-gather strategy), fsdp the rest."""
     site = subprocess.run(
         [python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
         capture_output=True,
@@ -66,6 +72,9 @@ def maxtext(python: str, model: str, policy: str, rows: int, seq: int, work: pat
     cmd += ["compile_topology=v5p-16", "compile_topology_num_slices=1", f"model_name={model}"]
     cmd += [f"per_device_batch_size={rows}", f"max_target_length={seq}", "jax_cache_dir="]
     cmd += [f"remat_policy={policy}"]
+    if cp > 1:
+        cmd += [f"ici_context_parallelism={cp}", f"ici_fsdp_parallelism={8 // cp}"]
+        cmd += ["context_parallel_strategy=all_gather"]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
     text = r.stdout + r.stderr
     if r.returncode:
@@ -74,7 +83,8 @@ def maxtext(python: str, model: str, policy: str, rows: int, seq: int, work: pat
         raise SystemExit(f"MaxText's compile failed:\n{text[-3000:]}")
     fields = {k: _field(text, k) for k in ("argument", "output", "temp", "alias")}
     peak = fields["argument"] + fields["output"] + fields["temp"] - fields["alias"]
-    return peak / 1e9, hlo.summarize(hlo.collectives(_step_hlo(dump), {"fsdp": 8}))
+    shape = {"fsdp": 8 // cp, "context": cp} if cp > 1 else {"fsdp": 8}
+    return peak / 1e9, hlo.summarize(hlo.collectives(_step_hlo(dump), shape))
 
 
 def _field(text: str, name: str) -> float:
@@ -85,11 +95,14 @@ def _field(text: str, name: str) -> float:
     return float(m.group(1))
 
 
-def jaxdist(model: str, remat: str, rows: int, seq: int) -> tuple[float | None, dict, str]:
+def jaxdist(
+    model: str, remat: str, rows: float, seq: int, cp: int = 1
+) -> tuple[float | None, dict, str]:
     """jaxdist's compile of the same step: (GB per chip or None where refused, collectives,
     the policy auto took)."""
+    mesh = f"context={cp},fsdp={8 // cp}" if cp > 1 else "fsdp=8"
     cmd = [sys.executable, "-m", "jaxdist.cli", "train", "--model", model, "--seq-len", str(seq)]
-    cmd += ["--mesh", "fsdp=8", "--batch-size", str(8 * rows), "--compile-only"]
+    cmd += ["--mesh", mesh, "--batch-size", str(round(8 * rows)), "--compile-only"]
     cmd += ["--target", "v5p-16", "--remat", remat]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
@@ -120,8 +133,18 @@ def main() -> int:
     p.add_argument("--many-rows", type=int, default=47, help="rows per chip to check both at")
     p.add_argument("--search", action="store_true", help="search each program's most rows")
     p.add_argument("--json", default="experiments/results/beside_maxtext.json")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=1,
+        help="split the sequence this many ways (both programs' all-gather strategy, fsdp the "
+        "rest of the 8 chips); compares one policy pair: --rows may be a fraction",
+    )
+    p.add_argument("--fraction-rows", type=float, help="rows per chip below 1 (with --context)")
     a = p.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="beside-maxtext-"))
+    if a.context > 1:
+        return _context(a, work)
     out: dict = {"model": a.model, "rows_per_chip": a.rows, "seq": a.seq, "policies": []}
     for mt_policy, ours in POLICIES:
         mt_gb, mt_coll = maxtext(a.maxtext_python, MODELS[a.model], mt_policy, a.rows, a.seq, work)
@@ -160,6 +183,29 @@ def main() -> int:
         }
     pathlib.Path(a.json).write_text(json.dumps(out, indent=1))
     _print(out)
+    return 0
+
+
+def _context(a, work: pathlib.Path) -> int:
+    """Long context: one policy pair (MaxText `minimal_with_context`, jaxdist `dots`), the
+    sequence split over `context`; memory and every (axis, kind) of collectives side by side."""
+    rows = a.fraction_rows or a.rows
+    mt_gb, mt = maxtext(
+        a.maxtext_python, MODELS[a.model], "minimal_with_context", rows, a.seq, work, a.context
+    )
+    our_gb, ours, _ = jaxdist(a.model, "dots", rows, a.seq, a.context)
+    print(f"{a.model}, context={a.context} on v5p-16, seq {a.seq}, {rows} rows per chip")
+    print(f"peak GB per chip: MaxText {mt_gb}, jaxdist {our_gb}")
+    ours = {key: {"count": r["count"], "bytes": r["bytes"]} for key, r in ours.items()}
+    for key in sorted(set(mt) | set(ours)):
+        m, o = mt.get(key, {"count": 0, "bytes": 0}), ours.get(key, {"count": 0, "bytes": 0})
+        print(f"{'/'.join(key):36} MaxText {m['bytes'] / 1e9:8.2f} GB in {m['count']:5}", end="")
+        print(f"   jaxdist {o['bytes'] / 1e9:8.2f} GB in {o['count']:5}")
+    total = [sum(r["bytes"] for r in side.values()) / 1e9 for side in (mt, ours)]
+    print(f"every collective: MaxText {total[0]:.2f} GB, jaxdist {total[1]:.2f} GB")
+    out = {"context": a.context, "seq": a.seq, "rows_per_chip": rows, "maxtext_gb": mt_gb}
+    out |= {"jaxdist_gb": our_gb, "maxtext_total_gb": total[0], "jaxdist_total_gb": total[1]}
+    pathlib.Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
