@@ -245,3 +245,21 @@ def test_plan_prices_a_context_split_as_the_compiler_builds_it(tmp_path, capsys,
     v = row["verify"]
     assert abs(row["memory_bytes"]["peak"] / v["xla_peak_bytes"] - 1) <= 0.15, v
     assert abs(row["comm_bytes"] / v["hlo_collective_bytes"] - 1) <= 0.05, v
+
+
+def test_the_default_plan_splits_the_sequence_only_where_it_pays(tmp_path, capsys):
+    """`plan` searches `context` by default: 2 rows of 32K on 8 v5p chips (a batch that does not
+    split 8 ways) rank a context split first; 32 rows of 4K on 8 H100s rank none first."""
+    import json
+
+    from jaxdist.cli.main import main
+
+    def best(*args: str) -> dict:
+        out = tmp_path / "plan.json"
+        assert (
+            main(["plan", "--model", "llama2-7b", "--devices", "8", *args, "--json", str(out)]) == 0
+        )
+        return json.loads(out.read_text())["layouts"][0]["mesh"]
+
+    assert best("--hardware", "v5p-16", "--seq-len", "32768", "--batch-size", "2")["context"] > 1
+    assert best("--hardware", "h100", "--seq-len", "4096", "--batch-size", "32")["context"] == 1

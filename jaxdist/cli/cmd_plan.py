@@ -12,6 +12,7 @@ from jaxdist import hardware as hardware_table
 from jaxdist.cli.options import MODEL_HELP, Common, model_config
 from jaxdist.errors import ConfigError
 from jaxdist.planning.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
+from jaxdist.planning.planner import DEFAULT_AXES
 
 PLAN_HARDWARE_HELP = (
     f"hardware preset ({', '.join(hardware_table.PRESETS)}), or a Google Cloud TPU slice as "
@@ -40,8 +41,9 @@ class Plan(Common):
     """TPU multi-slice: this many --hardware slices (a Google Cloud name such as v5p-128),
     joined by DCN"""
     batch_size: Annotated[int, tyro.conf.arg(help="global batch in rows")] = 512
-    axes: str = "pipeline,data,fsdp,expert,tensor"
-    """mesh axes the planner may use (add context for long rows: it splits the sequence)"""
+    axes: str = ",".join(DEFAULT_AXES)
+    """mesh axes the planner may use (context splits the sequence: it ranks first only where
+    rows are too few or too long)"""
     compute_efficiency: float | None = None
     """one flat share of peak for every FLOP instead of the hardware's calibrated figures"""
     top: int = 10
