@@ -51,7 +51,8 @@ def _fused_scan(h_BTD, head_DV, targets_BT, vocab_size, chunk_tokens, with_grads
     In one chunk (a device's tokens fit), the head's gradient is one matmul, reduced over the
     batch's devices as the unfused loss's is (a reduce-scatter under FSDP). Over several, it
     accumulates in fp32 per batch shard [S, D, V], so no device waits on another inside the
-    loop; the shards are summed once at the end (an all-reduce of the compute-dtype head)."""
+    loop; the shards are summed once at the end, in the head's stored layout (_to_stored_layout:
+    a reduce-scatter's bytes in the compute dtype)."""
     B, T, D = h_BTD.shape
     V = head_DV.shape[1]
     S, C = _chunks(B, T, chunk_tokens)
