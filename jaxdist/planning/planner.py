@@ -26,14 +26,13 @@ import math
 from collections.abc import Callable, Sequence
 
 from flax import nnx
-from jax.sharding import AbstractMesh
 
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import get_hardware
 from jaxdist.mesh import MESH_AXES
 from jaxdist.parallel import pipeline
-from jaxdist.planning import compute, costmodel, memory, traffic
-from jaxdist.rules import AxisRules, check_divisible, logical_axes, ways
+from jaxdist.planning import compute, costmodel, layouts, memory, traffic
+from jaxdist.rules import AxisRules, ways
 from jaxdist.step import StepConfig
 
 MEMORY_HEADROOM = 0.9  # XLA's allocator and the runtime keep some of the device's memory
@@ -84,75 +83,6 @@ class PlanConfig:
     context_strategy: str = StepConfig().context_strategy  # how attention crosses `context`
 
 
-def _factorizations(n: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
-    if not axes:
-        return [{}] if n == 1 else []
-    out = []
-    for size in range(1, n + 1):
-        if n % size == 0:
-            for rest in _factorizations(n // size, axes[1:]):
-                out.append({axes[0]: size, **rest})
-    return out
-
-
-def _abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
-    return AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES)
-
-
-def describe(sizes: dict[str, int]) -> str:
-    return ",".join(f"{a}={sizes[a]}" for a in MESH_AXES if sizes.get(a, 1) > 1) or "single"
-
-
-def _microbatches(cfg: PlanConfig, stages: int) -> int:
-    if cfg.microbatches:
-        return cfg.microbatches
-    return 1 if stages == 1 else 4 * stages
-
-
-def why_not(
-    sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: PlanConfig, hw
-) -> str | None:
-    """The reason a layout cannot run this model, or None."""
-    mesh = _abstract_mesh(sizes)
-    if sizes.get("tensor", 1) > hw.devices_per_host:
-        return "tensor axis wider than a host"
-    if sizes.get("expert", 1) > 1 and not model.num_experts:
-        return "expert axis on a dense model"
-    stages = sizes.get("pipeline", 1)
-    m = _microbatches(cfg, stages)
-    n = ways(sizes, rules.mesh_axes("batch", "activation"))
-    if cfg.batch_size % (m * n):
-        return f"batch {cfg.batch_size} not divisible by {m} microbatches x {n} batch ways"
-    if stages > 1 and model.num_experts:
-        return "pipeline with experts is not supported"
-    cp = ways(sizes, rules.mesh_axes("seq", "activation"))
-    if cp > 1 and stages > 1 and cfg.context_strategy == "ring":
-        return "ring attention inside pipeline stages is not supported"
-    if cp > 1 and model.seq_len % (2 * cp):
-        return "sequence not a multiple of 2 x context (each device holds two equal chunks)"
-    if stages > 1 and m < stages:
-        return f"{m} microbatches fewer than {stages} stages"
-    v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
-    if stages > 1 and (model.num_layers % (stages * v) or (v > 1 and m % stages)):
-        return f"layers or microbatches do not split into {stages} x {v} interleaved chunks"
-    for path, var in nnx.to_flat_state(model.abstract_params):
-        logical = logical_axes(var)
-        try:
-            check_divisible(
-                "/".join(map(str, path)), var.shape, logical, rules.spec(logical, "param"), mesh
-            )
-            check_divisible(
-                "/".join(map(str, path)),
-                var.shape,
-                logical,
-                rules.spec(logical, "activation"),
-                mesh,
-            )
-        except ConfigError:
-            return "a weight does not split evenly"
-    return None
-
-
 def _axis_time(kind: str, nbytes: float, label: str, sizes: dict[str, int], hw) -> float:
     """Seconds of one collective over the groups of an axis label (data+fsdp): devices of inner
     mesh axes sit between a group's members, so the stride is their product."""
@@ -177,14 +107,14 @@ def _memory(
     """Predicted bytes per device by term (jaxdist.planning.memory); `stash`: a pipeline
     stage's buffers of microbatch inputs."""
     stages = sizes.get("pipeline", 1)
-    m = _microbatches(cfg, stages)
+    m = layouts.microbatches(cfg, stages)
     inventory = model.inventory(cfg.batch_size // m)
     if cfg.loss_chunk_tokens:  # the fused loss, a pipeline's last stage's too
         inventory = memory.with_fused_loss(inventory, cfg.loss_chunk_tokens, model.compute_bytes)
     return memory.predict(
         model.abstract_params,
         rules,
-        dict(_abstract_mesh(sizes).shape),
+        dict(layouts.abstract_mesh(sizes).shape),
         inventory,
         model.num_layers // stages,
         cfg.batch_size,
@@ -219,10 +149,10 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
     """Predicted memory and step time of one layout."""
     hw = get_hardware(cfg.hardware)
     stages = sizes.get("pipeline", 1)
-    m = _microbatches(cfg, stages)
+    m = layouts.microbatches(cfg, stages)
     batch_ways = ways(sizes, rules.mesh_axes("batch", "activation"))
     context_ways = ways(sizes, rules.mesh_axes("seq", "activation"))
-    mesh = _abstract_mesh(sizes)
+    mesh = layouts.abstract_mesh(sizes)
     v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
     schedule = pipeline.make_schedule(cfg.schedule, stages, m, v) if stages > 1 else None
     micro_act = pipeline.microbatch_bytes(
@@ -272,7 +202,7 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
     step = compute_s + bubble + t_comm + sync - t_overlap
     flops = model.flops_per_token * tokens
     return {
-        "layout": describe(sizes),
+        "layout": layouts.describe(sizes),
         "remat": model.remat,
         "mesh": {a: sizes.get(a, 1) for a in MESH_AXES},
         "microbatches": m,
@@ -363,7 +293,7 @@ def _one_layout(models: list[PlanModel], rules: AxisRules, cfg: PlanConfig, hw) 
     """The plan of one given layout (`--mesh`), priced whether or not it fits in memory."""
     model = models[0]
     sizes = {a: n for a, n in cfg.layout if n != 1}
-    name = describe(sizes)
+    name = layouts.describe(sizes)
     if set(sizes) - set(MESH_AXES):
         raise ConfigError(f"--mesh {name}: axes are {', '.join(MESH_AXES)}")
     if math.prod(sizes.values()) != cfg.devices:
@@ -371,7 +301,7 @@ def _one_layout(models: list[PlanModel], rules: AxisRules, cfg: PlanConfig, hw) 
             f"--mesh {name} spans {math.prod(sizes.values())} devices, not --devices "
             f"{cfg.devices}: make them agree"
         )
-    reason = why_not(sizes, model, rules, cfg, hw)
+    reason = layouts.why_not(sizes, model, rules, cfg, hw)
     if reason:
         raise ConfigError(f"--mesh {name} cannot run {model.name}: {reason}")
     row = fastest_fitting(sizes, models, rules, cfg)
@@ -387,8 +317,8 @@ def _one_layout(models: list[PlanModel], rules: AxisRules, cfg: PlanConfig, hw) 
 
 def _candidates(model, rules, cfg, hw) -> tuple[list[dict[str, int]], dict[str, int]]:
     candidates, rejected = [], {}
-    for sizes in _factorizations(cfg.devices, tuple(a for a in MESH_AXES if a in cfg.axes)):
-        reason = why_not(sizes, model, rules, cfg, hw)
+    for sizes in layouts.factorizations(cfg.devices, tuple(a for a in MESH_AXES if a in cfg.axes)):
+        reason = layouts.why_not(sizes, model, rules, cfg, hw)
         if reason is None:
             candidates.append(sizes)
         else:
