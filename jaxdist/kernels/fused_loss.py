@@ -119,7 +119,7 @@ def _to_stored_layout(dhead_SDV):
     partitioner all-reduces the whole [D, V] (262 MB a step on Llama-2-7B) and slices it."""
     rules, _ = active()
     stored = rules.spec(("embed", "vocab"), "param", "the output head")
-    split = {a for entry in stored for a in ((entry,) if isinstance(entry, str) else entry or ())}
+    split = rules.mesh_axes("embed", "param") + rules.mesh_axes("vocab", "param")
     rest = tuple(a for a in rules.mesh_axes("batch", "activation") if a not in split)
     return pin(dhead_SDV, PartitionSpec(rest or None, *stored))
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.rules import active
+from jaxdist.rules import active, ways
 
 
 def capacity(
@@ -124,13 +124,9 @@ def moe_ffn(
     mlp = used(rules.mesh_axes("mlp", "param"))
     # All experts (the weights given are this device's only where `expert` is manual).
     E = w_up_EDF.shape[0] * math.prod(mesh.shape[a] for a in expert if a in manual)
-    n_ep = math.prod(mesh.shape[a] for a in expert)
+    n_ep = ways(mesh.shape, expert)
     B, T, _ = x_BTD.shape
-    tokens = (
-        B
-        // math.prod(mesh.shape[a] for a in free(batch))
-        * (T // math.prod(mesh.shape[a] for a in free(seq)))
-    )
+    tokens = B // ways(mesh.shape, free(batch)) * (T // ways(mesh.shape, free(seq)))
     K = expert_BTK.shape[-1]
     C = capacity(tokens, E, K, capacity_factor, dropless)
     tok = P(free(batch) or None, free(seq) or None, None)
