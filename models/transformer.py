@@ -30,6 +30,7 @@ from flax import nnx
 
 from jaxdist.kernels.attention import attention, document_mask
 from jaxdist.kernels.documents import Documents
+from jaxdist.kernels.lookup import lookup
 from jaxdist.parallel.pipeline import Stages
 from jaxdist.rules import constrain, gathered
 from models import moe, remat, rope
@@ -119,10 +120,9 @@ class Transformer(nnx.Module):
 
 def _cast(c: TransformerConfig, name: str, v: jax.Array) -> jax.Array:
     # Cast before use so FSDP gathers and tensor-parallel reductions move compute-dtype bytes.
-    # The embedding table is laid out for compute where it is used (gathered over the batch
-    # axes, its gradient summed whole: XLA's lookup transposes vary too much by layout to do
-    # better reliably); the head is gathered too, its gradient landing where it is stored
-    # (head_weight). Layer weights keep their stored layout inside the scan body (_stored).
+    # The embedding table and the head are used gathered, their gradients landing where they
+    # are stored (embed, head_weight); layer weights keep their stored layout inside the scan
+    # body (_stored).
     v = v.astype(jnp.dtype(c.compute_dtype))
     return v if "_L" in name else constrain(v, _LOGICAL[name])
 
@@ -130,7 +130,8 @@ def _cast(c: TransformerConfig, name: str, v: jax.Array) -> jax.Array:
 def embed(
     c: TransformerConfig, p: dict, tokens_BT: jax.Array, docs: Documents | None = None
 ) -> jax.Array:
-    x_BTD = jnp.take(_cast(c, "tok_embed_VD", p["tok_embed_VD"]), tokens_BT, axis=0)
+    table_VD = p["tok_embed_VD"].astype(jnp.dtype(c.compute_dtype))
+    x_BTD = lookup(table_VD, tokens_BT, _LOGICAL["tok_embed_VD"])
     if c.style == "gpt2":
         pos_embed_TD = _cast(c, "pos_embed_TD", p["pos_embed_TD"])
         if docs is None:
@@ -184,7 +185,8 @@ def final_norm(c: TransformerConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
 def head_weight(c: TransformerConfig, p: dict) -> jax.Array:
     """The output head [D, V] in the compute dtype: its own weight, or the embedding's."""
     if c.tie_embeddings:
-        return gathered(_cast(c, "tok_embed_VD", p["tok_embed_VD"]).T, _LOGICAL["head_DV"])
+        table_VD = p["tok_embed_VD"].astype(jnp.dtype(c.compute_dtype))
+        return gathered(table_VD.T, _LOGICAL["head_DV"])
     return gathered(p["head_DV"].astype(jnp.dtype(c.compute_dtype)), _LOGICAL["head_DV"])
 
 

@@ -212,14 +212,19 @@ def test_comm_rows_match_the_expected_exchange(layout, strategy, model, capsys):
     rows = {(r["axis"], r["kind"]): r for r in rep["rows"]}
     own = {"all-gather": "all-gather", "ring": "collective-permute", "ulysses": "all-to-all"}
     assert rows[("context", own[strategy])]["bytes"] > 0
-    for r in rep["rows"]:
-        if r["expected_bytes"]:
-            assert r["ratio"] == pytest.approx(1.0, abs=0.05), r
     total = sum(r["bytes"] for r in rep["rows"])
-    unexpected = [r for r in rep["rows"] if not r["expected_bytes"]]
+    # Rows of a few kB (norm scales, the router's statistics and gradient) are priced too, but
+    # XLA groups them by layout in ways the model does not follow row by row: together they
+    # must stay within 1% of the step's bytes, and every larger row within 5%.
+    small = [r for r in rep["rows"] if max(r["bytes"], r["expected_bytes"]) < 0.005 * total]
+    for r in rep["rows"]:
+        if r["expected_bytes"] and r not in small:
+            assert r["ratio"] == pytest.approx(1.0, abs=0.05), r
     # Left out: the tokens' places and document ids, gathered once ([T] and [B, T] int32), and
     # scalar reductions (the loss).
-    assert sum(r["bytes"] for r in unexpected) < 0.01 * total, unexpected
+    off = sum(abs(r["bytes"] - r["expected_bytes"]) for r in rep["rows"] if r in small)
+    unexpected = sum(r["bytes"] for r in rep["rows"] if not r["expected_bytes"] and r not in small)
+    assert off + unexpected < 0.01 * total, rep["rows"]
 
 
 @pytest.mark.parametrize(

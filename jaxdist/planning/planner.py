@@ -173,7 +173,7 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
         ),
         model.compute_bytes,
         m,
-        reduce_scatter=hw.platform != "cpu",
+        platform=hw.platform,
     )
     if schedule:
         expected[("pipeline", "collective-permute")] = pipeline.send_bytes(

@@ -52,9 +52,12 @@ def expected(
     partial_sums: list[PartialSum],
     compute_bytes: int,
     microbatches: int,
-    reduce_scatter: bool,
+    platform: str,
 ) -> dict[tuple[str, str], float]:
-    """Analytic bytes per step, keyed like hlo.summarize: (axis label, kind)."""
+    """Analytic bytes per step, keyed like hlo.summarize: (axis label, kind), as `platform`'s
+    compiler emits them."""
+    # XLA's CPU pipeline emits the reduce-scatter of a sum that lands sharded as an all-reduce.
+    reduce_scatter = platform != "cpu"
     out: dict[tuple[str, str], float] = {}
 
     def add(label: str, kind: str, nbytes: float) -> None:
@@ -90,14 +93,20 @@ def expected(
         # Expert weights take the same two steps, by the explicit all_gather inside
         # jaxdist.parallel.experts' shard_map, whose transpose is a reduce-scatter; so does
         # the output head [embed, vocab], used gathered but its gradient landing in its stored
-        # layout (rules.gathered). Other weights are summed in one all-reduce over every
-        # batch axis: the embedding table (a lookup, used gathered both ways) and a layer's
-        # vectors (norm scales: reductions over the batch's tokens), whole; a layer's weight
-        # with one named dim (the router, [embed, experts]), as the slice it is stored as.
+        # layout (rules.gathered). The embedding table's is reduce-scattered explicitly over
+        # every token axis it is stored split over (jaxdist.kernels.lookup; on TPU as a ring of
+        # permutes, (n - 1) / n of it), all-reduced over the others. Other weights are summed
+        # in one all-reduce over every batch axis: a layer's vectors (norm scales: reductions
+        # over the batch's tokens), whole; a layer's weight with one named dim (the router,
+        # [embed, experts]), as the slice it is stored as.
         reduce_over = set(batch_axes) - act_axes
         head = tuple(named) == ("embed", "vocab")
         one_dim = "layers" in logical and len(named) == 2
-        if one_dim and len(logical) > 2:
+        if tuple(named) == ("vocab", "embed"):
+            tokens = set(batch_axes) | set(seq_axes)
+            scattered, size = tokens & gather, microbatches * compute_size
+            _lookup_gradient(add, mesh, scattered, tokens - gather, size, platform)
+        elif one_dim and len(logical) > 2:
             add(_label(mesh, reduce_over), "all-reduce", compute_size / ways(mesh.shape, gather))
         elif _label(mesh, gather) and ("layers" in logical or head) and not one_dim:
             first = "reduce-scatter" if reduce_scatter or "expert" in named else "all-reduce"
@@ -121,6 +130,17 @@ def expected(
         add(_label(mesh, over), ps.kind, ps.count * size)
     # Not modelled: scalar reductions (loss, norms), a few bytes that show as unexpected rows.
     return out
+
+
+def _lookup_gradient(add, mesh: Mesh, scattered, summed, nbytes: float, platform: str) -> None:
+    """The embedding table's gradient, as jaxdist.kernels.lookup reduces it (per microbatch:
+    `nbytes`, the caller's count)."""
+    n = ways(mesh.shape, scattered)
+    if platform == "tpu":
+        add(_label(mesh, scattered), "collective-permute", nbytes * (n - 1) / n)
+    else:
+        add(_label(mesh, scattered), "reduce-scatter", nbytes)
+    add(_label(mesh, summed), "all-reduce", nbytes / n)
 
 
 def _stage_weight(add, mesh: Mesh, var, named, param_axes, moved_axes, compute_bytes) -> None:
@@ -167,7 +187,7 @@ def report(
         partial_sums,
         compute_bytes,
         microbatches,
-        reduce_scatter=platform != "cpu",
+        platform=platform,
     )
     for key, nbytes in (extra_expected or {}).items():
         exp[key] = exp.get(key, 0.0) + nbytes
