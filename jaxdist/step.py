@@ -352,14 +352,6 @@ def _pipeline_schedule(
     """The schedule over the `pipeline` axis, checked against the layers; None without one."""
     if "pipeline" not in mesh.shape or mesh.shape["pipeline"] <= 1:
         return None
-    if mesh.shape.get("context", 1) > 1 and config.context_strategy == "ring":
-        # XLA's CPU runtime (jax 0.11.2) crashes (SIGSEGV) running the ring's permutes over
-        # `context` inside the pipeline's shard_map, also with the ring called directly in the
-        # stage (no nested shard_map); untried on GPU and TPU, so refused.
-        raise ConfigError(
-            "--context-strategy ring inside pipeline stages is not supported: use all-gather "
-            "or ulysses with a pipeline axis"
-        )
     schedule = pipeline.make_schedule(
         config.pipeline_schedule,
         mesh.shape["pipeline"],

@@ -125,6 +125,11 @@ def _context_exchange(
     if strategy == "ring":  # cp - 1 hops of K and V forward, of dK and dV backward
         chunk = ("batch", "seq", "kv_heads", "head_dim"), (B, T, G, H)
         return [PartialSum((fwd + 1) * 2 * (cp - 1), *chunk, "seq", nbytes, "collective-permute")]
+    if strategy == "ring-by-gather":  # each hop an all-gather of the chunks, backward a sum
+        return [
+            PartialSum(fwd * 2 * (cp - 1), *kv_whole, "seq", nbytes, "all-gather"),
+            PartialSum(2 * (cp - 1), *kv_whole, "seq", nbytes, "reduce-scatter"),
+        ]
     # Ulysses: Q and the output [B, T, N, H], K and V (kv heads repeated up to cp), each way.
     g = G * (cp // math.gcd(G, cp))
     heads = (("heads", N), ("kv_heads", g))

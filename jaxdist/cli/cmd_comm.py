@@ -23,6 +23,7 @@ def run(args: Comm) -> int:
 
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.parallel import pipeline
+    from jaxdist.parallel.context import carrier
     from jaxdist.planning import traffic
     from jaxdist.rules import batch_ways
     from jaxdist.rules import ways as split_ways
@@ -63,7 +64,7 @@ def run(args: Comm) -> int:
         partial_sums(
             *(model_cfg, args.batch_size, args.step.microbatches, ways, stages, virtual),
             context=(
-                args.step.context_strategy,
+                carrier(args.step.context_strategy, mesh.devices.flat[0].platform, stages > 1),
                 split_ways(mesh.shape, rules.mesh_axes("seq", "activation")),
             ),
         ),

@@ -60,6 +60,9 @@ class Common:
     the planner's memory model, confirmed by the compiler for a --target), preset (the model
     preset's own), none, full (recompute each layer), dots (save matmul and attention
     outputs, recompute element-wise work), or another policy of models/remat.py"""
+    attention: Literal["auto", "xla", "splash", "cudnn"] = "auto"
+    """attention kernel: auto (the platform's fused one: splash on TPU, cuDNN on GPU at 16
+    bits, else XLA's), or xla (plain einsums, runs everywhere), splash, cudnn"""
     capacity_factor: float | None = None
     """MoE: expert capacity = factor x tokens x top-k / experts (tokens past it are dropped)"""
     dropless: bool = False
@@ -118,9 +121,20 @@ def _flag(attr: str) -> str:
     return "--" + attr.replace("_", "-")
 
 
-def _attention(platform: str, dtype: str) -> str:
+def _attention(platform: str, dtype: str, asked: str = "auto") -> str:
     """The fused kernel of the platform (jaxdist.kernels.attention); cuDNN's takes 16-bit
     inputs only."""
+    if asked == "cudnn" and (platform != "gpu" or dtype != "bfloat16"):
+        raise ConfigError(
+            f"--attention cudnn runs on GPUs at bfloat16; this step is {platform} at {dtype}: "
+            "use --attention xla or auto"
+        )
+    if asked == "splash" and platform == "gpu":
+        raise ConfigError(
+            "--attention splash is TPU's kernel (interpreted on CPU): on GPU use cudnn or xla"
+        )
+    if asked != "auto":
+        return asked
     if platform == "tpu":
         return "splash"
     return "cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla"
@@ -225,7 +239,7 @@ def model_config(args: Common, platform: str):
         **args.model_overrides(),
         compute_dtype=dtype,
         **({} if args.remat in ("preset", "auto") else {"remat": args.remat}),
-        attention=_attention(platform, dtype),
+        attention=_attention(platform, dtype, args.attention),
     )
 
 

@@ -52,6 +52,18 @@ class Split(NamedTuple):
     segment_ids_BT: jax.Array | None
 
 
+def carrier(strategy: str, platform: str, pipelined: bool) -> str:
+    """How a strategy's exchange is carried: the strategy's own collective, except the ring
+    on CPU inside pipeline stages ("ring-by-gather"). XLA's CPU runtime (jax 0.11.2) crashes
+    (SIGSEGV) on a collective-permute inside a conditional branch that not every device takes,
+    as a stage's tick is; all-gathers there run. So each hop's chunk comes by an all-gather
+    over the ring (its gradient by a reduce-scatter), cp times the permute's bytes: the same
+    values, so the pipelined ring is tested on CPU. GPU and TPU permute as everywhere."""
+    if strategy == "ring" and platform == "cpu" and pipelined:
+        return "ring-by-gather"
+    return strategy
+
+
 def ways_here() -> int:
     """How many devices split the sequence under the active rules (1: none)."""
     rules, mesh = active()
@@ -187,7 +199,17 @@ def _ring(q, k, v, index_t, seg_bt, axis, cp, implementation):
     b, t, N, H = q.shape
     G = k.shape[2]
     q_btGRH = (q.astype(jnp.float32) * H**-0.5).reshape(b, t, G, N // G, H)
-    shift = [(j, (j + 1) % cp) for j in range(cp)]
+    _, mesh = active()
+    pipelined = mesh.shape.get("pipeline", 1) > 1
+    by_gather = carrier("ring", mesh.devices.flat[0].platform, pipelined) != "ring"
+
+    def pass_on(x):  # to the next device of the ring, from the previous one
+        if not by_gather:
+            return jax.lax.ppermute(x, axis, [(j, (j + 1) % cp) for j in range(cp)])
+        previous = (_ring_index(axis) - 1) % cp
+        everyone = jax.lax.all_gather(x, axis)
+        return jax.lax.dynamic_index_in_dim(everyone, previous, keepdims=False)
+
     o_btGRH = lse_bGRt = None
     kv = (k, v, index_t, seg_bt)
     for step in range(cp):
@@ -199,15 +221,23 @@ def _ring(q, k, v, index_t, seg_bt, axis, cp, implementation):
         o_c = jnp.einsum("bgrts,bsgh->btgrh", jnp.exp(scores - lse_c[..., None]), v_s)
         if step == 0:
             o_btGRH, lse_bGRt = o_c, lse_c
-            kv = tuple(jax.lax.ppermute(x, axis, shift) for x in kv)
+            kv = tuple(pass_on(x) for x in kv)
             continue
         merged = jnp.logaddexp(lse_bGRt, lse_c)
         w_old = jnp.exp(lse_bGRt - merged).transpose(0, 3, 1, 2)[..., None]
         w_new = jnp.exp(lse_c - merged).transpose(0, 3, 1, 2)[..., None]
         o_btGRH, lse_bGRt = o_btGRH * w_old + o_c * w_new, merged
         if step < cp - 1:  # the next chunk, from the neighbour; overlappable with this one
-            kv = tuple(jax.lax.ppermute(x, axis, shift) for x in kv)
+            kv = tuple(pass_on(x) for x in kv)
     return o_btGRH.reshape(b, t, N, H).astype(q.dtype)
+
+
+def _ring_index(axes: tuple[str, ...]) -> jax.Array:
+    """This device's place on a ring over these axes (the first the major one)."""
+    index = jnp.int32(0)
+    for a in axes:
+        index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+    return index
 
 
 def _splash_all_gather(q_BTNH, k_BTGH, v_BTGH, split: Split, axes) -> jax.Array:

@@ -60,8 +60,6 @@ def why_not(
     if stages > 1 and model.num_experts:
         return "pipeline with experts is not supported"
     cp = ways(sizes, rules.mesh_axes("seq", "activation"))
-    if cp > 1 and stages > 1 and cfg.context_strategy == "ring":
-        return "ring attention inside pipeline stages is not supported"
     if cp > 1 and model.seq_len % (2 * cp):
         return "sequence not a multiple of 2 x context (each device holds two equal chunks)"
     if stages > 1 and m < stages:

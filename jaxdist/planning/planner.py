@@ -31,6 +31,7 @@ from jaxdist.errors import ConfigError
 from jaxdist.hardware import get_hardware
 from jaxdist.mesh import MESH_AXES
 from jaxdist.parallel import pipeline
+from jaxdist.parallel.context import carrier
 from jaxdist.planning import compute, costmodel, layouts, memory, traffic
 from jaxdist.rules import AxisRules, ways
 from jaxdist.step import StepConfig
@@ -169,7 +170,8 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
         mesh,
         rules,
         model.partial_sums(
-            cfg.batch_size, m, batch_ways, stages, v, (cfg.context_strategy, context_ways)
+            *(cfg.batch_size, m, batch_ways, stages, v),
+            (carrier(cfg.context_strategy, hw.platform, stages > 1), context_ways),
         ),
         model.compute_bytes,
         m,
