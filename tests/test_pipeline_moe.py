@@ -79,3 +79,22 @@ def test_moe_checkpoints_move_between_pipelined_and_unpipelined(tmp_path):
         )
         for x, y in zip(jax.tree.leaves(jax.device_get(r.state)), saved, strict=True):
             np.testing.assert_array_equal(np.asarray(x), y)
+
+
+@pytest.mark.parametrize("mesh", ["pipeline=2,expert=2,data=2", "pipeline=2,expert=2,fsdp=2"])
+def test_plan_prices_experts_in_pipeline_stages_as_compiled(tmp_path, capsys, mesh):
+    # The planner refused these layouts ("pipeline with experts is not supported") though the
+    # trainer runs them (above); priced, they must agree with the compiled step.
+    import json
+
+    from jaxdist.cli.main import main
+
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "tiny-moe", "--devices", "8", "--hardware", "cpu", "--mesh", mesh]
+    args += ["--batch-size", "16", "--microbatches", "2", "--verify", "1", "--json", str(out)]
+    assert main(args) == 0
+    capsys.readouterr()
+    (row,) = [r for r in json.loads(out.read_text())["layouts"] if "verify" in r]
+    v = row["verify"]
+    assert abs(v["memory_ratio"] - 1) <= 0.15 and abs(v["bytes_ratio"] - 1) <= 0.05, v
+    assert v["hlo_collective_bytes"] > 0

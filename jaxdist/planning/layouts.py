@@ -57,8 +57,6 @@ def why_not(
     n = ways(sizes, rules.mesh_axes("batch", "activation"))
     if cfg.batch_size % (m * n):
         return f"batch {cfg.batch_size} not divisible by {m} microbatches x {n} batch ways"
-    if stages > 1 and model.num_experts:
-        return "pipeline with experts is not supported"
     cp = ways(sizes, rules.mesh_axes("seq", "activation"))
     if cp > 1 and model.seq_len % (2 * cp):
         return "sequence not a multiple of 2 x context (each device holds two equal chunks)"
