@@ -79,8 +79,8 @@ CASES = [
     pytest.param(layout, strategy, packed, marks=() if quick else SLOW)
     for layout in LAYOUTS
     for strategy in context.STRATEGIES
-    # plain rows (no document ids: zeros inside attention) on one layout per strategy
-    for packed in ((True, False) if layout == LAYOUTS[0] else (True,))
+    # plain rows (no document ids: zeros inside attention) and packed documents
+    for packed in (True, False)
     # the quick loop keeps one: ring (the most machinery) over packed documents
     for quick in [(layout, strategy, packed) == ("context=4,fsdp=2", "ring", True)]
 ]
