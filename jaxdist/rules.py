@@ -24,7 +24,7 @@ from jaxdist.errors import ConfigError
 MeshAxes = str | tuple[str, ...] | None
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -39,7 +39,7 @@ class AxisRules:
     def mesh_axes(self, logical: str, kind: str) -> tuple[str, ...]:
         for name, param_axes, act_axes in self.rows:
             if name == logical:
-                return _as_tuple(param_axes if kind == "param" else act_axes)
+                return as_tuple(param_axes if kind == "param" else act_axes)
         raise ConfigError(
             f"logical axis {logical!r} has no rule; add a row for it to the mesh preset's table"
         )
@@ -61,7 +61,7 @@ class AxisRules:
                 )
             seen.add(name)
             for kind, axes in (("param", row[1]), ("activation", row[2])):
-                axes_t = _as_tuple(axes)
+                axes_t = as_tuple(axes)
                 for axis in axes_t:
                     if axis not in mesh_axis_names:
                         raise ConfigError(
@@ -110,7 +110,7 @@ def check_divisible(
     if len(shape) != len(logical):
         raise ConfigError(f"{what}: shape {shape} has {len(shape)} dims but logical axes {logical}")
     for dim, name, axes in zip(shape, logical, spec, strict=True):
-        axes_t = _as_tuple(axes)
+        axes_t = as_tuple(axes)
         n = ways(mesh.shape, axes_t)
         if dim % n:
             raise ConfigError(
@@ -173,7 +173,7 @@ def batch_sharding(rules: AxisRules, mesh: Mesh) -> NamedSharding:
 
 def batch_ways(sharding: NamedSharding) -> int:
     """How many devices share the batch (rows per device = batch / this)."""
-    return ways(sharding.mesh.shape, _as_tuple(sharding.spec[0]))
+    return ways(sharding.mesh.shape, as_tuple(sharding.spec[0]))
 
 
 # The activation-constraint door. Models call `constrain` with logical names; the trainer
@@ -256,8 +256,17 @@ def gathered(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     return use(x)
 
 
+def position(axes: tuple[str, ...]) -> jax.Array:
+    """This device's index along a split over these mesh axes (the first the major one), inside
+    a shard_map manual over them: the order a PartitionSpec entry of them splits a dim in."""
+    index = jnp.int32(0)
+    for a in axes:
+        index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+    return index
+
+
 def _without(entry: MeshAxes, axes: set[str]) -> MeshAxes:
-    kept = tuple(a for a in _as_tuple(entry) if a not in axes)
+    kept = tuple(a for a in as_tuple(entry) if a not in axes)
     return kept[0] if len(kept) == 1 else (kept or None)
 
 

@@ -15,7 +15,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxdist.rules import activation_rules, active, active_context_strategy, constrain, ways
+from jaxdist.rules import (
+    activation_rules,
+    active,
+    active_context_strategy,
+    as_tuple,
+    constrain,
+    position,
+    ways,
+)
 
 
 def lookup(table_VD: jax.Array, ids_BT: jax.Array, logical: tuple[str, str]) -> jax.Array:
@@ -58,16 +66,16 @@ def _scattered(shape_VD, ids_BT, g_BTD, logical) -> jax.Array:
         return constrain(g_VD, logical, "param")
     stored = rules.spec(logical, "param", "embedding table")
     # Per dim, the token axes it is stored split over, in the stored order.
-    scatter = [tuple(a for a in _axes(entry) if a in token_axes) for entry in stored]
+    scatter = [tuple(a for a in as_tuple(entry) if a in token_axes) for entry in stored]
     summed = tuple(sorted(token_axes - {a for axes in scatter for a in axes}))
-    vocab_axes = _axes(used[0])
+    vocab_axes = as_tuple(used[0])
     ring = mesh.devices.flat[0].platform == "tpu"
     rows = shape_VD[0] // ways(mesh.shape, vocab_axes)
 
     def body(ids_BT, g_BTD):
         # This device's rows of the table as used (the vocabulary split over `tensor`):
         # tokens outside them index past the end and are dropped.
-        first = _flat_index(vocab_axes) * rows
+        first = position(vocab_axes) * rows
         local_BT = jnp.where((ids_BT >= first) & (ids_BT < first + rows), ids_BT - first, rows)
         g_VD = jnp.zeros((rows, g_BTD.shape[-1]), g_BTD.dtype)
         g_VD = g_VD.at[local_BT].add(g_BTD, mode="drop")
@@ -78,12 +86,14 @@ def _scattered(shape_VD, ids_BT, g_BTD, logical) -> jax.Array:
 
     tokens = rules.spec(("batch", "seq"), "activation", "token ids")
     tokens = PartitionSpec(*(_only(entry, token_axes) for entry in tokens))
-    out = PartitionSpec(*((_axes(u) + axes) or None for u, axes in zip(used, scatter, strict=True)))
+    out = PartitionSpec(
+        *((as_tuple(u) + axes) or None for u, axes in zip(used, scatter, strict=True))
+    )
     g_VD = jax.shard_map(
         body,
         in_specs=(tokens, PartitionSpec(*tokens, used[1])),
         out_specs=out,
-        axis_names=token_axes | set(vocab_axes) | set(_axes(used[1])),
+        axis_names=token_axes | set(vocab_axes) | set(as_tuple(used[1])),
         check_vma=False,
         **({} if manual else {"mesh": mesh}),
     )(ids_BT, g_BTD)
@@ -100,7 +110,7 @@ def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, n: int, ring: 
     pieces = jnp.moveaxis(pieces, dim, 0)
     if not ring:
         return jax.lax.psum_scatter(pieces, axes, scatter_dimension=0)
-    me = _flat_index(axes)
+    me = position(axes)
     ahead = [(i, (i + 1) % n) for i in range(n)]
 
     def piece(k):
@@ -114,18 +124,6 @@ def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, n: int, ring: 
     return jax.lax.fori_loop(1, n, hop, piece(me - 1))
 
 
-def _flat_index(axes: tuple[str, ...]) -> jax.Array:
-    """This device's position along a split over these axes (the first the major one)."""
-    index = jnp.int32(0)
-    for a in axes:
-        index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
-    return index
-
-
 def _only(entry, axes: set[str]):
-    kept = tuple(a for a in _axes(entry) if a in axes)
+    kept = tuple(a for a in as_tuple(entry) if a in axes)
     return kept or None
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

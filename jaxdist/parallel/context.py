@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import ConfigError
 from jaxdist.kernels.documents import Documents
-from jaxdist.rules import active, active_context_strategy, shard_map_here, ways
+from jaxdist.rules import active, active_context_strategy, position, shard_map_here, ways
 
 Strategy = Literal["all-gather", "ring", "ulysses"]
 STRATEGIES: tuple[str, ...] = ("all-gather", "ring", "ulysses")
@@ -206,7 +206,7 @@ def _ring(q, k, v, index_t, seg_bt, axis, cp, implementation):
     def pass_on(x):  # to the next device of the ring, from the previous one
         if not by_gather:
             return jax.lax.ppermute(x, axis, [(j, (j + 1) % cp) for j in range(cp)])
-        previous = (_ring_index(axis) - 1) % cp
+        previous = (position(axis) - 1) % cp
         everyone = jax.lax.all_gather(x, axis)
         return jax.lax.dynamic_index_in_dim(everyone, previous, keepdims=False)
 
@@ -230,14 +230,6 @@ def _ring(q, k, v, index_t, seg_bt, axis, cp, implementation):
         if step < cp - 1:  # the next chunk, from the neighbour; overlappable with this one
             kv = tuple(pass_on(x) for x in kv)
     return o_btGRH.reshape(b, t, N, H).astype(q.dtype)
-
-
-def _ring_index(axes: tuple[str, ...]) -> jax.Array:
-    """This device's place on a ring over these axes (the first the major one)."""
-    index = jnp.int32(0)
-    for a in axes:
-        index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
-    return index
 
 
 def _splash_all_gather(q_BTNH, k_BTGH, v_BTGH, split: Split, axes) -> jax.Array:
