@@ -123,15 +123,18 @@ def _cast(c: TransformerConfig, name: str, v: jax.Array) -> jax.Array:
     # The embedding table and the head are used gathered, their gradients landing where they
     # are stored (embed, head_weight); layer weights keep their stored layout inside the scan
     # body (_stored).
-    v = v.astype(jnp.dtype(c.compute_dtype))
+    v = _compute(c, v)
     return v if "_L" in name else constrain(v, _LOGICAL[name])
+
+
+def _compute(c: TransformerConfig, v: jax.Array) -> jax.Array:
+    return v.astype(jnp.dtype(c.compute_dtype))
 
 
 def embed(
     c: TransformerConfig, p: dict, tokens_BT: jax.Array, docs: Documents | None = None
 ) -> jax.Array:
-    table_VD = p["tok_embed_VD"].astype(jnp.dtype(c.compute_dtype))
-    x_BTD = lookup(table_VD, tokens_BT, _LOGICAL["tok_embed_VD"])
+    x_BTD = lookup(_compute(c, p["tok_embed_VD"]), tokens_BT, _LOGICAL["tok_embed_VD"])
     if c.style == "gpt2":
         pos_embed_TD = _cast(c, "pos_embed_TD", p["pos_embed_TD"])
         if docs is None:
@@ -143,7 +146,7 @@ def embed(
 
 def run_layers(c: TransformerConfig, layers: dict, x_BTD: jax.Array, docs: Documents | None = None):
     """The stacked layers given (all of them, or a pipeline stage's share), in order."""
-    layers = {k: v.astype(jnp.dtype(c.compute_dtype)) for k, v in layers.items()}
+    layers = {k: _compute(c, v) for k, v in layers.items()}
     if docs is None:
         positions_BT, mask_B1TS = jnp.arange(x_BTD.shape[1])[None], None  # B of 1: broadcast
     else:
@@ -185,9 +188,8 @@ def final_norm(c: TransformerConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
 def head_weight(c: TransformerConfig, p: dict) -> jax.Array:
     """The output head [D, V] in the compute dtype: its own weight, or the embedding's."""
     if c.tie_embeddings:
-        table_VD = p["tok_embed_VD"].astype(jnp.dtype(c.compute_dtype))
-        return gathered(table_VD.T, _LOGICAL["head_DV"])
-    return gathered(p["head_DV"].astype(jnp.dtype(c.compute_dtype)), _LOGICAL["head_DV"])
+        return gathered(_compute(c, p["tok_embed_VD"]).T, _LOGICAL["head_DV"])
+    return gathered(_compute(c, p["head_DV"]), _LOGICAL["head_DV"])
 
 
 def _norm(c: TransformerConfig, x_BTD, scale_D, bias_D):

@@ -56,8 +56,6 @@ def expected(
 ) -> dict[tuple[str, str], float]:
     """Analytic bytes per step, keyed like hlo.summarize: (axis label, kind), as `platform`'s
     compiler emits them."""
-    # XLA's CPU pipeline emits the reduce-scatter of a sum that lands sharded as an all-reduce.
-    reduce_scatter = platform != "cpu"
     out: dict[tuple[str, str], float] = {}
 
     def add(label: str, kind: str, nbytes: float) -> None:
@@ -85,43 +83,8 @@ def expected(
         # A pipeline stage keeps its own layers: their split over `pipeline` is never gathered.
         gather = param_axes - act_axes - {"pipeline"}
         add(_label(mesh, gather), "all-gather", uses * compute_size)
-        # Gradient: summed over the batch axes, except those the weight is also split over
-        # where it is used (experts: each device holds the tokens routed to its experts).
-        # A layer weight split over some of them (FSDP) is used in its stored layout, so its
-        # sum lands sharded: reduced over those axes first (a reduce-scatter; XLA's CPU
-        # pipeline emits an all-reduce), then the shard all-reduced over the other batch axes.
-        # Expert weights take the same two steps, by the explicit all_gather inside
-        # jaxdist.parallel.experts' shard_map, whose transpose is a reduce-scatter; so does
-        # the output head [embed, vocab], used gathered but its gradient landing in its stored
-        # layout (rules.gathered). The embedding table's is reduce-scattered explicitly over
-        # every token axis it is stored split over (jaxdist.kernels.lookup; on TPU as a ring of
-        # permutes, (n - 1) / n of it), all-reduced over the others. Other weights are summed
-        # in one all-reduce over every batch axis: a layer's vectors (norm scales: reductions
-        # over the batch's tokens), whole; a layer's weight with one named dim (the router,
-        # [embed, experts]), as the slice it is stored as.
-        reduce_over = set(batch_axes) - act_axes
-        head = tuple(named) == ("embed", "vocab")
-        one_dim = "layers" in logical and len(named) == 2
-        if tuple(named) == ("vocab", "embed"):
-            tokens = set(batch_axes) | set(seq_axes)
-            scattered, size = tokens & gather, microbatches * compute_size
-            _lookup_gradient(add, mesh, scattered, tokens - gather, size, platform)
-        elif one_dim and len(logical) > 2:
-            add(_label(mesh, reduce_over), "all-reduce", compute_size / ways(mesh.shape, gather))
-        elif _label(mesh, gather) and ("layers" in logical or head) and not one_dim:
-            first = "reduce-scatter" if reduce_scatter or "expert" in named else "all-reduce"
-            add(_label(mesh, gather), first, microbatches * compute_size)
-            add(
-                _label(mesh, reduce_over - gather),
-                "all-reduce",
-                microbatches * compute_size / ways(mesh.shape, gather),
-            )
-        else:
-            kind = "reduce-scatter" if reduce_scatter and _label(mesh, gather) else "all-reduce"
-            add(_label(mesh, reduce_over), kind, microbatches * compute_size)
-            # A split sequence (context): its devices hold other tokens of the same rows, so
-            # the sum goes over them too, as XLA emits it: a second all-reduce, over them.
-            add(_label(mesh, set(seq_axes) - act_axes), "all-reduce", microbatches * compute_size)
+        axes = (gather, act_axes, set(batch_axes), set(seq_axes))
+        _gradient(add, mesh, logical, axes, compute_size, microbatches, platform)
     for ps in partial_sums:
         over = rules.mesh_axes(ps.over, "activation")
         named = [n for n in ps.logical if n is not None]
@@ -130,6 +93,52 @@ def expected(
         add(_label(mesh, over), ps.kind, ps.count * size)
     # Not modelled: scalar reductions (loss, norms), a few bytes that show as unexpected rows.
     return out
+
+
+def _gradient(add, mesh: Mesh, logical, axes, compute_size: float, microbatches: int, platform):
+    """One weight's gradient reduction per step. `axes`: the mesh axes it is gathered over
+    where used, those its compute layout splits, the batch's and the sequence's."""
+    gather, act_axes, batch_axes, seq_axes = axes
+    named = [n for n in logical if n is not None]
+    # XLA's CPU pipeline emits the reduce-scatter of a sum that lands sharded as an all-reduce.
+    reduce_scatter = platform != "cpu"
+    # Gradient: summed over the batch axes, except those the weight is also split over
+    # where it is used (experts: each device holds the tokens routed to its experts).
+    # A layer weight split over some of them (FSDP) is used in its stored layout, so its
+    # sum lands sharded: reduced over those axes first (a reduce-scatter; XLA's CPU
+    # pipeline emits an all-reduce), then the shard all-reduced over the other batch axes.
+    # Expert weights take the same two steps, by the explicit all_gather inside
+    # jaxdist.parallel.experts' shard_map, whose transpose is a reduce-scatter; so does
+    # the output head [embed, vocab], used gathered but its gradient landing in its stored
+    # layout (rules.gathered). The embedding table's is reduce-scattered explicitly over
+    # every token axis it is stored split over (jaxdist.kernels.lookup; on TPU as a ring of
+    # permutes, (n - 1) / n of it), all-reduced over the others. Other weights are summed
+    # in one all-reduce over every batch axis: a layer's vectors (norm scales: reductions
+    # over the batch's tokens), whole; a layer's weight with one named dim (the router,
+    # [embed, experts]), as the slice it is stored as.
+    reduce_over = batch_axes - act_axes
+    head = tuple(named) == ("embed", "vocab")
+    one_dim = "layers" in logical and len(named) == 2
+    if tuple(named) == ("vocab", "embed"):
+        tokens = batch_axes | seq_axes
+        scattered, size = tokens & gather, microbatches * compute_size
+        _lookup_gradient(add, mesh, scattered, tokens - gather, size, platform)
+    elif one_dim and len(logical) > 2:
+        add(_label(mesh, reduce_over), "all-reduce", compute_size / ways(mesh.shape, gather))
+    elif _label(mesh, gather) and ("layers" in logical or head) and not one_dim:
+        first = "reduce-scatter" if reduce_scatter or "expert" in named else "all-reduce"
+        add(_label(mesh, gather), first, microbatches * compute_size)
+        add(
+            _label(mesh, reduce_over - gather),
+            "all-reduce",
+            microbatches * compute_size / ways(mesh.shape, gather),
+        )
+    else:
+        kind = "reduce-scatter" if reduce_scatter and _label(mesh, gather) else "all-reduce"
+        add(_label(mesh, reduce_over), kind, microbatches * compute_size)
+        # A split sequence (context): its devices hold other tokens of the same rows, so
+        # the sum goes over them too, as XLA emits it: a second all-reduce, over them.
+        add(_label(mesh, seq_axes - act_axes), "all-reduce", microbatches * compute_size)
 
 
 def _lookup_gradient(add, mesh: Mesh, scattered, summed, nbytes: float, platform: str) -> None:
