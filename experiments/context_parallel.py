@@ -13,8 +13,8 @@ Part 2, predicted: Llama-2-7B (MaxText's published setting) on `v5p-16` (8 chips
 per strategy, with the fastest marked and where the order changes (the crossover).
 
 What the planner does not price (so part 2 ranks links, not kernels): ring attention here is
-XLA's math, not a fused kernel (splash runs all-gather only), and its chunks' compute is not
-overlapped with the hops in the model; Ulysses' all-to-alls are priced exposed.
+XLA's math, not a fused kernel (splash and cuDNN run all-gather and Ulysses), and its chunks'
+compute is not overlapped with the hops in the model; Ulysses' all-to-alls are priced exposed.
 """
 
 import argparse

@@ -22,7 +22,7 @@ from meshes.presets import STANDARD_RULES
 from models.inventory import plan_model
 from models.presets import get_model_config
 from models.transformer import Transformer
-from tests.extras import needs_tpu
+from tests.extras import needs_gpu_aot, needs_tpu
 from tests.helpers import cli, mesh_for
 from tests.test_equivalence import _assert_close, _first_gradients
 
@@ -115,13 +115,18 @@ def test_experts_beside_context_route_each_devices_own_tokens():
 
 
 @SLOW
-def test_splash_attention_across_context_equals_xla_on_one_device():
-    # TPU's kernel (Pallas interpret mode here): one kernel for the whole balanced mask, its
-    # block tables split over the query shards; packed documents' ids gathered with K/V.
+@pytest.mark.parametrize(
+    "strategy,packed", [("all-gather", True), ("ulysses", True), ("ulysses", False)]
+)
+def test_splash_attention_across_context_equals_xla_on_one_device(strategy, packed):
+    # TPU's kernel (Pallas interpret mode here). All-gather: one kernel for the whole balanced
+    # mask, its block tables split over the query shards; packed documents' ids gathered with
+    # K/V. Ulysses: after the all-to-all, the whole sequence put back in row order for the
+    # kernel each device runs without a split (causal, document ids), and back.
     over = {"seq_len": 256}
-    reference = _run("single", packed=True, overrides=tuple(over.items()), steps=3)
+    reference = _run("single", packed=packed, overrides=tuple(over.items()), steps=3)
     splash = (*over.items(), ("attention", "splash"))
-    got = _run("context=2,fsdp=2,tensor=2", packed=True, overrides=splash, steps=3)
+    got = _run("context=2,fsdp=2,tensor=2", strategy, packed, overrides=splash, steps=3)
     _assert_matches(got, reference)
 
 
@@ -184,6 +189,30 @@ def test_ring_in_pipeline_stages_permutes_on_tpu():
     report = json.loads(r.stdout.strip().splitlines()[-1])
     hops = [c for c in report["collectives"] if c["kind"] == "collective-permute"]
     assert any(c["axis"] == "context" and c["count"] >= 2 for c in hops), report["collectives"]
+
+
+@SLOW
+@pytest.mark.parametrize(
+    "target",
+    [pytest.param("tpu-v5p:2x2x2", marks=needs_tpu), pytest.param("h100:8", marks=needs_gpu_aot)],
+)
+def test_ulysses_runs_the_platforms_fused_kernel(target):
+    # After its all-to-all each device holds the whole sequence for a share of the heads: the
+    # kernel it runs without a split (splash, cuDNN), not XLA's [T, T] scores per head shard.
+    args = ["train", "--model", "tiny-llama", "--seq-len", "512", "--batch-size", "2"]
+    args += ["--mesh", "context=4,fsdp=2", "--context-strategy", "ulysses"]
+    r = cli(*args, "--compile-only", "--target", target)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    kernels = report["kernels"]
+    fused = kernels["attention"]
+    if target.startswith("tpu"):  # splash's forward, dq and dkv kernels
+        assert fused["tpu_custom_calls"] >= 3, fused
+    else:
+        assert 1 <= fused["cudnn_fused_forward"] <= fused["cudnn_fused_backward"], fused
+    assert kernels["score_tensors"] == 0  # no [.., 512, 512] fp32 value in the program
+    exchanged = {(c["axis"], c["kind"]) for c in report["collectives"]}
+    assert ("context", "all-to-all") in exchanged, report["collectives"]
 
 
 def test_ulysses_refuses_heads_that_do_not_divide():

@@ -62,13 +62,13 @@ def attention(
     if implementation == "splash":
         _, mesh = active()
         interpret = mesh.devices.flat[0].platform == "cpu"
-        local = functools.partial(_splash_local, interpret=interpret)
+        local = functools.partial(splash_local, interpret=interpret)
         # check_vma off (shard_map_here): the Pallas call carries no varying-axes annotations.
         return _per_device(local, q_BTNH, k_BTGH, v_BTGH, mask, P_SEGMENTS)
     if implementation == "cudnn" and jax.sharding.get_abstract_mesh().manual_axes:
         # Inside the pipeline's shard_map, cuDNN's custom partitioning fails on the partially
         # manual mesh (an assertion in jax 0.11's custom_partitioning): run it per device.
-        return _per_device(_cudnn_local, q_BTNH, k_BTGH, v_BTGH, mask, P_MASK)
+        return _per_device(cudnn_local, q_BTNH, k_BTGH, v_BTGH, mask, P_MASK)
     # XLA: the mask joins the causal mask on the scores. cuDNN: the public API turns the mask
     # into a dense [B, 1, T, S] bias and stays fused, forward and backward
     # (__cudnn$fmhaScaleBiasSoftmax). cuDNN's segment form (q/kv offsets, __cudnn$fmhaSoftmax,
@@ -81,7 +81,7 @@ def attention(
     )
 
 
-def _cudnn_local(q_BTNH, k_BTGH, v_BTGH, mask=None):
+def cudnn_local(q_BTNH, k_BTGH, v_BTGH, mask=None):
     return jax.nn.dot_product_attention(
         q_BTNH, k_BTGH, v_BTGH, mask=mask, is_causal=True, implementation="cudnn"
     )
@@ -107,7 +107,7 @@ def _per_device(local, q_BTNH, k_BTGH, v_BTGH, mask, mask_logical):
     return shard_map_here(local, tuple(specs), q_spec)(*args)
 
 
-def _splash_local(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT=None, *, interpret: bool):
+def splash_local(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT=None, *, interpret: bool):
     """This device's rows and heads: one MQA kernel per (row, kv head) over its query heads."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 

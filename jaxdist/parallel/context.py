@@ -116,12 +116,14 @@ def attend(q_BTNH, k_BTGH, v_BTGH, split: Split, implementation: str) -> jax.Arr
                 "splash attention across `context` inside pipeline stages is not built: add "
                 "--attention xla, or use a mesh without a pipeline axis"
             )
-        if strategy != "all-gather":
+        if strategy == "ring":
             raise ConfigError(
-                f"--context-strategy {strategy} runs with XLA's or cuDNN's attention; with "
-                "splash attention (TPU) use --context-strategy all-gather, or --attention xla"
+                "--context-strategy ring runs with XLA's attention; with splash attention "
+                "(TPU) use --context-strategy all-gather or ulysses, or --attention xla"
             )
-        return _splash_all_gather(q_BTNH, k_BTGH, v_BTGH, split, (batch, seq, heads, kv_heads))
+        if strategy == "all-gather":
+            axes = (batch, seq, heads, kv_heads)
+            return _splash_all_gather(q_BTNH, k_BTGH, v_BTGH, split, axes)
     local_n = q_BTNH.shape[2] // ways(mesh.shape, heads or ())
     if strategy == "ulysses" and local_n % cp:
         raise ConfigError(
@@ -132,19 +134,24 @@ def attend(q_BTNH, k_BTGH, v_BTGH, split: Split, implementation: str) -> jax.Arr
     q_spec, kv_spec = P(batch, seq, heads, None), P(batch, seq, kv_heads, None)
     local = {"all-gather": _all_gather, "ring": _ring, "ulysses": _ulysses}[strategy]
     segments = split.segment_ids_BT
-    if segments is None:
+    if segments is None:  # an operand all the same; `run` drops it
         segments = jnp.zeros((q_BTNH.shape[0], q_BTNH.shape[1]), jnp.int32)
 
+    docs = split.segment_ids_BT is not None
+
     def run(q, k, v, index, seg):
-        return local(q, k, v, index, seg, seq, cp, implementation)
+        return local(q, k, v, index, seg if docs else None, seq, cp, implementation)
 
     specs = (q_spec, kv_spec, kv_spec, P(seq), P(batch, seq))
     return shard_map_here(run, specs, q_spec)(q_BTNH, k_BTGH, v_BTGH, split.index_T, segments)
 
 
 def _allowed(index_q_t, index_k_s, seg_q_bt, seg_k_bs) -> jax.Array:
-    """[b, t, s] bool: query t may see key s (same document, not after it in the row)."""
+    """[b, t, s] bool: query t may see key s (same document, not after it in the row); no
+    document ids (None): one document per row."""
     causal_ts = index_k_s[None, :] <= index_q_t[:, None]
+    if seg_q_bt is None:
+        return causal_ts[None]
     return causal_ts[None] & (seg_q_bt[:, :, None] == seg_k_bs[:, None, :])
 
 
@@ -158,7 +165,7 @@ def _all_gather(q, k, v, index_t, seg_bt, axis, cp, implementation):
     k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
     index_s = jax.lax.all_gather(index_t, axis, axis=0, tiled=True)
-    seg_bs = jax.lax.all_gather(seg_bt, axis, axis=1, tiled=True)
+    seg_bs = None if seg_bt is None else jax.lax.all_gather(seg_bt, axis, axis=1, tiled=True)
     return _dense(q, k_all, v_all, _allowed(index_t, index_s, seg_bt, seg_bs), implementation)
 
 
@@ -167,7 +174,7 @@ def _ulysses(q, k, v, index_t, seg_bt, axis, cp, implementation):
     # in device order, as all_gather's, so the gathered places and ids line up with it.
     to_heads = lambda x: jax.lax.all_to_all(x, axis, 2, 1, tiled=True)  # noqa: E731
     index_T = jax.lax.all_gather(index_t, axis, axis=0, tiled=True)
-    seg_BT = jax.lax.all_gather(seg_bt, axis, axis=1, tiled=True)
+    seg_BT = None if seg_bt is None else jax.lax.all_gather(seg_bt, axis, axis=1, tiled=True)
     # Query heads stay with their kv head: heads n..n+R of group g go where group g goes.
     b, t, N, H = q.shape
     # Fewer kv heads than devices (GQA): each is repeated, consecutively, so query head n
@@ -177,15 +184,35 @@ def _ulysses(q, k, v, index_t, seg_bt, axis, cp, implementation):
     G = k.shape[2]
     q_btGRH = q.reshape(b, t, G, N // G, H)
     q_bTgRH = jax.lax.all_to_all(q_btGRH, axis, 2, 1, tiled=True)
-    o_bTgRH = _dense(
-        q_bTgRH.reshape(b, t * cp, N // cp, H),
-        to_heads(k),
-        to_heads(v),
-        _allowed(index_T, index_T, seg_BT, seg_BT),
-        implementation,
-    ).reshape(q_bTgRH.shape)
-    o_btGRH = jax.lax.all_to_all(o_bTgRH, axis, 1, 2, tiled=True)
+    q_bTnH = q_bTgRH.reshape(b, t * cp, N // cp, H)
+    if implementation == "xla":
+        allowed = _allowed(index_T, index_T, seg_BT, seg_BT)
+        o_bTnH = _dense(q_bTnH, to_heads(k), to_heads(v), allowed, implementation)
+    else:
+        o_bTnH = _kernel_in_row_order(q_bTnH, to_heads(k), to_heads(v), seg_BT, cp, implementation)
+    o_btGRH = jax.lax.all_to_all(o_bTnH.reshape(q_bTgRH.shape), axis, 1, 2, tiled=True)
     return o_btGRH.reshape(b, t, N, H)
+
+
+def _kernel_in_row_order(q_BTnH, k_BTgH, v_BTgH, seg_BT, cp, implementation):
+    """The whole sequence by the platform's fused kernel (splash, cuDNN), as without a split:
+    the tokens put back in row order first (the balanced order is fixed by T and cp, so this
+    is a static permutation on the device, no traffic), causal there, then returned to the
+    balanced order. No [T, T] scores: the kernel works block by block."""
+    from jaxdist.kernels import attention
+
+    order = balanced_order(q_BTnH.shape[1], cp)
+    back = np.argsort(order)
+    row = lambda x: None if x is None else x[:, back]  # noqa: E731
+    q, k, v, seg = row(q_BTnH), row(k_BTgH), row(v_BTgH), row(seg_BT)
+    if implementation == "splash":
+        _, mesh = active()
+        interpret = mesh.devices.flat[0].platform == "cpu"
+        o_BTnH = attention.splash_local(q, k, v, seg, interpret=interpret)
+    else:  # cuDNN takes documents as a bool mask, as without a split
+        mask = None if seg is None else (seg[:, None, :, None] == seg[:, None, None, :])
+        o_BTnH = attention.cudnn_local(q, k, v, mask)
+    return o_BTnH[:, order]
 
 
 # A score that is masked out: finite, so a key chunk that a query cannot see at all gives
@@ -204,6 +231,8 @@ def _ring(q, k, v, index_t, seg_bt, axis, cp, implementation):
     by_gather = carrier("ring", mesh.devices.flat[0].platform, pipelined) != "ring"
 
     def pass_on(x):  # to the next device of the ring, from the previous one
+        if x is None:  # no document ids
+            return None
         if not by_gather:
             return jax.lax.ppermute(x, axis, [(j, (j + 1) % cp) for j in range(cp)])
         previous = (position(axis) - 1) % cp
