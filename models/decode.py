@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxdist.errors import ConfigError
 from jaxdist.inference.generate import Decoder
 from jaxdist.rules import constrain
-from models.transformer import _LOGICAL, TransformerConfig, after_attention, logits, qkv
+from models.transformer import LOGICAL, TransformerConfig, after_attention, logits, qkv
 
 CACHE_LOGICAL = {
     "k_LBSGH": ("layers", "batch", None, "kv_heads", "head_dim"),
@@ -64,7 +64,7 @@ def forward(c: TransformerConfig, p: dict, tokens_BT: jax.Array, cache: dict, po
 
     def block(x_BTD, layer):
         w, k_BSGH, v_BSGH = layer
-        w = {k: constrain(v, _LOGICAL[k][1:]) for k, v in w.items()}
+        w = {k: constrain(v, LOGICAL[k][1:]) for k, v in w.items()}
         x_BTD, k_BSGH, v_BSGH = _block(
             c, x_BTD, w, positions_T[None], mask_11TS, k_BSGH, v_BSGH, pos
         )

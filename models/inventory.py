@@ -17,7 +17,7 @@ from jaxdist.planning.memory import Activation, Inventory
 from jaxdist.planning.planner import PlanModel
 from jaxdist.planning.traffic import PartialSum
 from models.remat import RECOMPUTE
-from models.transformer import Transformer, TransformerConfig
+from models.transformer import LOGICAL, Transformer, TransformerConfig
 
 
 def plan_model(config: TransformerConfig) -> PlanModel:
@@ -33,7 +33,7 @@ def plan_model(config: TransformerConfig) -> PlanModel:
         compute_bytes=jnp.dtype(config.compute_dtype).itemsize,
         num_experts=config.num_experts,
         inventory=lambda rows: activations(config, rows),
-        partial_sums=lambda *a: partial_sums(config, *a),
+        partial_sums=lambda *a, **k: partial_sums(config, *a, **k),
         # What the policy reruns, priced as compute: its share of the layers' matmuls, and
         # attention's forward where full remat reruns the kernel or XLA's unfused attention
         # (not a saved kernel output) is recomputed.
@@ -41,7 +41,17 @@ def plan_model(config: TransformerConfig) -> PlanModel:
         recompute_attention=config.remat == "full"
         or (config.attention == "xla" and config.remat != "none"),
         remat=config.remat,
+        reruns=_reruns(config.remat),
     )
+
+
+def _reruns(policy: str) -> frozenset[tuple]:
+    """The layer weights whose forward matmul the backward reruns under `policy`: full remat
+    reruns the layer up to its last matmul (the down projection, whose output nothing after
+    it in the layer needs); dots_except_mlp reruns the MLP's gate and up projections."""
+    mlp_in = {LOGICAL["w_up_LDF"], LOGICAL["w_gate_LDF"]}
+    attention = {LOGICAL["wqkv_LDGQH"], LOGICAL["wo_LNHD"]}
+    return frozenset({"full": attention | mlp_in, "dots_except_mlp": mlp_in}.get(policy, ()))
 
 
 def partial_sums(
@@ -52,17 +62,23 @@ def partial_sums(
     stages: int = 1,
     virtual: int = 1,
     context: tuple[str, int] = ("all-gather", 1),
+    platform: str = "cpu",
 ) -> list[PartialSum]:
     """Where this model's matmuls leave partial sums when their split dims are sharded,
     and (MoE) the buffers its experts exchange. `batch_ways`: devices sharing the batch.
     Pipelined (`stages` > 1, `virtual` chunks each): a device runs its L / stages layers,
     replays their forward in the backward tick, and runs the embedding and head (masked) in
-    each of its forward ticks (jaxdist.parallel.pipeline)."""
+    each of its forward ticks (jaxdist.parallel.pipeline). `platform`: GPU's and TPU's
+    compilers sum two partial sums bound for the same all-reduce before reducing (XLA's
+    all-reduce reassociation; the CPU pipeline does not)."""
     B, T, D, L = batch_size // microbatches, c.seq_len, c.d_model, c.num_layers // stages
     nbytes = jnp.dtype(c.compute_dtype).itemsize
     x, btd = ("batch", "seq", "embed"), (B, T, D)
-    # Full remat, or a pipeline's backward tick, replays the forward.
+    # Full remat, or a pipeline's backward tick, replays the forward. Full remat's replay stops
+    # before the MLP's down projection: the backward needs no layer's output, so its sum is
+    # dead code there (a pipeline's replay needs each layer's output as the next's input).
     fwd = 2 if c.remat == "full" or stages > 1 else 1
+    down = 2 if stages > 1 else 1
     per_layer = [
         PartialSum(fwd, x, btd, "heads", nbytes),  # attention output projection
         PartialSum(1, x, btd, "kv_heads", nbytes),  # backward: input grad of fused QKV
@@ -81,11 +97,11 @@ def partial_sums(
         ]
     else:
         per_layer += [
-            PartialSum(fwd, x, btd, "mlp", nbytes),  # MLP down projection
+            PartialSum(down, x, btd, "mlp", nbytes),  # MLP down projection
             PartialSum(1, x, btd, "mlp", nbytes),  # backward: input grad of MLP up
         ]
-        if c.style == "llama":
-            per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))  # ... and of the gate
+        if c.style == "llama" and platform == "cpu":  # ... and of the gate (elsewhere summed)
+            per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))
     per_layer += _context_exchange(c, B, *context, pipelined=stages > 1)
     sums = [dataclasses.replace(p, count=p.count * L) for p in per_layer]
     if stages > 1 and not c.num_experts:

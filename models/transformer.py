@@ -37,7 +37,7 @@ from models import moe, remat, rope
 from models.moe import EXPERT_WEIGHTS, MOE_LOGICAL
 from models.transformer_config import TransformerConfig, _param_shapes
 
-_LOGICAL = {
+LOGICAL = {
     "tok_embed_VD": ("vocab", "embed"),
     "head_DV": ("embed", "vocab"),
     "pos_embed_TD": ("seq", "embed"),
@@ -77,7 +77,7 @@ class Transformer(nnx.Module):
             else:
                 scale = out_std if name in ("wo_LNHD", "w_down_LFD", "w_down_LEFD") else std
                 value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
-            setattr(self, name, nnx.Param(value, logical_axes=_LOGICAL[name]))
+            setattr(self, name, nnx.Param(value, logical_axes=LOGICAL[name]))
 
     def weights(self) -> dict[str, jax.Array]:
         """Every parameter by name, as stored (fp32)."""
@@ -112,7 +112,7 @@ class Transformer(nnx.Module):
             lambda p, t, docs: embed(c, p, t, docs),
             lambda w, x, docs: _stage_body(c, w, x, docs),
             lambda p, x: logits(c, p, x),
-            {k: _LOGICAL[k] for k in _param_shapes(c)},
+            {k: LOGICAL[k] for k in _param_shapes(c)},
             c.compute_dtype,
             lambda p, x: (final_norm(c, p, x), head_weight(c, p)),
         )
@@ -124,7 +124,7 @@ def _cast(c: TransformerConfig, name: str, v: jax.Array) -> jax.Array:
     # are stored (embed, head_weight); layer weights keep their stored layout inside the scan
     # body (_stored).
     v = _compute(c, v)
-    return v if "_L" in name else constrain(v, _LOGICAL[name])
+    return v if "_L" in name else constrain(v, LOGICAL[name])
 
 
 def _compute(c: TransformerConfig, v: jax.Array) -> jax.Array:
@@ -134,7 +134,7 @@ def _compute(c: TransformerConfig, v: jax.Array) -> jax.Array:
 def embed(
     c: TransformerConfig, p: dict, tokens_BT: jax.Array, docs: Documents | None = None
 ) -> jax.Array:
-    x_BTD = lookup(_compute(c, p["tok_embed_VD"]), tokens_BT, _LOGICAL["tok_embed_VD"])
+    x_BTD = lookup(_compute(c, p["tok_embed_VD"]), tokens_BT, LOGICAL["tok_embed_VD"])
     if c.style == "gpt2":
         pos_embed_TD = _cast(c, "pos_embed_TD", p["pos_embed_TD"])
         if docs is None:
@@ -188,8 +188,8 @@ def final_norm(c: TransformerConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
 def head_weight(c: TransformerConfig, p: dict) -> jax.Array:
     """The output head [D, V] in the compute dtype: its own weight, or the embedding's."""
     if c.tie_embeddings:
-        return gathered(_compute(c, p["tok_embed_VD"]).T, _LOGICAL["head_DV"])
-    return gathered(_compute(c, p["head_DV"]), _LOGICAL["head_DV"])
+        return gathered(_compute(c, p["tok_embed_VD"]).T, LOGICAL["head_DV"])
+    return gathered(_compute(c, p["head_DV"]), LOGICAL["head_DV"])
 
 
 def _norm(c: TransformerConfig, x_BTD, scale_D, bias_D):
@@ -222,7 +222,7 @@ def _attention(c: TransformerConfig, q_BTNH, k_BTGH, v_BTGH, mask_B1TS):
 def _block(c: TransformerConfig, x_BTD, w, positions_BT, mask_B1TS):
     # Each layer's weights in their stored layout, as _cast explains. Expert weights stay as
     # stored too: jaxdist.parallel.experts gathers them inside its shard_map.
-    w = {k: v if k in EXPERT_WEIGHTS else _stored(v, _LOGICAL[k][1:]) for k, v in w.items()}
+    w = {k: v if k in EXPERT_WEIGHTS else _stored(v, LOGICAL[k][1:]) for k, v in w.items()}
     q_BTNH, k_BTGH, v_BTGH = qkv(c, x_BTD, w, positions_BT)
     return after_attention(c, x_BTD, _attention(c, q_BTNH, k_BTGH, v_BTGH, mask_B1TS), w)
 

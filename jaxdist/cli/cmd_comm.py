@@ -55,6 +55,7 @@ def run(args: Comm) -> int:
             schedule, jitted.abstract_state.params, rules, dict(mesh.shape), act, dtype_bytes
         )
         share, virtual = pipeline.branch_share(schedule), schedule.virtual
+    platform = mesh.devices.flat[0].platform
     report = traffic.report(
         jitted,
         mesh,
@@ -64,9 +65,10 @@ def run(args: Comm) -> int:
         partial_sums(
             *(model_cfg, args.batch_size, args.step.microbatches, ways, stages, virtual),
             context=(
-                carrier(args.step.context_strategy, mesh.devices.flat[0].platform, stages > 1),
+                carrier(args.step.context_strategy, platform, stages > 1),
                 split_ways(mesh.shape, rules.mesh_axes("seq", "activation")),
             ),
+            platform=platform,
         ),
         compute_bytes=dtype_bytes,
         microbatches=args.step.microbatches,

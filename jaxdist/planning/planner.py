@@ -58,6 +58,9 @@ class PlanModel:
     recompute_matmul: float = 0.0
     recompute_attention: bool = False
     remat: str = ""  # the policy's name, for the plan's rows
+    # The logical axes of the layer weights whose forward matmul the policy reruns in the
+    # backward (the TPU compiler then gathers them once there: planning.traffic).
+    reruns: frozenset[tuple] = frozenset()
 
 
 # The axes searched unless --axes names others: all of them. A context split pays K/V traffic
@@ -172,10 +175,12 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
         model.partial_sums(
             *(cfg.batch_size, m, batch_ways, stages, v),
             (carrier(cfg.context_strategy, hw.platform, stages > 1), context_ways),
+            platform=hw.platform,
         ),
         model.compute_bytes,
         m,
         platform=hw.platform,
+        reruns=model.reruns,
     )
     if schedule:
         expected[("pipeline", "collective-permute")] = pipeline.send_bytes(

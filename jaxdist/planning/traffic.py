@@ -41,6 +41,31 @@ class PartialSum:
     kind: str = "all-reduce"  # or all-to-all: a buffer exchanged across the split of `over`
 
 
+# XLA's TPU compiler streams a stored-split weight through each matmul that uses it instead
+# of gathering it whole ("windowed einsums": loops of collective-permutes inside the dot)
+# where the weight is gathered over exactly the axes that split the tokens (FSDP, with or
+# without context) and that group holds 8 to 32 chips. Each use sends 2n + 1 shards of 1/n
+# (the ring's two directions and one more), where an all-gather moves n - 1: the forward, the
+# input gradient, and the weight gradient (the reduce-scatter, streamed the same way). Where
+# the backward reruns the forward matmul (`reruns`: full remat), the compiler gathers the
+# weight once, plainly, for the rerun and the input gradient. Counted per dot (its op_name on
+# each permute) in the compiled HLO of Llama-style layers on v5p-16 (fsdp=8, context=4,fsdp=2),
+# v5p-32 (fsdp=16) and v5p-64 (fsdp=32). Not at 4 chips (plain all-gathers), beside `data`
+# (the tokens split wider than the weight), at 64 (whole-torus all-reduces:
+# experiments/tpu_gathers.py), nor beside `tensor` (some uses streamed, some gathered).
+STREAMED_CHIPS = (8, 32)
+
+
+def _streamed(mesh: Mesh, gather, token_axes, platform: str) -> int:
+    """The ring's length where the TPU compiler streams a weight gathered over `gather` through
+    its matmuls, else 0."""
+    split = {a for a in token_axes if mesh.shape.get(a, 1) > 1}
+    n = ways(mesh.shape, gather)
+    lo, hi = STREAMED_CHIPS
+    streams = platform == "tpu" and split and set(_label(mesh, gather).split("+")) == split
+    return n if streams and lo <= n <= hi else 0
+
+
 def _label(mesh: Mesh, axes) -> str:
     return "+".join(a for a in mesh.axis_names if a in axes and mesh.shape[a] > 1)
 
@@ -53,9 +78,11 @@ def expected(
     compute_bytes: int,
     microbatches: int,
     platform: str,
+    reruns: frozenset[tuple] = frozenset(),
 ) -> dict[tuple[str, str], float]:
     """Analytic bytes per step, keyed like hlo.summarize: (axis label, kind), as `platform`'s
-    compiler emits them."""
+    compiler emits them. `reruns`: the logical axes of the layer weights whose forward matmul
+    the backward reruns (the remat policy's)."""
     out: dict[tuple[str, str], float] = {}
 
     def add(label: str, kind: str, nbytes: float) -> None:
@@ -82,6 +109,17 @@ def expected(
         uses = 2 * microbatches if "layers" in logical else 1
         # A pipeline stage keeps its own layers: their split over `pipeline` is never gathered.
         gather = param_axes - act_axes - {"pipeline"}
+        n = _streamed(mesh, gather, set(batch_axes) | set(seq_axes), platform)
+        matmul = len(named) > 2 and "layers" in named and "expert" not in named
+        head = tuple(named) == ("embed", "vocab")
+        if n and (matmul or head):
+            # The head: gathered once (hoisted) for the logits and their input gradient, its
+            # weight gradient streamed per microbatch.
+            tensor_split = bool(_label(mesh, act_axes))
+            passes = _passes(named, logical in reruns, tensor_split)
+            streams, gathers = (microbatches, 1) if head else (microbatches * p for p in passes)
+            _stream(add, _label(mesh, gather), n, compute_size, streams, gathers)
+            continue
         add(_label(mesh, gather), "all-gather", uses * compute_size)
         axes = (gather, act_axes, set(batch_axes), set(seq_axes))
         _gradient(add, mesh, logical, axes, compute_size, microbatches, platform)
@@ -93,6 +131,27 @@ def expected(
         add(_label(mesh, over), ps.kind, ps.count * size)
     # Not modelled: scalar reductions (loss, norms), a few bytes that show as unexpected rows.
     return out
+
+
+def _passes(named, rerun: bool, tensor_split: bool) -> tuple[int, int]:
+    """(streams, plain gathers) of a streamed layer weight in one step's forward and backward
+    (STREAMED_CHIPS). A matmul that contracts a dim split over `tensor` (its result a partial
+    sum) takes the weight gathered: the forward of an output projection (its input dim is
+    split), the input gradient of an input projection (its output dim is). A backward that
+    uses the weight twice (the forward's rerun and the input gradient) gathers it once. The
+    weight gradient is always streamed."""
+    output_projection = named[-1] == "embed"  # o, down: [.., embed] out, the rest in
+    gathered_forward = tensor_split and output_projection
+    gathered_backward = rerun or (tensor_split and not output_projection)
+    streams = 1 + (not gathered_forward) + (not gathered_backward)
+    return streams, gathered_forward + gathered_backward
+
+
+def _stream(add, label: str, n: int, nbytes: float, streams: int, gathers: int) -> None:
+    """A weight (`nbytes` whole) the TPU compiler streams through its matmuls over a ring of
+    `n` (STREAMED_CHIPS) `streams` times a step, and gathers whole `gathers` times."""
+    add(label, "collective-permute", streams * (2 * n + 1) / n * nbytes)
+    add(label, "all-gather", gathers * nbytes)
 
 
 def _gradient(add, mesh: Mesh, logical, axes, compute_size: float, microbatches: int, platform):
