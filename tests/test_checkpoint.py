@@ -280,9 +280,10 @@ def test_auto_interval_is_logged_with_its_inputs(tmp_path):
 def test_auto_interval_is_chosen_once_the_step_time_is_known_and_saves_on_it(tmp_path):
     """The first save comes at step 0, before any step time: the interval must still be
     chosen (as soon as three steady steps are timed) and saves then follow it, not only the
-    final step. A 0.0005 h device MTBF on 8 devices is a 0.23 s system MTBF: a few steps."""
+    final step. A 0.00005 h device MTBF on 8 devices is a 0.0225 s system MTBF: the interval
+    is a few steps however fast they run (at 0.0005 h, CI's 10 ms steps made it 22 of 20)."""
     steps = 20
-    auto = CheckpointConfig(every="auto", mtbf_hours_per_device=0.0005)
+    auto = CheckpointConfig(every="auto", mtbf_hours_per_device=0.00005)
     _fit(tmp_path, steps, auto, log_every=8)
     records = read_metrics(tmp_path / "metrics.jsonl")
     chosen = [r for r in records if r.get("event") == "checkpoint_interval"]
@@ -297,7 +298,7 @@ def test_auto_interval_is_chosen_once_the_step_time_is_known_and_saves_on_it(tmp
 def test_a_resumed_auto_interval_uses_the_earlier_save_costs_and_keeps_saving(tmp_path):
     """A resumed attempt has no save of its own to learn the cost from (its last save is the
     restored step): it takes the costs the run logged, and saves on the interval they give."""
-    auto = CheckpointConfig(every="auto", mtbf_hours_per_device=0.0005)
+    auto = CheckpointConfig(every="auto", mtbf_hours_per_device=0.00005)
     _fit(tmp_path, 8, auto, log_every=8)
     _fit(tmp_path, 24, auto, log_every=8)  # resumes after step 7
     records = read_metrics(tmp_path / "metrics.jsonl")
