@@ -110,14 +110,14 @@ ROWS = (
             "check",
             MAXTEXT_A3 + f" ({hosts}x A3); settings: {hosts}vm.sh beside it",
             LLAMA2_7B,
-            "h100",
+            "a3-highgpu-8g",
             f"data={hosts},fsdp=8",
             32 * hosts,
             "dots",
             tflops,
             "maxtext_tflops",
         )
-        for hosts, tflops in ((2, 422), (16, 375))
+        for hosts, tflops in ((2, 422), (4, 407), (8, 409), (16, 375))
     ),
     Row(
         "llm-foundry MPT-7B, 8 H100, seq 2048, micro-batch 6, no activation checkpointing",

@@ -47,15 +47,21 @@ class Hardware:
     attention_efficiency: float = 0.5
     # A Google Cloud slice name (v5p-16) this preset was asked for by; "" otherwise.
     slice_name: str = ""
+    # A cloud GPU machine type (a3-highgpu-8g) this preset was asked for by; "" otherwise.
+    machine: str = ""
 
     @property
     def platform(self) -> str:
         return "cpu" if self.name == "cpu" else "tpu" if self.name.startswith("tpu") else "gpu"
 
 
-def _load() -> dict[str, Hardware]:
+def _table() -> dict[str, dict]:
     with (pathlib.Path(__file__).with_name("hardware.toml")).open("rb") as f:
-        table = tomllib.load(f)
+        return tomllib.load(f)
+
+
+def _load(table: dict[str, dict]) -> dict[str, Hardware]:
+    """The device presets: the rows that name no `chip`."""
     return {
         name: Hardware(
             name=name,
@@ -74,27 +80,49 @@ def _load() -> dict[str, Hardware]:
             attention_efficiency=row["attention_efficiency"],
         )
         for name, row in table.items()
+        if "chip" not in row
     }
 
 
-PRESETS: dict[str, Hardware] = _load()
+def _machines(table: dict[str, dict]) -> dict[str, Hardware]:
+    """The cloud machine types: their chip's preset with the machine's own figures (its network
+    between hosts, its memory where the chip comes in two sizes). No device kinds: a running
+    job finds the chip, not the machine."""
+    machines = {}
+    for name, row in table.items():
+        if "chip" not in row:
+            continue
+        over = {k: Link(*v) if k in ("inner", "outer") else v for k, v in row.items()}
+        chip = PRESETS[over.pop("chip")]
+        machines[name] = dataclasses.replace(chip, machine=name, kinds=(), **over)
+    return machines
+
+
+_TABLE = _table()
+PRESETS: dict[str, Hardware] = _load(_TABLE)
+MACHINES: dict[str, Hardware] = _machines(_TABLE)
 # Names earlier releases used for the same hardware.
 _ALIASES = {"h100-nvlink": "h100", "h100-ib": "h100", "h200-nvlink": "h200"}
 
 
 def get_hardware(name: str) -> Hardware:
-    """A preset by name, or a Google Cloud TPU slice (v5p-16: 8 chips of tpu-v5p), whose chips
-    are then the preset's ICI domain: beyond it, slices talk over DCN."""
+    """A preset by name; a cloud GPU machine type as its console names it (a3-highgpu-8g: 8
+    H100s, 12.5 GB/s per GPU between hosts; the chip's preset keeps its name, so compile
+    targets and device kinds still match); or a Google Cloud TPU slice (v5p-16: 8 chips of
+    tpu-v5p), whose chips are then the preset's ICI domain: beyond it, slices talk over DCN."""
     from jaxdist.planning.tpu import cloud_slice
 
     name = _ALIASES.get(name, name)
     if name in PRESETS:
         return PRESETS[name]
+    if name.lower() in MACHINES:  # Azure's console capitalizes (Standard_ND96isr_H100_v5)
+        return MACHINES[name.lower()]
     found = cloud_slice(name)
     if found is None:
         raise ConfigError(
-            f"unknown hardware {name!r}; choose one of: {', '.join(PRESETS)}, or a Google "
-            "Cloud TPU slice such as v5p-16, v5e-256, v6e-8"
+            f"unknown hardware {name!r}; choose one of: {', '.join(PRESETS)}; a cloud GPU "
+            f"machine type ({', '.join(MACHINES)}); or a Google Cloud TPU slice such as "
+            "v5p-16, v5e-256, v6e-8"
         )
     generation, chips = found
     return dataclasses.replace(

@@ -49,6 +49,39 @@ def test_google_cloud_slice_names(capsys):
     assert "unknown hardware 'mi300x-8'" in capsys.readouterr().err
 
 
+def test_cloud_gpu_machine_types_bring_their_own_network(tmp_path, capsys):
+    """a3-highgpu-8g is 8 H100s whose hosts talk over GPUDirect-TCPX at a quarter of the
+    InfiniBand the bare h100 preset assumes: the same layout prices the same inside one host
+    and slower across hosts, and the plan says which machine it priced."""
+    from jaxdist.hardware import get_hardware
+
+    a3 = get_hardware("a3-highgpu-8g")
+    assert (a3.name, a3.machine, a3.outer.bandwidth) == ("h100", "a3-highgpu-8g", 12.5e9)
+    assert a3.kinds == () and a3.platform == "gpu"  # a running job still finds plain h100
+    assert get_hardware("Standard_ND96isr_H100_v5").outer.bandwidth == 50e9  # Azure's casing
+    assert get_hardware("p4d.24xlarge").memory_bytes == 40e9  # the 40 GB A100s
+
+    def step(hardware: str, layout: tuple) -> float:
+        devices = 1
+        for _, n in layout:
+            devices *= n
+        cfg = PlanConfig(devices, hardware, 4 * devices, layout=layout)
+        return plan(_model("llama2-7b", remat="dots"), STANDARD_RULES, cfg)["layouts"][0]["step_s"]
+
+    one_host = (("fsdp", 8),)
+    assert step("a3-highgpu-8g", one_host) == step("h100", one_host)
+    two_hosts = (("data", 2), ("fsdp", 8))
+    assert step("a3-highgpu-8g", two_hosts) > step("a3-megagpu-8g", two_hosts)
+    assert step("a3-megagpu-8g", two_hosts) > step("p5.48xlarge", two_hosts)
+    assert step("p5.48xlarge", two_hosts) == step("h100", two_hosts)
+    args = ["plan", "--model", "tiny", "--hardware", "a3-highgpu-8g", "--devices", "16"]
+    assert main([*args, "--batch-size", "64", "--top", "1"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "a3-highgpu-8g: 8 H100 per host, 2 hosts, 12.5 GB/s per GPU between them"
+    assert main(["plan", "--model", "tiny", "--hardware", "a3-highgpu-4g"]) == 2
+    assert "a cloud GPU machine type (a3-highgpu-8g, " in capsys.readouterr().err
+
+
 def test_plan_a_hugging_face_config_and_a_custom_model(tmp_path, capsys):
     """Llama-3.1-8B's config.json sizes; its 8,030,261,248 parameters are Meta's figure."""
     model = tmp_path / "llama"

@@ -215,6 +215,13 @@ def print_plan(result: dict, console: Console) -> None:
         slices = result["devices"] // chips
         across = f"; {slices} slices joined by DCN" if slices > 1 else ""
         console.print(f"{result['slice']}: {chips} chips{across}")
+    if result.get("machine"):
+        per_host = result["devices_per_host"]
+        hosts = -(-result["devices"] // per_host)
+        console.print(
+            f"{result['machine']}: {per_host} {result['hardware'].upper()} per host, {hosts} "
+            f"hosts, {result['between_hosts_bytes_s'] / 1e9:g} GB/s per GPU between them"
+        )
     table = Table(
         title=f"{result['model']} on {result['devices']} x {result['hardware']}, batch "
         f"{result['batch_size']}: {len(result['layouts'])} best of {result['considered']} "

@@ -291,6 +291,8 @@ def plan(models: PlanModel | Sequence[PlanModel], rules: AxisRules, cfg: PlanCon
 
 def _heading(model: PlanModel, cfg: PlanConfig, hw) -> dict:
     return dict(model=model.name, devices=cfg.devices, hardware=hw.name, slice=hw.slice_name) | {
+        "machine": hw.machine,
+        "between_hosts_bytes_s": hw.outer.bandwidth,
         "devices_per_host": hw.devices_per_host,
         "batch_size": cfg.batch_size,
     }
