@@ -134,7 +134,8 @@ def _compute(c: TransformerConfig, v: jax.Array) -> jax.Array:
 def embed(
     c: TransformerConfig, p: dict, tokens_BT: jax.Array, docs: Documents | None = None
 ) -> jax.Array:
-    x_BTD = lookup(_compute(c, p["tok_embed_VD"]), tokens_BT, LOGICAL["tok_embed_VD"])
+    table_VD = _compute(c, p["tok_embed_VD"])
+    x_BTD = lookup(table_VD, tokens_BT, LOGICAL["tok_embed_VD"], tied=c.tie_embeddings)
     if c.style == "gpt2":
         pos_embed_TD = _cast(c, "pos_embed_TD", p["pos_embed_TD"])
         if docs is None:

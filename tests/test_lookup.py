@@ -1,6 +1,8 @@
-"""The embedding lookup's gradient: equal to jnp.take's, and reduce-scattered into the table's
-stored layout (never summed whole over the batch's devices), on every layout; the TPU's ring
-of permutes equal to psum_scatter."""
+"""The embedding lookup: rows and gradient equal to jnp.take's on every layout. Gathered (a
+device's tokens at least the table's rows): the gradient reduce-scattered into the table's
+stored layout, never summed whole over the batch's devices; the TPU's ring of permutes equal
+to psum_scatter. Routed (fewer tokens): an all-to-all of the tokens' rows each way, the table
+never gathered nor its gradient reduce-scattered."""
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +16,17 @@ from jaxdist.rules import activation_rules, constrain
 from meshes.presets import STANDARD_RULES as RULES
 from tests.helpers import mesh_for
 
-V, D, B, T = 64, 32, 8, 16
+V, D, B = 64, 32, 8
 TABLE = ("vocab", "embed")
+LAYOUTS = [
+    ("fsdp=8", "fsdp", None),
+    ("data=2,fsdp=2,tensor=2", "fsdp", "data"),
+    ("context=2,fsdp=2,data=2", "fsdp+context", "data"),
+    ("expert=2,fsdp=2,tensor=2", "fsdp", "expert"),
+]
 
 
-def _inputs():
+def _inputs(T: int):
     table_VD = jax.random.normal(jax.random.PRNGKey(0), (V, D))
     # Some ids repeat many times, as frequent tokens do: their rows sum many gradients.
     ids_BT = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, V // 4) * 4
@@ -26,42 +34,36 @@ def _inputs():
     return table_VD, ids_BT, w_BTD
 
 
-@pytest.mark.parametrize(
-    "layout, scattered, summed",
-    [
-        ("fsdp=8", "fsdp", None),
-        ("data=2,fsdp=2,tensor=2", "fsdp", "data"),
-        ("context=2,fsdp=2,data=2", "fsdp+context", "data"),
-        ("expert=2,fsdp=2,tensor=2", "fsdp", "expert"),
-    ],
-)
-def test_lookup_gradient_is_takes_reduce_scattered_where_stored(layout, scattered, summed):
-    table_VD, ids_BT, w_BTD = _inputs()
+def _compiled(layout: str, T: int):
+    """(jnp.take's rows and gradient, the lookup's, the gradient step's collectives)."""
+    table_VD, ids_BT, w_BTD = _inputs(T)
     want = jax.grad(lambda t: jnp.sum(jnp.take(t, ids_BT, axis=0) * w_BTD))(table_VD)
     mesh = mesh_for(layout)
 
-    def loss(t, ids, w):
+    def rows(t, ids):
         with activation_rules(RULES, mesh):
-            x_BTD = constrain(lookup(t, ids, TABLE), ("batch", "seq", "embed"))
-            return jnp.sum(x_BTD * w)
+            return constrain(lookup(t, ids, TABLE), ("batch", "seq", "embed"))
 
     def sharding(logical, kind="activation"):
         return NamedSharding(mesh, RULES.spec(logical, kind))
 
+    ins = (sharding(TABLE, "param"), sharding(("batch", "seq")))
     step = jax.jit(
-        jax.grad(loss),
-        in_shardings=(
-            sharding(TABLE, "param"),
-            sharding(("batch", "seq")),
-            sharding(("batch", "seq", "embed")),
-        ),
+        jax.grad(lambda t, ids, w: jnp.sum(rows(t, ids) * w)),
+        in_shardings=(*ins, sharding(("batch", "seq", "embed"))),
     )
     got = step(table_VD, ids_BT, w_BTD)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
     assert got.sharding.is_equivalent_to(sharding(TABLE, "param"), 2), got.sharding
-    rows = hlo.summarize(
-        hlo.collectives(step.lower(table_VD, ids_BT, w_BTD).compile().as_text(), dict(mesh.shape))
-    )
+    x_BTD = jax.jit(rows, in_shardings=ins)(table_VD, ids_BT)
+    np.testing.assert_array_equal(x_BTD, jnp.take(table_VD, ids_BT, axis=0))
+    text = step.lower(table_VD, ids_BT, w_BTD).compile().as_text()
+    return mesh, hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
+
+
+@pytest.mark.parametrize("layout, scattered, summed", LAYOUTS)
+def test_lookup_gradient_is_takes_reduce_scattered_where_stored(layout, scattered, summed):
+    mesh, rows = _compiled(layout, T=64)  # 64 to 128 tokens a device, 32 to 64 table rows
     # The stored table's bytes on this device's vocabulary slice (the tensor split), f32.
     local = V * D * 4 / mesh.shape.get("tensor", 1)
     assert rows[(scattered, "reduce-scatter")]["bytes"] == local, rows
@@ -72,6 +74,22 @@ def test_lookup_gradient_is_takes_reduce_scattered_where_stored(layout, scattere
         (summed, "all-reduce"): local / mesh.shape["fsdp"] / mesh.shape.get("context", 1)
     }
     assert summed_bytes == (want_summed if summed else {}), rows
+
+
+@pytest.mark.parametrize("layout, split, summed", LAYOUTS)
+def test_few_tokens_are_routed_to_the_tables_slices(layout, split, summed):
+    mesh, rows = _compiled(layout, T=4)  # 4 to 8 tokens a device
+    tokens = B * 4 // np.prod([mesh.shape[a] for a in ("data", "fsdp", "context", "expert")])
+    n = np.prod([mesh.shape[a] for a in split.split("+")])
+    local = V * D * 4 / mesh.shape.get("tensor", 1)  # the table's rows on this device, f32
+    want = {
+        # the group's token ids, then this device's tokens' rows: every D slice of them
+        (split, "all-gather"): n * tokens * 4,
+        (split, "all-to-all"): tokens * D * 4,
+    }
+    if summed:  # other tokens for the same slice, on other devices: the slice's sum
+        want[(summed, "all-reduce")] = local / n
+    assert {k: r["bytes"] for k, r in rows.items()} == want, rows
 
 
 @pytest.mark.parametrize("axes", [("fsdp",), ("fsdp", "context")])

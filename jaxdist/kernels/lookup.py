@@ -1,4 +1,16 @@
-"""The embedding lookup, its gradient reduce-scattered into the table's stored layout.
+"""The embedding lookup: tokens routed to the table's slices, or the table gathered to them.
+
+Routed (where a device holds fewer tokens than table rows, and the table is not also the
+head): the table stays in its stored layout, split over FSDP along D. Each device gathers the
+token ids of its FSDP group (int32, a few KB), looks them all up in its own D slice, and an
+all-to-all returns each device its own tokens' rows whole; the backward runs the same
+all-to-all the other way and scatter-adds into the slice, which is the gradient in the
+stored layout: nothing is gathered or reduce-scattered whole. It pays in tokens instead of
+table rows: (n - 1) / n of B T D each way, against the gathered path's (n - 1) / n of V D
+each way (Llama-2-7B at fsdp=8, 4 rows of 2048: 59 MB against 230 MB; Llama 3's 128K
+vocabulary: four times that).
+
+Gathered, otherwise:
 
 `jnp.take`'s transpose scatter-adds every token's gradient into a whole [V, D] table on each
 device; XLA then sums those partial tables over every batch axis in one all-reduce and slices
@@ -11,6 +23,10 @@ layer weights' gradients are. It pays in nothing new: the partial table was ther
 Legend: B batch  T seq  D embed  V vocab
 """
 
+import dataclasses
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -21,17 +37,25 @@ from jaxdist.rules import (
     active_context_strategy,
     as_tuple,
     constrain,
+    logical_axes,
     position,
+    variables,
     ways,
 )
 
 
-def lookup(table_VD: jax.Array, ids_BT: jax.Array, logical: tuple[str, str]) -> jax.Array:
-    """Rows `ids_BT` of `table_VD` (stored layout, compute dtype), the table used gathered as
-    an activation; the gradient comes back in the stored layout (`logical`: the table's
-    logical axes, vocabulary first)."""
+def lookup(
+    table_VD: jax.Array, ids_BT: jax.Array, logical: tuple[str, str], tied: bool = False
+) -> jax.Array:
+    """Rows `ids_BT` of `table_VD` (stored layout, compute dtype), routed or gathered (see
+    above); the gradient comes back in the stored layout (`logical`: the table's logical
+    axes, vocabulary first). `tied`: the table is the output head too, gathered for the
+    logits anyway, so the lookup takes it gathered."""
     rules, mesh = active()
     strategy = active_context_strategy()
+    route = None if tied else routing(rules, mesh.shape, table_VD.shape, ids_BT.shape, logical)
+    if route is not None:
+        return _routed(table_VD, ids_BT, logical, route, strategy)
 
     @jax.custom_vjp
     def take(table_VD, ids_BT):
@@ -98,6 +122,114 @@ def _scattered(shape_VD, ids_BT, g_BTD, logical) -> jax.Array:
         **({} if manual else {"mesh": mesh}),
     )(ids_BT, g_BTD)
     return constrain(g_VD, logical, "param")
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """A routed lookup's layout: `split` the axes the table's D is stored split over (all of
+    them token axes), `vocab` those its rows are split over (`tensor`), `summed` the other
+    token axes, which hold other tokens for the same slice (`data`): its gradient's sum."""
+
+    split: tuple[str, ...]
+    vocab: tuple[str, ...]
+    summed: tuple[str, ...]
+    tokens: PartitionSpec
+    rows: int
+
+
+def routing(rules, mesh_shape, shape_VD, shape_BT, logical) -> Route | None:
+    """The routed lookup's layout where it applies (outside a pipeline's shard_map, the table's
+    D stored split over token axes only, its rows over none, D whole as used) and moves fewer
+    bytes than gathering (a device's tokens fewer than the table's rows on it); else None.
+    jaxdist.planning.traffic prices the same choice."""
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return None
+
+    def split_over(entry) -> tuple[str, ...]:
+        return tuple(a for a in as_tuple(entry) if mesh_shape.get(a, 1) > 1)
+
+    token_axes = set(split_over(rules.mesh_axes("batch", "activation")))
+    token_axes |= set(split_over(rules.mesh_axes("seq", "activation")))
+    stored = rules.spec(logical, "param", "embedding table")
+    used = rules.spec(logical, "activation", "embedding table")
+    split, vocab = split_over(stored[1]), split_over(stored[0])
+    if not split or not set(split) <= token_axes or set(vocab) & token_axes:
+        return None
+    if used[1] is not None or vocab != split_over(used[0]):
+        return None
+    rows = shape_VD[0] // ways(mesh_shape, vocab)
+    if math.prod(shape_BT) // ways(mesh_shape, token_axes) >= rows:
+        return None
+    tokens = rules.spec(("batch", "seq"), "activation", "token ids")
+    tokens = PartitionSpec(*(_only(entry, token_axes) for entry in tokens))
+    summed = tuple(sorted(token_axes - set(split)))
+    return Route(split, vocab, summed, tokens, rows)
+
+
+def routed_table(abstract_params, rules, mesh_shape, tokens_BT) -> Route | None:
+    """How a model's embedding table is looked up on this layout, for `tokens_BT` tokens a
+    microbatch (the planner's pricing of `lookup`): its Route, or None where it is gathered
+    (no table, a table that is also the head, or a pipeline: its stages look up inside their
+    shard_map, where the table is gathered)."""
+    if mesh_shape.get("pipeline", 1) > 1:
+        return None
+    tables = {}
+    for var in variables(abstract_params):
+        logical = logical_axes(var)
+        tables[tuple(n for n in logical if n is not None)] = (var, logical)
+    if ("vocab", "embed") not in tables or ("embed", "vocab") not in tables:
+        return None  # no table, or no head of its own: the table is the head, tied
+    var, logical = tables[("vocab", "embed")]
+    return routing(rules, mesh_shape, var.shape, tokens_BT, logical)
+
+
+def _routed(table_VD, ids_BT, logical, route: Route, strategy) -> jax.Array:
+    rules, mesh = active()
+    n = ways(mesh.shape, route.split)
+    table = PartitionSpec(route.vocab or None, route.split)
+    names = set(route.split) | set(route.vocab) | set(route.summed)
+    names |= {a for entry in route.tokens for a in as_tuple(entry)}
+    shard = functools.partial(jax.shard_map, mesh=mesh, axis_names=names, check_vma=False)
+
+    def local(ids):
+        # This device's rows of the table (the vocabulary split over `tensor`): tokens
+        # outside them index past the end, read as zeros and dropped from the gradient.
+        if not route.vocab:
+            return ids
+        first = position(route.vocab) * route.rows
+        return jnp.where((ids >= first) & (ids < first + route.rows), ids - first, route.rows)
+
+    def forward(table_VD, ids_BT):
+        ids_NBT = jax.lax.all_gather(ids_BT, route.split, axis=0)  # the group's tokens
+        x_NBTD = jnp.take(table_VD, local(ids_NBT), axis=0, mode="fill", fill_value=0)
+        # Piece j (device j's tokens in this D slice) goes to device j; piece i back from
+        # device i is this device's tokens in D slice i.
+        x_NBTD = jax.lax.all_to_all(x_NBTD, route.split, 0, 0)
+        x_BTD = jnp.moveaxis(x_NBTD, 0, -2).reshape(*ids_BT.shape, -1)
+        return jax.lax.psum(x_BTD, route.vocab) if route.vocab else x_BTD
+
+    def backward(ids_BT, g_BTD):
+        ids_NBT = jax.lax.all_gather(ids_BT, route.split, axis=0)
+        g_NBTD = jnp.moveaxis(g_BTD.reshape(*g_BTD.shape[:-1], n, -1), -2, 0)
+        g_NBTD = jax.lax.all_to_all(g_NBTD, route.split, 0, 0)
+        g_VD = jnp.zeros((route.rows, g_NBTD.shape[-1]), g_BTD.dtype)
+        g_VD = g_VD.at[local(ids_NBT)].add(g_NBTD, mode="drop")
+        return jax.lax.psum(g_VD, route.summed) if route.summed else g_VD
+
+    x_spec = PartitionSpec(*route.tokens, None)
+    run = shard(forward, in_specs=(table, route.tokens), out_specs=x_spec)
+    back = shard(backward, in_specs=(route.tokens, x_spec), out_specs=table)
+
+    @jax.custom_vjp
+    def take(table_VD, ids_BT):
+        return run(table_VD, ids_BT)
+
+    def grad(ids_BT, g_BTD):
+        with activation_rules(rules, mesh, strategy):
+            return constrain(back(ids_BT, g_BTD), logical, "param"), None
+
+    take.defvjp(lambda t, i: (take(t, i), i), grad)
+    return take(table_VD, ids_BT)
 
 
 def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, n: int, ring: bool) -> jax.Array:

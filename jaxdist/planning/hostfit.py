@@ -61,6 +61,7 @@ def device_bytes(
         model.seq_len,
         model.compute_bytes,
         stash,
+        microbatches=max(1, m),
     )["peak"]
 
 

@@ -19,6 +19,7 @@ import dataclasses
 
 from flax import nnx
 
+from jaxdist.kernels.lookup import routed_table
 from jaxdist.rules import AxisRules, local_elements, logical_axes, variables, ways
 
 ADAM_MOMENTS = 2
@@ -84,10 +85,15 @@ def tensors_bytes(
 
 
 def _weights(
-    abstract_params: nnx.State, rules: AxisRules, mesh_shape: dict[str, int], compute_bytes: int
+    abstract_params: nnx.State,
+    rules: AxisRules,
+    mesh_shape: dict[str, int],
+    compute_bytes: int,
+    routed: bool = False,
 ) -> tuple[float, float, float, float, float]:
     """Bytes per device of (parameters, their gradients, one scanned layer's weights gathered,
-    the other weights gathered, a pipeline stage's layers as its ticks read them)."""
+    the other weights gathered, a pipeline stage's layers as its ticks read them). `routed`:
+    the embedding table is looked up where it is stored."""
     pipelined = mesh_shape.get("pipeline", 1) > 1
     params = grads = gathered_layer = gathered_other = stage_layers = 0.0
     for var in variables(abstract_params):
@@ -100,8 +106,9 @@ def _weights(
             stage_layers += max(local, used / mesh_shape["pipeline"])
         param_axes = {a for n in logical if n for a in rules.mesh_axes(n, "param")}
         act_axes = {a for n in logical if n for a in rules.mesh_axes(n, "activation")}
+        table = routed and tuple(n for n in logical if n) == ("vocab", "embed")
         # A pipeline stage keeps its own layers: their split over `pipeline` is never gathered.
-        if ways(mesh_shape, param_axes - act_axes - {"pipeline"}) > 1:
+        if ways(mesh_shape, param_axes - act_axes - {"pipeline"}) > 1 and not table:
             used = compute_bytes * local_elements(
                 var.shape, logical, rules, mesh_shape, "activation"
             )
@@ -142,6 +149,7 @@ def predict(
     compute_bytes: int,
     stash_bytes: float = 0.0,
     platform: str = "cpu",
+    microbatches: int = 1,
 ) -> dict[str, float]:
     """Bytes per device, by term, and their sum as `peak`.
 
@@ -161,8 +169,11 @@ def predict(
     come out about a quarter under (README, "Compile for a TPU slice").
     """
     pipelined = mesh_shape.get("pipeline", 1) > 1
+    # A routed embedding table (jaxdist.kernels.lookup) is never gathered.
+    tokens_BT = (batch_size // microbatches, seq_len)
+    routed = routed_table(abstract_params, rules, mesh_shape, tokens_BT) is not None
     params, grads, gathered_layer, gathered_other, stage_layers = _weights(
-        abstract_params, rules, mesh_shape, compute_bytes
+        abstract_params, rules, mesh_shape, compute_bytes, routed
     )
     batch = (
         4 * batch_size * (seq_len + 1) / ways(mesh_shape, rules.mesh_axes("batch", "activation"))

@@ -126,6 +126,7 @@ def _memory(
         model.compute_bytes,
         stash,
         platform,
+        m,
     )
 
 
@@ -177,17 +178,16 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
             (carrier(cfg.context_strategy, hw.platform, stages > 1), context_ways),
             platform=hw.platform,
         ),
-        model.compute_bytes,
-        m,
+        *(model.compute_bytes, m),
         platform=hw.platform,
+        tokens_BT=(cfg.batch_size // m, model.seq_len),
         reruns=model.reruns,
     )
     if schedule:
         expected[("pipeline", "collective-permute")] = pipeline.send_bytes(
             schedule, model.abstract_params, rules, dict(mesh.shape), micro_act, model.compute_bytes
         )
-    tokens = cfg.batch_size * model.seq_len
-    tensor = sizes.get("tensor", 1)
+    tokens, tensor = cfg.batch_size * model.seq_len, sizes.get("tensor", 1)
     priced = compute.seconds(
         compute.work_of(model),
         tokens * tensor / cfg.devices,  # each device's tokens through every layer

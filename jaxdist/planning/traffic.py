@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from rich.console import Console
 from rich.table import Table
 
+from jaxdist.kernels.lookup import routed_table
 from jaxdist.planning import hlo
 from jaxdist.rules import AxisRules, logical_axes, variables, ways
 
@@ -78,11 +79,13 @@ def expected(
     compute_bytes: int,
     microbatches: int,
     platform: str,
+    tokens_BT: tuple[int, int],
     reruns: frozenset[tuple] = frozenset(),
 ) -> dict[tuple[str, str], float]:
     """Analytic bytes per step, keyed like hlo.summarize: (axis label, kind), as `platform`'s
-    compiler emits them. `reruns`: the logical axes of the layer weights whose forward matmul
-    the backward reruns (the remat policy's)."""
+    compiler emits them. `tokens_BT`: a microbatch's rows and sequence length. `reruns`: the
+    logical axes of the layer weights whose forward matmul the backward reruns (the remat
+    policy's)."""
     out: dict[tuple[str, str], float] = {}
 
     def add(label: str, kind: str, nbytes: float) -> None:
@@ -92,9 +95,13 @@ def expected(
     batch_axes = rules.mesh_axes("batch", "activation")
     seq_axes = rules.mesh_axes("seq", "activation")
     pipelined = mesh.shape.get("pipeline", 1) > 1
+    route = routed_table(abstract_params, rules, dict(mesh.shape), tokens_BT)
     for var in variables(abstract_params):
         logical = logical_axes(var)
         named = [n for n in logical if n is not None]
+        if route and tuple(named) == ("vocab", "embed"):
+            _routed_lookup(add, mesh, route, tokens_BT, var.shape[1] * compute_bytes, microbatches)
+            continue
         param_axes = {a for n in named for a in rules.mesh_axes(n, "param")}
         act_axes = {a for n in named for a in rules.mesh_axes(n, "activation")}
         if pipelined:  # stage weights move over the batch and context axes alike
@@ -169,9 +176,10 @@ def _gradient(add, mesh: Mesh, logical, axes, compute_size: float, microbatches:
     # Expert weights take the same two steps, by the explicit all_gather inside
     # jaxdist.parallel.experts' shard_map, whose transpose is a reduce-scatter; so does
     # the output head [embed, vocab], used gathered but its gradient landing in its stored
-    # layout (rules.gathered). The embedding table's is reduce-scattered explicitly over
-    # every token axis it is stored split over (jaxdist.kernels.lookup; on TPU as a ring of
-    # permutes, (n - 1) / n of it), all-reduced over the others. Other weights are summed
+    # layout (rules.gathered). The embedding table's, where the lookup gathers it, is
+    # reduce-scattered explicitly over every token axis it is stored split over
+    # (jaxdist.kernels.lookup; on TPU as a ring of permutes, (n - 1) / n of it), all-reduced
+    # over the others; where the lookup is routed, see _routed_lookup. Other weights are summed
     # in one all-reduce over every batch axis: a layer's vectors (norm scales: reductions
     # over the batch's tokens), whole; a layer's weight with one named dim (the router,
     # [embed, experts]), as the slice it is stored as.
@@ -209,6 +217,20 @@ def _lookup_gradient(add, mesh: Mesh, scattered, summed, nbytes: float, platform
     else:
         add(_label(mesh, scattered), "reduce-scatter", nbytes)
     add(_label(mesh, summed), "all-reduce", nbytes / n)
+
+
+def _routed_lookup(add, mesh: Mesh, route, tokens_BT, row_bytes: float, microbatches: int):
+    """The routed embedding lookup (jaxdist.kernels.lookup), per microbatch: the group's token
+    ids gathered (int32; the backward's gather is the forward's, to XLA), this device's
+    tokens' rows all-to-all forward and backward, the gradient's slice summed over the other
+    token axes."""
+    n = ways(mesh.shape, route.split)
+    token_axes = set(route.split) | set(route.summed)
+    tokens = math.prod(tokens_BT) / ways(mesh.shape, token_axes)
+    label = _label(mesh, route.split)
+    add(label, "all-gather", microbatches * n * tokens * 4)
+    add(label, "all-to-all", 2 * microbatches * tokens * row_bytes)
+    add(_label(mesh, route.summed), "all-reduce", microbatches * route.rows * row_bytes / n)
 
 
 def _stage_weight(add, mesh: Mesh, var, named, param_axes, moved_axes, compute_bytes) -> None:
@@ -256,6 +278,7 @@ def report(
         compute_bytes,
         microbatches,
         platform=platform,
+        tokens_BT=(batch_size // microbatches, seq_len),
     )
     for key, nbytes in (extra_expected or {}).items():
         exp[key] = exp.get(key, 0.0) + nbytes
