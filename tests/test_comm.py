@@ -11,18 +11,22 @@ SLOW = pytest.mark.slow  # the quick loop (-m "not slow") keeps the default layo
 # One case per path of traffic.expected: dense weights gathered over FSDP and their gradients
 # reduced over data+FSDP, with tensor partial sums (the default layout; data=8, fsdp=8 and
 # data=2,tensor=4 took the same lines with other sizes); experts not gathered (all-to-all
-# only) and gathered over FSDP (reduce-scatter); microbatches and a llama's GQA.
+# only) and gathered over FSDP (reduce-scatter); microbatches and a llama's GQA; the embedding
+# routed to its slices (64 tokens a device a microbatch against 128 rows beside tensor=2:
+# jaxdist.kernels.lookup), its rows' all-to-alls, its vocabulary split, microbatches.
 CASES = [
-    pytest.param("expert=4,data=2", "tiny-moe", 1, marks=SLOW),
-    pytest.param("expert=2,fsdp=2,tensor=2", "tiny-moe", 1, marks=SLOW),
-    ("data=2,fsdp=2,tensor=2", "tiny", 1),
-    pytest.param("fsdp=4,tensor=2", "tiny-llama", 2, marks=SLOW),
+    pytest.param("expert=4,data=2", "tiny-moe", 1, None, marks=SLOW),
+    pytest.param("expert=2,fsdp=2,tensor=2", "tiny-moe", 1, None, marks=SLOW),
+    ("data=2,fsdp=2,tensor=2", "tiny", 1, None),
+    pytest.param("fsdp=4,tensor=2", "tiny-llama", 2, None, marks=SLOW),
+    pytest.param("data=2,fsdp=2,tensor=2", "tiny-llama", 2, 32, marks=SLOW),
 ]
 
 
-@pytest.mark.parametrize("layout, model, microbatches", CASES)
-def test_measured_bytes_match_expected(layout, model, microbatches):
-    mc, mesh, jitted = compiled_for(layout, model, batch_size=16, microbatches=microbatches)
+@pytest.mark.parametrize("layout, model, microbatches, seq_len", CASES)
+def test_measured_bytes_match_expected(layout, model, microbatches, seq_len):
+    over = {"seq_len": seq_len} if seq_len else {}
+    mc, mesh, jitted = compiled_for(layout, model, 16, microbatches, **over)
     rep = traffic.report(
         jitted,
         mesh,

@@ -34,8 +34,10 @@ def _inputs(T: int):
     return table_VD, ids_BT, w_BTD
 
 
-def _compiled(layout: str, T: int):
-    """(jnp.take's rows and gradient, the lookup's, the gradient step's collectives)."""
+def _compiled(layout: str, T: int, forward: bool = False):
+    """Checks the lookup's rows and gradient against jnp.take's; returns the mesh and the
+    gradient step's collectives (`forward`: a step that also returns the loss, so the forward's
+    exchange stays in the program)."""
     table_VD, ids_BT, w_BTD = _inputs(T)
     want = jax.grad(lambda t: jnp.sum(jnp.take(t, ids_BT, axis=0) * w_BTD))(table_VD)
     mesh = mesh_for(layout)
@@ -48,11 +50,15 @@ def _compiled(layout: str, T: int):
         return NamedSharding(mesh, RULES.spec(logical, kind))
 
     ins = (sharding(TABLE, "param"), sharding(("batch", "seq")))
+    differentiate = jax.value_and_grad if forward else jax.grad
     step = jax.jit(
-        jax.grad(lambda t, ids, w: jnp.sum(rows(t, ids) * w)),
+        differentiate(lambda t, ids, w: jnp.sum(rows(t, ids) * w)),
         in_shardings=(*ins, sharding(("batch", "seq", "embed"))),
     )
     got = step(table_VD, ids_BT, w_BTD)
+    if forward:
+        loss, got = got
+        np.testing.assert_allclose(loss, jnp.sum(jnp.take(table_VD, ids_BT, axis=0) * w_BTD), 1e-5)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
     assert got.sharding.is_equivalent_to(sharding(TABLE, "param"), 2), got.sharding
     x_BTD = jax.jit(rows, in_shardings=ins)(table_VD, ids_BT)
@@ -78,18 +84,24 @@ def test_lookup_gradient_is_takes_reduce_scattered_where_stored(layout, scattere
 
 @pytest.mark.parametrize("layout, split, summed", LAYOUTS)
 def test_few_tokens_are_routed_to_the_tables_slices(layout, split, summed):
-    mesh, rows = _compiled(layout, T=4)  # 4 to 8 tokens a device
+    mesh, rows = _compiled(layout, T=4, forward=True)  # 4 to 8 tokens a device
     tokens = B * 4 // np.prod([mesh.shape[a] for a in ("data", "fsdp", "context", "expert")])
     n = np.prod([mesh.shape[a] for a in split.split("+")])
     local = V * D * 4 / mesh.shape.get("tensor", 1)  # the table's rows on this device, f32
     want = {
-        # the group's token ids, then this device's tokens' rows: every D slice of them
+        # the group's token ids, once (the backward's gather is the forward's to XLA); this
+        # device's tokens' rows, every D slice of them, forward and back
         (split, "all-gather"): n * tokens * 4,
-        (split, "all-to-all"): tokens * D * 4,
+        (split, "all-to-all"): 2 * tokens * D * 4,
     }
     if summed:  # other tokens for the same slice, on other devices: the slice's sum
         want[(summed, "all-reduce")] = local / n
-    assert {k: r["bytes"] for k, r in rows.items()} == want, rows
+    if "tensor" in mesh.shape and mesh.shape["tensor"] > 1:
+        # rows split over `tensor`: each device's lookup is zero outside its own, summed
+        want[("tensor", "all-reduce")] = tokens * D * 4
+    # The loss's own sum over the tokens' devices is a scalar (4 bytes): not the lookup's.
+    got = {k: r["bytes"] for k, r in rows.items() if r["bytes"] > 4}
+    assert got == want, rows
 
 
 @pytest.mark.parametrize("axes", [("fsdp",), ("fsdp", "context")])

@@ -1,14 +1,17 @@
 """The embedding lookup: tokens routed to the table's slices, or the table gathered to them.
 
-Routed (where a device holds fewer tokens than table rows, and the table is not also the
-head): the table stays in its stored layout, split over FSDP along D. Each device gathers the
-token ids of its FSDP group (int32, a few KB), looks them all up in its own D slice, and an
-all-to-all returns each device its own tokens' rows whole; the backward runs the same
-all-to-all the other way and scatter-adds into the slice, which is the gradient in the
-stored layout: nothing is gathered or reduce-scattered whole. It pays in tokens instead of
-table rows: (n - 1) / n of B T D each way, against the gathered path's (n - 1) / n of V D
-each way (Llama-2-7B at fsdp=8, 4 rows of 2048: 59 MB against 230 MB; Llama 3's 128K
-vocabulary: four times that).
+Routed (where a device holds fewer tokens a microbatch than table rows, and the table is not
+also the head): the table stays in its stored layout, split over FSDP along D. Each device
+gathers the token ids of its FSDP group (int32, a few KB), looks them all up in its own D
+slice, and an all-to-all returns each device its own tokens' rows whole; the backward runs the
+same all-to-all the other way and scatter-adds into the slice, which is the gradient in the
+stored layout: nothing is gathered or reduce-scattered whole, and no gathered table is held.
+It pays in tokens instead of table rows: (n - 1) / n of B T D each way, against the gathered
+path's (n - 1) / n of V D each way (Llama-2-7B at fsdp=8, 4 rows of 2048: 59 MB against 230
+MB; Llama 3's 128K vocabulary: four times that). With M microbatches the gathered table is
+gathered once a step and its gradient reduce-scattered M times, so routing sends fewer bytes
+only below (M + 1) / 2M of the rows; between that and the rows it trades bytes for the
+gathered table's memory.
 
 Gathered, otherwise:
 
@@ -53,7 +56,11 @@ def lookup(
     logits anyway, so the lookup takes it gathered."""
     rules, mesh = active()
     strategy = active_context_strategy()
-    route = None if tied else routing(rules, mesh.shape, table_VD.shape, ids_BT.shape, logical)
+    # Inside a pipeline's shard_map (manual axes) the stages look up in the gathered table.
+    inside = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    route = None
+    if not (tied or inside):
+        route = routing(rules, mesh.shape, table_VD.shape, ids_BT.shape, logical)
     if route is not None:
         return _routed(table_VD, ids_BT, logical, route, strategy)
 
@@ -128,22 +135,22 @@ def _scattered(shape_VD, ids_BT, g_BTD, logical) -> jax.Array:
 class Route:
     """A routed lookup's layout: `split` the axes the table's D is stored split over (all of
     them token axes), `vocab` those its rows are split over (`tensor`), `summed` the other
-    token axes, which hold other tokens for the same slice (`data`): its gradient's sum."""
+    token axes, which hold other tokens for the same slice (`data`): its gradient's sum.
+    `tokens_spec`: the token ids' split over the token axes; `rows`: the table's rows on a
+    device."""
 
     split: tuple[str, ...]
     vocab: tuple[str, ...]
     summed: tuple[str, ...]
-    tokens: PartitionSpec
+    tokens_spec: PartitionSpec
     rows: int
 
 
 def routing(rules, mesh_shape, shape_VD, shape_BT, logical) -> Route | None:
-    """The routed lookup's layout where it applies (outside a pipeline's shard_map, the table's
-    D stored split over token axes only, its rows over none, D whole as used) and moves fewer
-    bytes than gathering (a device's tokens fewer than the table's rows on it); else None.
-    jaxdist.planning.traffic prices the same choice."""
-    if jax.sharding.get_abstract_mesh().manual_axes:
-        return None
+    """The routed lookup's layout where it applies (the table's D stored split over token axes
+    only, its rows over no token axis, D whole as used, the tokens dividing their split) and a
+    device's tokens are fewer than the table's rows on it; else None. Shapes and rules only:
+    jaxdist.planning.traffic and memory price the same choice."""
 
     def split_over(entry) -> tuple[str, ...]:
         return tuple(a for a in as_tuple(entry) if mesh_shape.get(a, 1) > 1)
@@ -157,13 +164,15 @@ def routing(rules, mesh_shape, shape_VD, shape_BT, logical) -> Route | None:
         return None
     if used[1] is not None or vocab != split_over(used[0]):
         return None
+    tokens_spec = rules.spec(("batch", "seq"), "activation", "token ids")
+    tokens_spec = PartitionSpec(*(_only(entry, token_axes) for entry in tokens_spec))
+    if any(n % ways(mesh_shape, as_tuple(e)) for n, e in zip(shape_BT, tokens_spec, strict=True)):
+        return None  # a shard_map needs whole blocks; the gathered path takes any shape
     rows = shape_VD[0] // ways(mesh_shape, vocab)
     if math.prod(shape_BT) // ways(mesh_shape, token_axes) >= rows:
         return None
-    tokens = rules.spec(("batch", "seq"), "activation", "token ids")
-    tokens = PartitionSpec(*(_only(entry, token_axes) for entry in tokens))
     summed = tuple(sorted(token_axes - set(split)))
-    return Route(split, vocab, summed, tokens, rows)
+    return Route(split, vocab, summed, tokens_spec, rows)
 
 
 def routed_table(abstract_params, rules, mesh_shape, tokens_BT) -> Route | None:
@@ -184,11 +193,13 @@ def routed_table(abstract_params, rules, mesh_shape, tokens_BT) -> Route | None:
 
 
 def _routed(table_VD, ids_BT, logical, route: Route, strategy) -> jax.Array:
+    """`lookup` along `route`: the rows forward, the table's gradient in its stored layout
+    backward, each a shard_map over the token and vocabulary axes."""
     rules, mesh = active()
     n = ways(mesh.shape, route.split)
-    table = PartitionSpec(route.vocab or None, route.split)
+    table_spec = PartitionSpec(route.vocab or None, route.split)
     names = set(route.split) | set(route.vocab) | set(route.summed)
-    names |= {a for entry in route.tokens for a in as_tuple(entry)}
+    names |= {a for entry in route.tokens_spec for a in as_tuple(entry)}
     shard = functools.partial(jax.shard_map, mesh=mesh, axis_names=names, check_vma=False)
 
     def local(ids):
@@ -216,9 +227,9 @@ def _routed(table_VD, ids_BT, logical, route: Route, strategy) -> jax.Array:
         g_VD = g_VD.at[local(ids_NBT)].add(g_NBTD, mode="drop")
         return jax.lax.psum(g_VD, route.summed) if route.summed else g_VD
 
-    x_spec = PartitionSpec(*route.tokens, None)
-    run = shard(forward, in_specs=(table, route.tokens), out_specs=x_spec)
-    back = shard(backward, in_specs=(route.tokens, x_spec), out_specs=table)
+    x_spec = PartitionSpec(*route.tokens_spec, None)
+    run = shard(forward, in_specs=(table_spec, route.tokens_spec), out_specs=x_spec)
+    back = shard(backward, in_specs=(route.tokens_spec, x_spec), out_specs=table_spec)
 
     @jax.custom_vjp
     def take(table_VD, ids_BT):

@@ -89,7 +89,7 @@ def _weights(
     rules: AxisRules,
     mesh_shape: dict[str, int],
     compute_bytes: int,
-    routed: bool = False,
+    routed: bool,
 ) -> tuple[float, float, float, float, float]:
     """Bytes per device of (parameters, their gradients, one scanned layer's weights gathered,
     the other weights gathered, a pipeline stage's layers as its ticks read them). `routed`:
@@ -106,9 +106,9 @@ def _weights(
             stage_layers += max(local, used / mesh_shape["pipeline"])
         param_axes = {a for n in logical if n for a in rules.mesh_axes(n, "param")}
         act_axes = {a for n in logical if n for a in rules.mesh_axes(n, "activation")}
-        table = routed and tuple(n for n in logical if n) == ("vocab", "embed")
+        in_place = routed and tuple(n for n in logical if n) == ("vocab", "embed")
         # A pipeline stage keeps its own layers: their split over `pipeline` is never gathered.
-        if ways(mesh_shape, param_axes - act_axes - {"pipeline"}) > 1 and not table:
+        if ways(mesh_shape, param_axes - act_axes - {"pipeline"}) > 1 and not in_place:
             used = compute_bytes * local_elements(
                 var.shape, logical, rules, mesh_shape, "activation"
             )

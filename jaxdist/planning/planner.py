@@ -150,6 +150,34 @@ def _comm_seconds(
     return exposed, hidden_candidates, by_axis
 
 
+def _traffic(
+    sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: PlanConfig, platform: str
+) -> dict[tuple[str, str], float]:
+    """Collective bytes per step by (axis label, kind), as `platform`'s compiler emits them
+    (jaxdist.planning.traffic), for one layout."""
+    stages = sizes.get("pipeline", 1)
+    m = layouts.microbatches(cfg, stages)
+    v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
+    return traffic.expected(
+        model.abstract_params,
+        layouts.abstract_mesh(sizes),
+        rules,
+        model.partial_sums(
+            *(cfg.batch_size, m, ways(sizes, rules.mesh_axes("batch", "activation")), stages, v),
+            (
+                carrier(cfg.context_strategy, platform, stages > 1),
+                ways(sizes, rules.mesh_axes("seq", "activation")),
+            ),
+            platform=platform,
+        ),
+        model.compute_bytes,
+        m,
+        platform=platform,
+        tokens_BT=(cfg.batch_size // m, model.seq_len),
+        reruns=model.reruns,
+    )
+
+
 def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: PlanConfig) -> dict:
     """Predicted memory and step time of one layout."""
     hw = get_hardware(cfg.hardware)
@@ -169,25 +197,13 @@ def evaluate(sizes: dict[str, int], model: PlanModel, rules: AxisRules, cfg: Pla
     # per virtual stage: all m for GPipe, at most p for 1F1B.
     stash = 3 * v * schedule.capacity * micro_act if schedule else 0.0
     mem = _memory(sizes, model, rules, cfg, stash, hw.platform)
-    expected = traffic.expected(
-        model.abstract_params,
-        mesh,
-        rules,
-        model.partial_sums(
-            *(cfg.batch_size, m, batch_ways, stages, v),
-            (carrier(cfg.context_strategy, hw.platform, stages > 1), context_ways),
-            platform=hw.platform,
-        ),
-        *(model.compute_bytes, m),
-        platform=hw.platform,
-        tokens_BT=(cfg.batch_size // m, model.seq_len),
-        reruns=model.reruns,
-    )
+    expected = _traffic(sizes, model, rules, cfg, hw.platform)
     if schedule:
         expected[("pipeline", "collective-permute")] = pipeline.send_bytes(
             schedule, model.abstract_params, rules, dict(mesh.shape), micro_act, model.compute_bytes
         )
-    tokens, tensor = cfg.batch_size * model.seq_len, sizes.get("tensor", 1)
+    tokens = cfg.batch_size * model.seq_len
+    tensor = sizes.get("tensor", 1)
     priced = compute.seconds(
         compute.work_of(model),
         tokens * tensor / cfg.devices,  # each device's tokens through every layer

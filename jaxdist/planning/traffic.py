@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from rich.console import Console
 from rich.table import Table
 
-from jaxdist.kernels.lookup import routed_table
+from jaxdist.kernels.lookup import Route, routed_table
 from jaxdist.planning import hlo
 from jaxdist.rules import AxisRules, logical_axes, variables, ways
 
@@ -99,7 +99,7 @@ def expected(
     for var in variables(abstract_params):
         logical = logical_axes(var)
         named = [n for n in logical if n is not None]
-        if route and tuple(named) == ("vocab", "embed"):
+        if route is not None and tuple(named) == ("vocab", "embed"):
             _routed_lookup(add, mesh, route, tokens_BT, var.shape[1] * compute_bytes, microbatches)
             continue
         param_axes = {a for n in named for a in rules.mesh_axes(n, "param")}
@@ -219,7 +219,7 @@ def _lookup_gradient(add, mesh: Mesh, scattered, summed, nbytes: float, platform
     add(_label(mesh, summed), "all-reduce", nbytes / n)
 
 
-def _routed_lookup(add, mesh: Mesh, route, tokens_BT, row_bytes: float, microbatches: int):
+def _routed_lookup(add, mesh: Mesh, route: Route, tokens_BT, row_bytes: float, microbatches: int):
     """The routed embedding lookup (jaxdist.kernels.lookup), per microbatch: the group's token
     ids gathered (int32; the backward's gather is the forward's, to XLA), this device's
     tokens' rows all-to-all forward and backward, the gradient's slice summed over the other
