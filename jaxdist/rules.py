@@ -184,21 +184,28 @@ _ACTIVE = threading.local()
 
 @contextlib.contextmanager
 def activation_rules(
-    rules: AxisRules, mesh: Mesh, context_strategy: str = "all-gather"
+    rules: AxisRules, mesh: Mesh, context_strategy: str = "all-gather", microbatches: int = 1
 ) -> Iterator[None]:
     """`context_strategy`: how attention crosses a sequence split over the mesh
-    (jaxdist.parallel.context), a step-wide choice the model never names."""
-    previous = getattr(_ACTIVE, "value", None), getattr(_ACTIVE, "context", None)
+    (jaxdist.parallel.context), a step-wide choice the model never names; `microbatches`: how
+    many the step accumulates (the embedding lookup's choice weighs them)."""
+    previous = [getattr(_ACTIVE, k, None) for k in ("value", "context", "microbatches")]
     _ACTIVE.value, _ACTIVE.context = (rules, mesh), context_strategy
+    _ACTIVE.microbatches = microbatches
     try:
         yield
     finally:
-        _ACTIVE.value, _ACTIVE.context = previous
+        _ACTIVE.value, _ACTIVE.context, _ACTIVE.microbatches = previous
 
 
 def active_context_strategy() -> str:
     """The strategy the step is traced under (all-gather outside one)."""
     return getattr(_ACTIVE, "context", None) or "all-gather"
+
+
+def active_microbatches() -> int:
+    """The microbatches the step is traced with (1 outside one)."""
+    return getattr(_ACTIVE, "microbatches", None) or 1
 
 
 def active() -> tuple[AxisRules, Mesh]:

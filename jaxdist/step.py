@@ -399,7 +399,7 @@ def build(
     step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab)
 
     def traced_step(state, batch):
-        with activation_rules(rules, mesh, config.context_strategy):
+        with activation_rules(rules, mesh, config.context_strategy, config.microbatches):
             return step(state, batch)
 
     def eval_loss(params: nnx.State, tokens_BT1: jax.Array) -> jax.Array:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist.kernels.lookup import lookup, reduce_scatter
+from jaxdist.kernels.lookup import lookup, reduce_scatter, routing
 from jaxdist.planning import hlo
 from jaxdist.rules import activation_rules, constrain
 from meshes.presets import STANDARD_RULES as RULES
@@ -102,6 +102,23 @@ def test_few_tokens_are_routed_to_the_tables_slices(layout, split, summed):
     # The loss's own sum over the tokens' devices is a scalar (4 bytes): not the lookup's.
     got = {k: r["bytes"] for k, r in rows.items() if r["bytes"] > 4}
     assert got == want, rows
+
+
+def test_routed_only_where_it_sends_fewer_bytes():
+    """Routed: 2 M tokens' rows each way; gathered: the table once a step and its gradient M
+    times, (M + 1) rows. On fsdp=8 with 64 rows a device, 56 tokens a device route in a step
+    of one microbatch (112 < 128 rows sent) but not of two (224 > 192); 40 route in both."""
+    shape = {"pipeline": 1, "data": 1, "fsdp": 8, "context": 1, "expert": 1, "tensor": 1}
+
+    def routed(tokens: int, microbatches: int) -> bool:
+        shape_BT = (8, tokens)  # 8 rows over fsdp=8: `tokens` a device
+        return routing(RULES, shape, (V, D), shape_BT, TABLE, microbatches) is not None
+
+    assert routed(56, 1) and not routed(56, 2)
+    assert routed(40, 1) and routed(40, 2)
+    assert not routed(64, 1)  # as many tokens as rows: the gathered path
+    # 4 rows do not split over fsdp=8: a shard_map needs whole blocks, so gathered.
+    assert routing(RULES, shape, (V, D), (4, 4), TABLE, 1) is None
 
 
 @pytest.mark.parametrize("axes", [("fsdp",), ("fsdp", "context")])

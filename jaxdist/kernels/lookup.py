@@ -10,8 +10,7 @@ It pays in tokens instead of table rows: (n - 1) / n of B T D each way, against 
 path's (n - 1) / n of V D each way (Llama-2-7B at fsdp=8, 4 rows of 2048: 59 MB against 230
 MB; Llama 3's 128K vocabulary: four times that). With M microbatches the gathered table is
 gathered once a step and its gradient reduce-scattered M times, so routing sends fewer bytes
-only below (M + 1) / 2M of the rows; between that and the rows it trades bytes for the
-gathered table's memory.
+only below (M + 1) / 2M of the rows a device holds: the choice's threshold.
 
 Gathered, otherwise:
 
@@ -38,6 +37,7 @@ from jaxdist.rules import (
     activation_rules,
     active,
     active_context_strategy,
+    active_microbatches,
     as_tuple,
     constrain,
     logical_axes,
@@ -60,7 +60,8 @@ def lookup(
     inside = bool(jax.sharding.get_abstract_mesh().manual_axes)
     route = None
     if not (tied or inside):
-        route = routing(rules, mesh.shape, table_VD.shape, ids_BT.shape, logical)
+        shapes = (table_VD.shape, ids_BT.shape)
+        route = routing(rules, mesh.shape, *shapes, logical, active_microbatches())
     if route is not None:
         return _routed(table_VD, ids_BT, logical, route, strategy)
 
@@ -146,11 +147,12 @@ class Route:
     rows: int
 
 
-def routing(rules, mesh_shape, shape_VD, shape_BT, logical) -> Route | None:
+def routing(rules, mesh_shape, shape_VD, shape_BT, logical, microbatches: int) -> Route | None:
     """The routed lookup's layout where it applies (the table's D stored split over token axes
-    only, its rows over no token axis, D whole as used, the tokens dividing their split) and a
-    device's tokens are fewer than the table's rows on it; else None. Shapes and rules only:
-    jaxdist.planning.traffic and memory price the same choice."""
+    only, its rows over no token axis, D whole as used, the tokens dividing their split) and
+    sends fewer bytes than the gathered path: 2 M tokens each way against the table gathered
+    once and reduce-scattered M times, (M + 1) rows (`shape_BT`: a microbatch's tokens). Else
+    None. Shapes and rules only: jaxdist.planning.traffic and memory price the same choice."""
 
     def split_over(entry) -> tuple[str, ...]:
         return tuple(a for a in as_tuple(entry) if mesh_shape.get(a, 1) > 1)
@@ -169,15 +171,17 @@ def routing(rules, mesh_shape, shape_VD, shape_BT, logical) -> Route | None:
     if any(n % ways(mesh_shape, as_tuple(e)) for n, e in zip(shape_BT, tokens_spec, strict=True)):
         return None  # a shard_map needs whole blocks; the gathered path takes any shape
     rows = shape_VD[0] // ways(mesh_shape, vocab)
-    if math.prod(shape_BT) // ways(mesh_shape, token_axes) >= rows:
+    tokens = math.prod(shape_BT) // ways(mesh_shape, token_axes)
+    if 2 * microbatches * tokens >= (microbatches + 1) * rows:
         return None
     summed = tuple(sorted(token_axes - set(split)))
     return Route(split, vocab, summed, tokens_spec, rows)
 
 
-def routed_table(abstract_params, rules, mesh_shape, tokens_BT) -> Route | None:
-    """How a model's embedding table is looked up on this layout, for `tokens_BT` tokens a
-    microbatch (the planner's pricing of `lookup`): its Route, or None where it is gathered
+def routed_table(abstract_params, rules, mesh_shape, tokens_BT, microbatches) -> Route | None:
+    """How a model's embedding table is looked up on this layout, for `tokens_BT` tokens in
+    each of `microbatches` (the planner's pricing of `lookup`): its Route, or None where it is
+    gathered
     (no table, a table that is also the head, or a pipeline: its stages look up inside their
     shard_map, where the table is gathered)."""
     if mesh_shape.get("pipeline", 1) > 1:
@@ -189,7 +193,7 @@ def routed_table(abstract_params, rules, mesh_shape, tokens_BT) -> Route | None:
     if ("vocab", "embed") not in tables or ("embed", "vocab") not in tables:
         return None  # no table, or no head of its own: the table is the head, tied
     var, logical = tables[("vocab", "embed")]
-    return routing(rules, mesh_shape, var.shape, tokens_BT, logical)
+    return routing(rules, mesh_shape, var.shape, tokens_BT, logical, microbatches)
 
 
 def _routed(table_VD, ids_BT, logical, route: Route, strategy) -> jax.Array:

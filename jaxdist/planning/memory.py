@@ -171,7 +171,8 @@ def predict(
     pipelined = mesh_shape.get("pipeline", 1) > 1
     # A routed embedding table (jaxdist.kernels.lookup) is never gathered.
     tokens_BT = (batch_size // microbatches, seq_len)
-    routed = routed_table(abstract_params, rules, mesh_shape, tokens_BT) is not None
+    routed = routed_table(abstract_params, rules, mesh_shape, tokens_BT, microbatches)
+    routed = routed is not None
     params, grads, gathered_layer, gathered_other, stage_layers = _weights(
         abstract_params, rules, mesh_shape, compute_bytes, routed
     )

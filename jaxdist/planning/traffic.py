@@ -95,7 +95,7 @@ def expected(
     batch_axes = rules.mesh_axes("batch", "activation")
     seq_axes = rules.mesh_axes("seq", "activation")
     pipelined = mesh.shape.get("pipeline", 1) > 1
-    route = routed_table(abstract_params, rules, dict(mesh.shape), tokens_BT)
+    route = routed_table(abstract_params, rules, dict(mesh.shape), tokens_BT, microbatches)
     for var in variables(abstract_params):
         logical = logical_axes(var)
         named = [n for n in logical if n is not None]
