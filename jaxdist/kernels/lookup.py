@@ -85,13 +85,9 @@ def _scattered(shape_VD, ids_BT, g_BTD, logical) -> jax.Array:
     stored split over, all-reduced over the other token axes."""
     rules, mesh = active()
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    # The axes tokens are split over; inside the pipeline's shard_map its manual ones are
-    # already per device, summed by that shard_map's own transpose.
-    token_axes = {
-        a
-        for a in rules.mesh_axes("batch", "activation") + rules.mesh_axes("seq", "activation")
-        if mesh.shape[a] > 1 and a not in manual
-    }
+    # Inside the pipeline's shard_map its manual axes are already per device, summed by that
+    # shard_map's own transpose.
+    token_axes, tokens = _token_split(rules, mesh.shape, manual)
     used = [_only(e, set(mesh.axis_names) - manual) for e in rules.spec(logical, "activation")]
     if not token_axes:
         g_VD = constrain(jnp.zeros(shape_VD, g_BTD.dtype), logical).at[ids_BT].add(g_BTD)
@@ -105,19 +101,13 @@ def _scattered(shape_VD, ids_BT, g_BTD, logical) -> jax.Array:
     rows = shape_VD[0] // ways(mesh.shape, vocab_axes)
 
     def body(ids_BT, g_BTD):
-        # This device's rows of the table as used (the vocabulary split over `tensor`):
-        # tokens outside them index past the end and are dropped.
-        first = position(vocab_axes) * rows
-        local_BT = jnp.where((ids_BT >= first) & (ids_BT < first + rows), ids_BT - first, rows)
         g_VD = jnp.zeros((rows, g_BTD.shape[-1]), g_BTD.dtype)
-        g_VD = g_VD.at[local_BT].add(g_BTD, mode="drop")
+        g_VD = g_VD.at[_local_rows(ids_BT, vocab_axes, rows)].add(g_BTD, mode="drop")
         for dim, axes in enumerate(scatter):
             if axes:
                 g_VD = reduce_scatter(g_VD, axes, dim, ways(mesh.shape, axes), ring)
         return jax.lax.psum(g_VD, summed) if summed else g_VD
 
-    tokens = rules.spec(("batch", "seq"), "activation", "token ids")
-    tokens = PartitionSpec(*(_only(entry, token_axes) for entry in tokens))
     out = PartitionSpec(
         *((as_tuple(u) + axes) or None for u, axes in zip(used, scatter, strict=True))
     )
@@ -138,13 +128,14 @@ class Route:
     them token axes), `vocab` those its rows are split over (`tensor`), `summed` the other
     token axes, which hold other tokens for the same slice (`data`): its gradient's sum.
     `tokens_spec`: the token ids' split over the token axes; `rows`: the table's rows on a
-    device."""
+    device; `tokens`: a device's tokens a microbatch."""
 
     split: tuple[str, ...]
     vocab: tuple[str, ...]
     summed: tuple[str, ...]
     tokens_spec: PartitionSpec
     rows: int
+    tokens: int
 
 
 def routing(rules, mesh_shape, shape_VD, shape_BT, logical, microbatches: int) -> Route | None:
@@ -157,8 +148,7 @@ def routing(rules, mesh_shape, shape_VD, shape_BT, logical, microbatches: int) -
     def split_over(entry) -> tuple[str, ...]:
         return tuple(a for a in as_tuple(entry) if mesh_shape.get(a, 1) > 1)
 
-    token_axes = set(split_over(rules.mesh_axes("batch", "activation")))
-    token_axes |= set(split_over(rules.mesh_axes("seq", "activation")))
+    token_axes, tokens_spec = _token_split(rules, mesh_shape)
     stored = rules.spec(logical, "param", "embedding table")
     used = rules.spec(logical, "activation", "embedding table")
     split, vocab = split_over(stored[1]), split_over(stored[0])
@@ -166,8 +156,6 @@ def routing(rules, mesh_shape, shape_VD, shape_BT, logical, microbatches: int) -
         return None
     if used[1] is not None or vocab != split_over(used[0]):
         return None
-    tokens_spec = rules.spec(("batch", "seq"), "activation", "token ids")
-    tokens_spec = PartitionSpec(*(_only(entry, token_axes) for entry in tokens_spec))
     if any(n % ways(mesh_shape, as_tuple(e)) for n, e in zip(shape_BT, tokens_spec, strict=True)):
         return None  # a shard_map needs whole blocks; the gathered path takes any shape
     rows = shape_VD[0] // ways(mesh_shape, vocab)
@@ -175,7 +163,7 @@ def routing(rules, mesh_shape, shape_VD, shape_BT, logical, microbatches: int) -
     if 2 * microbatches * tokens >= (microbatches + 1) * rows:
         return None
     summed = tuple(sorted(token_axes - set(split)))
-    return Route(split, vocab, summed, tokens_spec, rows)
+    return Route(split, vocab, summed, tokens_spec, rows, tokens)
 
 
 def routed_table(abstract_params, rules, mesh_shape, tokens_BT, microbatches) -> Route | None:
@@ -206,17 +194,10 @@ def _routed(table_VD, ids_BT, logical, route: Route, strategy) -> jax.Array:
     names |= {a for entry in route.tokens_spec for a in as_tuple(entry)}
     shard = functools.partial(jax.shard_map, mesh=mesh, axis_names=names, check_vma=False)
 
-    def local(ids):
-        # This device's rows of the table (the vocabulary split over `tensor`): tokens
-        # outside them index past the end, read as zeros and dropped from the gradient.
-        if not route.vocab:
-            return ids
-        first = position(route.vocab) * route.rows
-        return jnp.where((ids >= first) & (ids < first + route.rows), ids - first, route.rows)
-
     def forward(table_VD, ids_BT):
         ids_NBT = jax.lax.all_gather(ids_BT, route.split, axis=0)  # the group's tokens
-        x_NBTD = jnp.take(table_VD, local(ids_NBT), axis=0, mode="fill", fill_value=0)
+        local_NBT = _local_rows(ids_NBT, route.vocab, route.rows)
+        x_NBTD = jnp.take(table_VD, local_NBT, axis=0, mode="fill", fill_value=0)
         # Piece j (device j's tokens in this D slice) goes to device j; piece i back from
         # device i is this device's tokens in D slice i.
         x_NBTD = jax.lax.all_to_all(x_NBTD, route.split, 0, 0)
@@ -228,7 +209,7 @@ def _routed(table_VD, ids_BT, logical, route: Route, strategy) -> jax.Array:
         g_NBTD = jnp.moveaxis(g_BTD.reshape(*g_BTD.shape[:-1], n, -1), -2, 0)
         g_NBTD = jax.lax.all_to_all(g_NBTD, route.split, 0, 0)
         g_VD = jnp.zeros((route.rows, g_NBTD.shape[-1]), g_BTD.dtype)
-        g_VD = g_VD.at[local(ids_NBT)].add(g_NBTD, mode="drop")
+        g_VD = g_VD.at[_local_rows(ids_NBT, route.vocab, route.rows)].add(g_NBTD, mode="drop")
         return jax.lax.psum(g_VD, route.summed) if route.summed else g_VD
 
     x_spec = PartitionSpec(*route.tokens_spec, None)
@@ -245,6 +226,24 @@ def _routed(table_VD, ids_BT, logical, route: Route, strategy) -> jax.Array:
 
     take.defvjp(lambda t, i: (take(t, i), i), grad)
     return take(table_VD, ids_BT)
+
+
+def _token_split(rules, mesh_shape, manual=frozenset()) -> tuple[set[str], PartitionSpec]:
+    """The mesh axes tokens are split over (but `manual` ones) and the token ids' spec over
+    them."""
+    names = rules.mesh_axes("batch", "activation") + rules.mesh_axes("seq", "activation")
+    token_axes = {a for a in names if mesh_shape.get(a, 1) > 1 and a not in manual}
+    spec = rules.spec(("batch", "seq"), "activation", "token ids")
+    return token_axes, PartitionSpec(*(_only(entry, token_axes) for entry in spec))
+
+
+def _local_rows(ids, vocab_axes: tuple[str, ...], rows: int):
+    """`ids` as indices into this device's `rows` of the table (the vocabulary split over
+    `tensor`): ids outside them index past the end, read as zeros and dropped from sums."""
+    if not vocab_axes:
+        return ids
+    first = position(vocab_axes) * rows
+    return jnp.where((ids >= first) & (ids < first + rows), ids - first, rows)
 
 
 def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, n: int, ring: bool) -> jax.Array:

@@ -171,10 +171,9 @@ def predict(
     pipelined = mesh_shape.get("pipeline", 1) > 1
     # A routed embedding table (jaxdist.kernels.lookup) is never gathered.
     tokens_BT = (batch_size // microbatches, seq_len)
-    routed = routed_table(abstract_params, rules, mesh_shape, tokens_BT, microbatches)
-    routed = routed is not None
+    route = routed_table(abstract_params, rules, mesh_shape, tokens_BT, microbatches)
     params, grads, gathered_layer, gathered_other, stage_layers = _weights(
-        abstract_params, rules, mesh_shape, compute_bytes, routed
+        abstract_params, rules, mesh_shape, compute_bytes, route is not None
     )
     batch = (
         4 * batch_size * (seq_len + 1) / ways(mesh_shape, rules.mesh_axes("batch", "activation"))

@@ -100,7 +100,7 @@ def expected(
         logical = logical_axes(var)
         named = [n for n in logical if n is not None]
         if route is not None and tuple(named) == ("vocab", "embed"):
-            _routed_lookup(add, mesh, route, tokens_BT, var.shape[1] * compute_bytes, microbatches)
+            _routed_lookup(add, mesh, route, var.shape[1] * compute_bytes, microbatches)
             continue
         param_axes = {a for n in named for a in rules.mesh_axes(n, "param")}
         act_axes = {a for n in named for a in rules.mesh_axes(n, "activation")}
@@ -219,17 +219,15 @@ def _lookup_gradient(add, mesh: Mesh, scattered, summed, nbytes: float, platform
     add(_label(mesh, summed), "all-reduce", nbytes / n)
 
 
-def _routed_lookup(add, mesh: Mesh, route: Route, tokens_BT, row_bytes: float, microbatches: int):
+def _routed_lookup(add, mesh: Mesh, route: Route, row_bytes: float, microbatches: int) -> None:
     """The routed embedding lookup (jaxdist.kernels.lookup), per microbatch: the group's token
     ids gathered (int32; the backward's gather is the forward's, to XLA), this device's
     tokens' rows all-to-all forward and backward, the gradient's slice summed over the other
     token axes."""
     n = ways(mesh.shape, route.split)
-    token_axes = set(route.split) | set(route.summed)
-    tokens = math.prod(tokens_BT) / ways(mesh.shape, token_axes)
     label = _label(mesh, route.split)
-    add(label, "all-gather", microbatches * n * tokens * 4)
-    add(label, "all-to-all", 2 * microbatches * tokens * row_bytes)
+    add(label, "all-gather", microbatches * n * route.tokens * 4)
+    add(label, "all-to-all", 2 * microbatches * route.tokens * row_bytes)
     add(_label(mesh, route.summed), "all-reduce", microbatches * route.rows * row_bytes / n)
 
 
