@@ -17,8 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.errors import ConfigError
-from jaxdist.kernels import documents
-from jaxdist.kernels.fused_loss import fused_cross_entropy
+from jaxdist.kernels.loss import Vocab, forward_loss, stage_loss
 from jaxdist.parallel import context, pipeline
 from jaxdist.rules import (
     AxisRules,
@@ -77,66 +76,6 @@ class StepConfig:
                 f"--virtual-stages {self.virtual_stages} applies to the interleaved schedule; "
                 "add --pipeline-schedule interleaved"
             )
-
-
-class Vocab(NamedTuple):
-    """What the step must know of the data's tokens: the vocabulary it uses (the model's may be
-    padded past it, and a padded id is never predicted) and its EOS id (None: rows are not
-    packed documents, as for raw bytes)."""
-
-    size: int | None = None
-    eos_id: int | None = None
-
-
-def cross_entropy(
-    logits_BTV: jax.Array, targets_BT: jax.Array, vocab_size: int | None = None
-) -> jax.Array:
-    """Mean next-token loss, in fp32 whatever the compute dtype; ids >= vocab_size (padding of
-    the model's vocabulary) get no probability."""
-    logits_BTV = logits_BTV.astype(jnp.float32)
-    V = logits_BTV.shape[-1]
-    if vocab_size is not None and vocab_size < V:
-        logits_BTV = jnp.where(jnp.arange(V) < vocab_size, logits_BTV, -jnp.inf)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
-
-
-def forward_loss(
-    model, tokens_BT1: jax.Array, vocab: Vocab, document_mask: bool, chunk_tokens: int = 0
-):
-    """Cross-entropy of next-token prediction over a batch of [B, T+1] tokens, and the model's
-    auxiliary output. With packed documents the model gets their ids and positions.
-
-    A model with `features(tokens_BT, docs=None) -> (h_BTD, head_DV, aux)` (the last hidden
-    state and the output head, logits = h @ head) gets the fused loss (`chunk_tokens` > 0):
-    its logits are never whole in memory; any other model is called for its logits."""
-    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
-    docs = None
-    if document_mask and vocab.eos_id is not None:
-        docs = documents.from_tokens(inputs_BT, vocab.eos_id)
-    # A sequence split over devices is reordered for causal balance, documents found first.
-    inputs_BT, targets_BT, docs = context.split_sequence(inputs_BT, targets_BT, docs)
-    docs = () if docs is None else (docs,)
-    # (without docs, a model that knows nothing of documents is called as it always was)
-    if chunk_tokens and hasattr(model, "features"):
-        h_BTD, head_DV, aux = model.features(inputs_BT, *docs)
-        return fused_cross_entropy(h_BTD, head_DV, targets_BT, vocab.size, chunk_tokens), aux
-    logits_BTV, aux = model(inputs_BT, *docs)
-    return cross_entropy(logits_BTV, targets_BT, vocab.size), aux
-
-
-def stage_loss(stages: pipeline.Stages, vocab: Vocab, chunk_tokens: int) -> Callable:
-    """The pipeline's last stage's loss from its output, `(weights, y_bTD, targets_bT) -> mean`:
-    fused, as `forward_loss`'s, where the model offers its features."""
-    if chunk_tokens and stages.features is not None:
-
-        def fused(weights, y_bTD, targets_bT):
-            h_bTD, head_DV = stages.features(weights, y_bTD)
-            return fused_cross_entropy(h_bTD, head_DV, targets_bT, vocab.size, chunk_tokens)
-
-        return fused
-    return lambda weights, y_bTD, targets_bT: cross_entropy(
-        stages.head(weights, y_bTD), targets_bT, vocab.size
-    )
 
 
 def _pipelined_grads(

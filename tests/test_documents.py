@@ -13,10 +13,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.kernels import documents
+from jaxdist.kernels.loss import cross_entropy
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.parallel import pipeline
 from jaxdist.rules import activation_rules
-from jaxdist.step import cross_entropy
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
 from models.transformer import Transformer

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from jaxdist.kernels.fused_loss import _chunks
+from jaxdist.kernels.loss import Vocab, forward_loss
 from jaxdist.rules import activation_rules
-from jaxdist.step import Vocab, forward_loss
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
 from models.transformer import Transformer

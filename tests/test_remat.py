@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
+from jaxdist.kernels.loss import Vocab, forward_loss
 from jaxdist.rules import activation_rules
-from jaxdist.step import Vocab, forward_loss
 from meshes.presets import STANDARD_RULES
 from models import remat
 from models.presets import get_model_config

@@ -13,9 +13,9 @@ from flax import nnx
 
 from jaxdist.kernels import attention as attn
 from jaxdist.kernels.documents import from_tokens
+from jaxdist.kernels.loss import Vocab, forward_loss
 from jaxdist.planning import tpu
 from jaxdist.rules import activation_rules
-from jaxdist.step import Vocab, forward_loss
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
 from models.transformer import Transformer

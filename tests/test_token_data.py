@@ -20,8 +20,9 @@ from jaxdist.data.encode import TokenizeConfig, tokenize
 from jaxdist.data.tokenset import TokenSet
 from jaxdist.errors import ConfigError
 from jaxdist.evaluation import EvalConfig, evaluate
+from jaxdist.kernels.loss import cross_entropy
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.step import StepConfig, Vocab, build, cross_entropy
+from jaxdist.step import StepConfig, Vocab, build
 from jaxdist.train import LoopConfig, RunConfig, fit
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config, model_spec, with_data_vocab

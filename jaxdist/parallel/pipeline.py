@@ -284,7 +284,7 @@ def value_and_grad(
     """(mean loss over the microbatches, gradients for every weight, mean auxiliary loss the
     stages added: MoE balance), pipelined; with `eos_id`, rows are packed documents
     (jaxdist.kernels.documents), each seen alone. `head_loss(weights, y_bTD, targets_bT)` is the
-    last stage's mean loss from its output (jaxdist.step.stage_loss)."""
+    last stage's mean loss from its output (jaxdist.kernels.loss.stage_loss)."""
     rules, mesh = active()
     # The batch axes are manual too: weights move once per step (jaxdist.parallel.stage_weights).
     batch = stage_weights.batch_axes(rules, dict(mesh.shape))
