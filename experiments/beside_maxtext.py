@@ -13,7 +13,9 @@ Both programs compile for the slice from this host (no TPU): MaxText's own `trai
 per chip is XLA's argument + output + temp - alias in both. Collectives are counted in each
 compiled HLO by jaxdist.planning.hlo (loop trips multiplied in); bytes each chip sends per step
 are all-gather x (n-1)/n, all-reduce x 2(n-1)/n, reduce-scatter x (n-1)/n of the full buffer,
-collective-permute x 1. About 30 minutes on 2 cores (each MaxText compile takes 2-3).
+collective-permute x 1. jaxdist compiles each policy twice: with its one-way rings (the
+default) and with XLA's two-way rings, as MaxText compiles them (`--collective-matmul two-way`).
+About 32 minutes on 2 cores (each MaxText compile takes 2-3).
 
 Long context (`--context 4 --seq 32768 --fraction-rows 0.25`): the sequence split over 4
 chips, fsdp over 2, both programs' all-gather strategy; one policy pair, about 5 minutes.
@@ -38,6 +40,7 @@ POLICIES = [
     ("minimal_with_context", "dots"),
     ("save_dot_except_mlp", "dots_except_mlp"),
 ]
+TWO_WAY = ("--collective-matmul", "two-way")
 MT_ENV = {"TPU_SKIP_MDS_QUERY": "1", "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
@@ -96,14 +99,14 @@ def _field(text: str, name: str) -> float:
 
 
 def jaxdist(
-    model: str, remat: str, rows: float, seq: int, cp: int = 1
+    model: str, remat: str, rows: float, seq: int, cp: int = 1, *extra: str
 ) -> tuple[float | None, dict, str]:
     """jaxdist's compile of the same step: (GB per chip or None where refused, collectives,
-    the policy auto took)."""
+    the policy auto took). `extra`: more flags for `jaxdist train`."""
     mesh = f"context={cp},fsdp={8 // cp}" if cp > 1 else "fsdp=8"
     cmd = [sys.executable, "-m", "jaxdist.cli", "train", "--model", model, "--seq-len", str(seq)]
     cmd += ["--mesh", mesh, "--batch-size", str(round(8 * rows)), "--compile-only"]
-    cmd += ["--target", "v5p-16", "--remat", remat]
+    cmd += ["--target", "v5p-16", "--remat", remat, *extra]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         if "refused the step for lack of memory" in r.stderr or "does not fit" in r.stderr:
@@ -149,10 +152,15 @@ def main() -> int:
     for mt_policy, ours in POLICIES:
         mt_gb, mt_coll = maxtext(a.maxtext_python, MODELS[a.model], mt_policy, a.rows, a.seq, work)
         our_gb, our_coll, _ = jaxdist(a.model, ours, a.rows, a.seq)
+        # XLA's own two-way rings, as MaxText compiles them (jaxdist.parallel.collective_matmul)
+        two_gb, two_coll, _ = jaxdist(a.model, ours, a.rows, a.seq, 1, *TWO_WAY)
         out["policies"].append(
             dict(maxtext=mt_policy, jaxdist=ours, maxtext_gb=mt_gb, jaxdist_gb=our_gb)
             | dict(maxtext_sent_gb=_sent(mt_coll, 8) / 1e9 if mt_coll else None)
             | dict(jaxdist_sent_gb=_sent(our_coll, 8) / 1e9 if our_coll else None)
+            | dict(
+                two_way_gb=two_gb, two_way_sent_gb=_sent(two_coll, 8) / 1e9 if two_coll else None
+            )
             | dict(maxtext_collectives=_kinds(mt_coll), jaxdist_collectives=_kinds(our_coll))
         )
         print(json.dumps(out["policies"][-1]), flush=True)
@@ -221,19 +229,21 @@ def _print(out: dict) -> None:
         f"\n{out['model']}, fsdp=8 on v5p-16 (8 chips), seq {out['seq']}, "
         f"{out['rows_per_chip']} rows per chip: GB per chip (sent GB per chip per step)"
     )
-    print(f"{'MaxText policy':24} {'MaxText':>18} {'jaxdist policy':16} {'jaxdist':>18}")
+    print(
+        f"{'MaxText policy':24} {'MaxText':>18} {'jaxdist policy':16} {'jaxdist':>18} "
+        f"{'jaxdist two-way':>18}"
+    )
     for r in out["policies"]:
         mt = (
             "refused"
             if r["maxtext_gb"] is None
             else f"{r['maxtext_gb']:.2f} ({r['maxtext_sent_gb']:.1f})"
         )
-        ours = (
-            "refused"
-            if r["jaxdist_gb"] is None
-            else f"{r['jaxdist_gb']:.2f} ({r['jaxdist_sent_gb']:.1f})"
+        ours, two = (
+            "refused" if r[f"{k}_gb"] is None else f"{r[f'{k}_gb']:.2f} ({r[f'{k}_sent_gb']:.1f})"
+            for k in ("jaxdist", "two_way")
         )
-        print(f"{r['maxtext']:24} {mt:>18} {r['jaxdist']:16} {ours:>18}")
+        print(f"{r['maxtext']:24} {mt:>18} {r['jaxdist']:16} {ours:>18} {two:>18}")
     print(f"jaxdist --remat auto: {out['auto']['policy']}, {out['auto']['gb']} GB per chip")
     for rows, r in out["many_rows"].items():
         mt = "refused" if r["maxtext_full_gb"] is None else f"{r['maxtext_full_gb']:.2f} GB"

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.errors import ConfigError
 from jaxdist.kernels.loss import Vocab, forward_loss, stage_loss
-from jaxdist.parallel import context, pipeline
+from jaxdist.parallel import collective_matmul, context, pipeline
 from jaxdist.rules import (
     AxisRules,
     activation_rules,
@@ -54,6 +54,9 @@ class StepConfig:
     context_strategy: Literal["all-gather", "ring", "ulysses"] = "all-gather"
     """how attention crosses a sequence split over the `context` mesh axis
     (jaxdist.parallel.context)"""
+    collective_matmul: Literal["one-way", "two-way"] = "one-way"
+    """TPU: how the compiler streams an FSDP weight through its matmuls, each shard once round
+    the ring or both ways (XLA's default, 2.4x the bytes); jaxdist.parallel.collective_matmul"""
     fault_nan_steps: tuple[int, ...] = ()
     """fault injection, for testing recovery: make these steps' loss and gradients NaN"""
 
@@ -70,6 +73,11 @@ class StepConfig:
             raise ConfigError(
                 f"--context-strategy {self.context_strategy!r}: choose from "
                 f"{', '.join(context.STRATEGIES)}"
+            )
+        if self.collective_matmul not in collective_matmul.MODES:
+            raise ConfigError(
+                f"--collective-matmul {self.collective_matmul!r}: choose from "
+                f"{', '.join(collective_matmul.MODES)}"
             )
         if self.virtual_stages > 1 and self.pipeline_schedule != "interleaved":
             raise ConfigError(
@@ -358,6 +366,9 @@ def build(
         in_shardings=(state_sharding, tokens_sharding),
         out_shardings=(state_sharding, replicated),
         donate_argnums=0,
+        compiler_options=collective_matmul.compiler_options(
+            mesh.devices.flat[0].platform, config.collective_matmul
+        ),
     )
     abstract_state = _abstract_state(abstract_params, abstract_opt, state_sharding)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))

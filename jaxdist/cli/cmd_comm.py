@@ -73,6 +73,7 @@ def run(args: Comm) -> int:
         compute_bytes=dtype_bytes,
         microbatches=args.step.microbatches,
         extra_expected=extra,
+        collective_matmul=args.step.collective_matmul,
         branch_share=share,
     )
     if args.json:

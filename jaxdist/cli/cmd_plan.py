@@ -125,6 +125,7 @@ def _plan_config(args: Plan, devices: int):
         max_layouts=max(args.top, args.verify),
         loss_chunk_tokens=args.step.loss_chunk_tokens,
         context_strategy=args.step.context_strategy,
+        collective_matmul=args.step.collective_matmul,
         layout=layout,
     )
 
@@ -185,18 +186,14 @@ def run(args: Plan) -> int:
             targets = jax.devices()
         from jaxdist.planning.aot import verify
 
-        step = args.step
-        v = step.virtual_stages if step.pipeline_schedule == "interleaved" else 1
         for row in result["layouts"][: args.verify]:
             row["verify"] = verify(
                 row,
                 model_spec(dataclasses.replace(model_cfg, remat=row["remat"])),
                 STANDARD_RULES,
                 args.batch_size,
-                step.pipeline_schedule,
-                v,
+                args.step,
                 targets,
-                step.context_strategy,
             )
         print_verify(result["layouts"][: args.verify], console)
     if args.json:

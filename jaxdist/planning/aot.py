@@ -18,6 +18,7 @@ On a real GPU, `get_topology_for_devices(jax.devices()).target_config` gives the
 check planning/gpu_targets/ against.
 """
 
+import dataclasses
 import math
 import re
 import time
@@ -104,21 +105,15 @@ def verify(
     model: ModelSpec,
     rules: AxisRules,
     batch_size: int,
-    pipeline_schedule: str,
-    virtual_stages: int,
+    step: StepConfig,
     devices: list,
-    context_strategy: str = "all-gather",
 ) -> dict:
     """Compiles a planned layout's real train step for abstract inputs on `devices` and sets
-    XLA's memory and the HLO's collective bytes beside the planner's predictions."""
+    XLA's memory and the HLO's collective bytes beside the planner's predictions. `step`: the
+    step's settings but its microbatches, which are the layout's."""
     mesh = build_mesh(MeshConfig(ici=tuple(row["mesh"].items())), devices)
     tx, lr = make_optimizer(OptimConfig(), 100)
-    step = StepConfig(
-        row["microbatches"],
-        pipeline_schedule,
-        virtual_stages=virtual_stages,
-        context_strategy=context_strategy,
-    )
+    step = dataclasses.replace(step, microbatches=row["microbatches"])
     t0 = time.perf_counter()
     jitted = build(model.init, tx, lr, rules, mesh, step, 0, batch_size, seq_len=model.seq_len)
     try:
@@ -132,7 +127,7 @@ def verify(
     share = None
     if mesh.shape.get("pipeline", 1) > 1:  # the tick's branches run on their own ticks only
         sched = make_schedule(
-            pipeline_schedule, mesh.shape["pipeline"], row["microbatches"], virtual_stages
+            step.pipeline_schedule, mesh.shape["pipeline"], step.microbatches, step.virtual_stages
         )
         share = branch_share(sched)
     measured = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape), share))

@@ -144,6 +144,7 @@ def _multiplicities(
     """Times each computation runs per execution of ENTRY: the calls walked from ENTRY, loop
     trip counts and branch shares multiplied in."""
     mult: dict[str, float] = {entry: 1}
+    trips: dict[str, int] = {}  # a loop body's trip count, for the conditionals inside it
     order = [entry]
     while order:
         comp = order.pop()
@@ -159,13 +160,51 @@ def _multiplicities(
                 names = [b.strip().lstrip("%") for b in branches.split(",")]
                 share = (branch_share or {}).get(len(names), (1.0,) * len(names))
                 calls += [(share[i], b) for i, b in enumerate(names)]
+            # A predicated conditional (true_/false_computation): the TPU compiler's one-way
+            # windowed einsum skips its ring's last send so, `counter + 1 < n` in an n-trip
+            # loop. Its branches' shares where the predicate has that form, else 1 each.
+            branches = re.search(
+                r"true_computation=%([\w.\-]+), false_computation=%([\w.\-]+)", line
+            )
+            if branches:
+                taken = _true_share(line, comps[comp], trips.get(comp))
+                shares = (1.0, 1.0) if taken is None else (taken, 1.0 - taken)
+                calls += list(zip(shares, branches.groups(), strict=True))
             for key, callee in calls:
                 times = mult[comp] * (
                     trip if key == "body" else key if isinstance(key, float) else 1
                 )
+                if key == "body":
+                    trips[callee] = trip
                 mult[callee] = mult.get(callee, 0) + times
                 order.append(callee)
     return mult
+
+
+def _true_share(line: str, lines: list[str], trip: int | None) -> float | None:
+    """The share of a loop's `trip` iterations in which a conditional's predicate holds, where
+    it is `compare(add(counter, a), b), direction=LT` with constants a and b (the counter taken
+    to run from 0): (b - a) / trip, clipped to [0, 1]. None for any other form."""
+    pred = re.search(r" conditional\(%([\w.\-]+)", line)
+    if not trip or not pred:
+        return None
+    defs = {m.group(2): m for m in map(_INSTR.match, lines) if m}
+    cmp = defs.get(pred.group(1))
+    if not cmp or cmp.group(4) != "compare" or "direction=LT" not in cmp.group(5):
+        return None
+    lhs, rhs = re.findall(r"%([\w.\-]+)", cmp.group(5).split(")")[0])[:2]
+    add = defs.get(lhs)
+    const = {
+        k: int(c.group(1))
+        for k, v in defs.items()
+        if (c := re.match(r"(\d+)\)", v.group(5))) and v.group(4) == "constant"
+    }
+    if not add or add.group(4) != "add" or rhs not in const:
+        return None
+    step = [const[x] for x in re.findall(r"%([\w.\-]+)", add.group(5).split(")")[0]) if x in const]
+    if len(step) != 1:
+        return None
+    return min(max((const[rhs] - step[0]) / trip, 0.0), 1.0)
 
 
 def _moved_bytes(kind: str, result: str, rest: str, mesh_shape: dict[str, int]) -> int:

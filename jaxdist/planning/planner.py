@@ -85,6 +85,7 @@ class PlanConfig:
     # The step's fused cross-entropy (jaxdist.step): tokens per device per chunk; 0: unfused.
     loss_chunk_tokens: int = StepConfig().loss_chunk_tokens
     context_strategy: str = StepConfig().context_strategy  # how attention crosses `context`
+    collective_matmul: str = StepConfig().collective_matmul  # the TPU's streamed weight rings
 
 
 def _axis_time(kind: str, nbytes: float, label: str, sizes: dict[str, int], hw) -> float:
@@ -175,6 +176,7 @@ def _traffic(
         platform=platform,
         tokens_BT=(cfg.batch_size // m, model.seq_len),
         reruns=model.reruns,
+        collective_matmul=cfg.collective_matmul,
     )
 
 

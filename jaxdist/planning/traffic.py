@@ -45,9 +45,10 @@ class PartialSum:
 # XLA's TPU compiler streams a stored-split weight through each matmul that uses it instead
 # of gathering it whole ("windowed einsums": loops of collective-permutes inside the dot)
 # where the weight is gathered over exactly the axes that split the tokens (FSDP, with or
-# without context) and that group holds 8 to 32 chips. Each use sends 2n + 1 shards of 1/n
-# (the ring's two directions and one more), where an all-gather moves n - 1: the forward, the
-# input gradient, and the weight gradient (the reduce-scatter, streamed the same way). Where
+# without context) and that group holds 8 to 32 chips. Each use sends n - 1 shards of 1/n one
+# way round the ring, what an all-gather moves (jaxdist's default), or 2n + 1 both ways (XLA's:
+# jaxdist.parallel.collective_matmul): the forward, the input gradient, and the weight
+# gradient (the reduce-scatter, streamed the same way). Where
 # the backward reruns the forward matmul (`reruns`: full remat), the compiler gathers the
 # weight once, plainly, for the rerun and the input gradient. Counted per dot (its op_name on
 # each permute) in the compiled HLO of Llama-style layers on v5p-16 (fsdp=8, context=4,fsdp=2),
@@ -81,11 +82,12 @@ def expected(
     platform: str,
     tokens_BT: tuple[int, int],
     reruns: frozenset[tuple] = frozenset(),
+    collective_matmul: str = "one-way",
 ) -> dict[tuple[str, str], float]:
     """Analytic bytes per step, keyed like hlo.summarize: (axis label, kind), as `platform`'s
     compiler emits them. `tokens_BT`: a microbatch's rows and sequence length. `reruns`: the
     logical axes of the layer weights whose forward matmul the backward reruns (the remat
-    policy's)."""
+    policy's). `collective_matmul`: the TPU's streamed rings, one-way or two-way."""
     out: dict[tuple[str, str], float] = {}
 
     def add(label: str, kind: str, nbytes: float) -> None:
@@ -119,13 +121,18 @@ def expected(
         n = _streamed(mesh, gather, set(batch_axes) | set(seq_axes), platform)
         matmul = len(named) > 2 and "layers" in named and "expert" not in named
         head = tuple(named) == ("embed", "vocab")
+        seq_split = {a for a in seq_axes if mesh.shape.get(a, 1) > 1}
+        if n and head and seq_split:
+            axes = (gather, set(batch_axes), seq_split)
+            _context_head(add, mesh, axes, compute_size, compute_bytes, microbatches)
+            continue
         if n and (matmul or head):
             # The head: gathered once (hoisted) for the logits and their input gradient, its
             # weight gradient streamed per microbatch.
-            tensor_split = bool(_label(mesh, act_axes))
-            passes = _passes(named, logical in reruns, tensor_split)
+            passes = _passes(named, logical in reruns, bool(_label(mesh, act_axes)))
             streams, gathers = (microbatches, 1) if head else (microbatches * p for p in passes)
-            _stream(add, _label(mesh, gather), n, compute_size, streams, gathers)
+            sent = ((n - 1) if collective_matmul == "one-way" else (2 * n + 1)) / n * compute_size
+            _stream(add, _label(mesh, gather), sent, compute_size, streams, gathers)
             continue
         add(_label(mesh, gather), "all-gather", uses * compute_size)
         axes = (gather, act_axes, set(batch_axes), set(seq_axes))
@@ -154,10 +161,23 @@ def _passes(named, rerun: bool, tensor_split: bool) -> tuple[int, int]:
     return streams, gathered_forward + gathered_backward
 
 
-def _stream(add, label: str, n: int, nbytes: float, streams: int, gathers: int) -> None:
-    """A weight (`nbytes` whole) the TPU compiler streams through its matmuls over a ring of
-    `n` (STREAMED_CHIPS) `streams` times a step, and gathers whole `gathers` times."""
-    add(label, "collective-permute", streams * (2 * n + 1) / n * nbytes)
+def _context_head(add, mesh: Mesh, axes, nbytes: float, compute_bytes: int, microbatches: int):
+    """The output head (`nbytes` as used) where the TPU streams weights and the sequence is
+    split (context): gathered once for the logits, its gradient not streamed. The fused loss's
+    fp32 sum over a chunk's positions is pending across the sequence's devices, and the compiler
+    all-reduces it whole before the cast, per microbatch; the batch shards' cast sums then meet
+    in the stored layout by an all-to-all of the sequence devices' slice
+    (jaxdist.kernels.fused_loss._to_stored_layout). `axes`: (gathered, batch, sequence)."""
+    gather, batch, seq = axes
+    add(_label(mesh, gather), "all-gather", nbytes)
+    add(_label(mesh, seq), "all-reduce", microbatches * nbytes / compute_bytes * 4)
+    add(_label(mesh, gather & batch), "all-to-all", microbatches * nbytes / ways(mesh.shape, seq))
+
+
+def _stream(add, label: str, sent: float, nbytes: float, streams: int, gathers: int) -> None:
+    """A weight (`nbytes` whole) the TPU compiler streams through its matmuls `streams` times a
+    step (each sends `sent` bytes: STREAMED_CHIPS), and gathers whole `gathers` times."""
+    add(label, "collective-permute", streams * sent)
     add(label, "all-gather", gathers * nbytes)
 
 
@@ -258,6 +278,7 @@ def report(
     microbatches: int = 1,
     extra_expected: dict[tuple[str, str], float] | None = None,
     branch_share: dict[int, tuple[float, ...]] | None = None,
+    collective_matmul: str = "one-way",
 ) -> dict:
     """Compiles the step for abstract inputs and puts measured beside expected bytes.
 
@@ -277,6 +298,7 @@ def report(
         microbatches,
         platform=platform,
         tokens_BT=(batch_size // microbatches, seq_len),
+        collective_matmul=collective_matmul,
     )
     for key, nbytes in (extra_expected or {}).items():
         exp[key] = exp.get(key, 0.0) + nbytes
