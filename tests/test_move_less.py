@@ -209,6 +209,43 @@ def test_a_ring_that_skips_its_last_send_counts_the_sends_it_makes():
     assert [c.executions for c in hlo.collectives(other, {"fsdp": 2})] == [6]
 
 
+# XLA:TPU's reduce-scatter: an all-reduce in a fusion whose ROOT slices each chip's part out
+# of it (as in the 405B step at fsdp=1024), which the TPU runs as a reduce-scatter.
+REDUCE_SCATTER_FUSION = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%all-reduce-scatter.3 (input: f32[512,64]) -> f32[256,64] {
+  %input = f32[512,64] parameter(0)
+  %all-reduce.7 = f32[512,64] all-reduce(%input), replica_groups={{0,1}}, to_apply=%add
+  %pid = u32[] partition-id()
+  %rows = u32[] constant(256)
+  %start = u32[] multiply(%pid, %rows)
+  %zero = u32[] constant(0)
+  ROOT %ds = f32[256,64] dynamic-slice(%all-reduce.7, %start, %zero), dynamic_slice_sizes={256,64}
+}
+
+ENTRY %main (g: f32[512,64]) -> (f32[256,64], f32[512,64]) {
+  %g = f32[512,64] parameter(0)
+  %rs = f32[256,64] fusion(%g), kind=kCustom, calls=%all-reduce-scatter.3
+  %ar = f32[512,64] all-reduce(%g), replica_groups={{0,1}}, to_apply=%add
+  ROOT %t = (f32[256,64], f32[512,64]) tuple(%rs, %ar)
+}
+"""
+
+
+def test_the_tpus_reduce_scatter_fusion_counts_as_a_reduce_scatter():
+    # Counted as all-reduces before, the 405B's gradients at fsdp=1024 read as 101.5 GB of
+    # whole-gradient all-reduce; the chips reduce-scatter them. A plain all-reduce stays one.
+    found = {c.name: c for c in hlo.collectives(REDUCE_SCATTER_FUSION, {"fsdp": 2})}
+    assert (found["all-reduce.7"].kind, found["all-reduce.7"].bytes) == ("reduce-scatter", 131072)
+    assert found["ar"].kind == "all-reduce"
+
+
 @pytest.mark.parametrize(
     "model, vocab",
     [

@@ -254,11 +254,25 @@ def collectives(
                 operand = re.match(r"\s*%([\w.\-]+)", rest)
                 kind, rest = starts.get(operand.group(1) if operand else "", (kind, rest))
             size = _moved_bytes(kind, result, rest, mesh_shape)
+            if kind == "all-reduce" and _scatters(comp, lines, name):
+                kind = "reduce-scatter"  # the full buffer it reduces: the all-reduce's
             axes = _axes_of(_groups(rest, mesh_shape), mesh_shape)
             if not axes:
                 continue  # every group is one device: nothing moves
             found.append(Collective(kind, size, axes, mult[comp], name))
     return found
+
+
+def _scatters(comp: str, lines: list[str], name: str) -> bool:
+    """Whether all-reduce `name` is the TPU's reduce-scatter: XLA:TPU rewrites an all-reduce
+    whose result each device slices to its own part into a fusion (`all-reduce-scatter.N`, its
+    ROOT that dynamic-slice) that runs as a reduce-scatter, half an all-reduce's bytes on the
+    wire (a public profile of MaxText on TPU, and the fusion's off switch,
+    `xla_tpu_enable_all_reduce_scatter_fusion=false`, turning it back into an all-reduce)."""
+    if not comp.startswith("all-reduce-scatter"):
+        return False
+    root = next((x for x in lines if x.lstrip().startswith("ROOT ")), "")
+    return " dynamic-slice(" in root and f"%{name}," in root
 
 
 def _trip_from_condition(line: str, comps: dict[str, list[str]]) -> int:

@@ -165,12 +165,13 @@ def _context_head(add, mesh: Mesh, axes, nbytes: float, compute_bytes: int, micr
     """The output head (`nbytes` as used) where the TPU streams weights and the sequence is
     split (context): gathered once for the logits, its gradient not streamed. The fused loss's
     fp32 sum over a chunk's positions is pending across the sequence's devices, and the compiler
-    all-reduces it whole before the cast, per microbatch; the batch shards' cast sums then meet
-    in the stored layout by an all-to-all of the sequence devices' slice
-    (jaxdist.kernels.fused_loss._to_stored_layout). `axes`: (gathered, batch, sequence)."""
+    reduce-scatters it in fp32 before the cast (its all-reduce-scatter fusion: hlo._scatters),
+    per microbatch; the batch shards' cast sums then meet in the stored layout by an all-to-all
+    of the sequence devices' slice (jaxdist.kernels.fused_loss._to_stored_layout). `axes`:
+    (gathered, batch, sequence)."""
     gather, batch, seq = axes
     add(_label(mesh, gather), "all-gather", nbytes)
-    add(_label(mesh, seq), "all-reduce", microbatches * nbytes / compute_bytes * 4)
+    add(_label(mesh, seq), "reduce-scatter", microbatches * nbytes / compute_bytes * 4)
     add(_label(mesh, gather & batch), "all-to-all", microbatches * nbytes / ways(mesh.shape, seq))
 
 
