@@ -192,7 +192,10 @@ def _true_share(line: str, lines: list[str], trip: int | None) -> float | None:
     cmp = defs.get(pred.group(1))
     if not cmp or cmp.group(4) != "compare" or "direction=LT" not in cmp.group(5):
         return None
-    lhs, rhs = re.findall(r"%([\w.\-]+)", cmp.group(5).split(")")[0])[:2]
+    operands = re.findall(r"%([\w.\-]+)", cmp.group(5).split(")")[0])
+    if len(operands) != 2:
+        return None
+    lhs, rhs = operands
     add = defs.get(lhs)
     const = {
         k: int(c.group(1))
