@@ -56,7 +56,8 @@ class StepConfig:
     (jaxdist.parallel.context)"""
     collective_matmul: Literal["one-way", "two-way"] = "one-way"
     """TPU: how the compiler streams an FSDP weight through its matmuls, each shard once round
-    the ring or both ways (XLA's default, 2.4x the bytes); jaxdist.parallel.collective_matmul"""
+    the ring or both ways (XLA's default: 2n + 1 shards of 1/n per use against n - 1, about
+    twice a step's bytes); jaxdist.parallel.collective_matmul"""
     fault_nan_steps: tuple[int, ...] = ()
     """fault injection, for testing recovery: make these steps' loss and gradients NaN"""
 
@@ -74,11 +75,7 @@ class StepConfig:
                 f"--context-strategy {self.context_strategy!r}: choose from "
                 f"{', '.join(context.STRATEGIES)}"
             )
-        if self.collective_matmul not in collective_matmul.MODES:
-            raise ConfigError(
-                f"--collective-matmul {self.collective_matmul!r}: choose from "
-                f"{', '.join(collective_matmul.MODES)}"
-            )
+        collective_matmul.check(self.collective_matmul)
         if self.virtual_stages > 1 and self.pipeline_schedule != "interleaved":
             raise ConfigError(
                 f"--virtual-stages {self.virtual_stages} applies to the interleaved schedule; "

@@ -263,35 +263,42 @@ def test_a_compile_without_data_covers_the_models_own_vocabulary(model, vocab):
 
 
 STREAMED = [
-    # (hardware, mesh, remat, rings, streamed): the TPU compiler streams the layer weights
+    # (hardware, mesh, remat, rings, streamed, more flags): the TPU compiler streams the layers
     # through windowed matmuls (planning.traffic.STREAMED_CHIPS) on all but the last; there the
     # batch also splits over `data`, so it gathers them whole, as the planner's plain rule has
     # it. One-way rings are jaxdist's (jaxdist.parallel.collective_matmul), two-way XLA's own.
     # The suite keeps the first; the others (a minute on CI's two cores) are -m experiment.
-    ("v5p-16", "fsdp=8", "full", "one-way", True),
-    pytest.param("v5p-16", "fsdp=8", "full", "two-way", True, marks=pytest.mark.experiment),
+    ("v5p-16", "fsdp=8", "full", "one-way", True, ()),
+    pytest.param("v5p-16", "fsdp=8", "full", "two-way", True, (), marks=pytest.mark.experiment),
     pytest.param(
-        "v5p-16", "context=4,fsdp=2", "dots", "one-way", True, marks=pytest.mark.experiment
+        "v5p-16", "context=4,fsdp=2", "dots", "one-way", True, (), marks=pytest.mark.experiment
     ),
     pytest.param(
-        "v5p-16", "context=4,fsdp=2", "dots", "two-way", True, marks=pytest.mark.experiment
+        "v5p-16", "context=4,fsdp=2", "dots", "two-way", True, (), marks=pytest.mark.experiment
     ),
     pytest.param(
-        "v5p-32", "fsdp=8,tensor=2", "full", "one-way", True, marks=pytest.mark.experiment
+        "v5p-32", "fsdp=8,tensor=2", "full", "one-way", True, (), marks=pytest.mark.experiment
     ),
-    pytest.param("v5p-16", "fsdp=4,data=2", "dots", "one-way", False, marks=pytest.mark.experiment),
+    pytest.param(
+        "v5p-16", "fsdp=4,data=2", "dots", "one-way", False, (), marks=pytest.mark.experiment
+    ),
+    # The unfused loss: its head's gradient streamed beside context (the fused one's is not).
+    pytest.param(
+        *("v5p-16", "context=4,fsdp=2", "dots", "one-way", True, ("--loss-chunk-tokens", "0")),
+        marks=pytest.mark.experiment,
+    ),
 ]
 
 
 @needs_tpu
-@pytest.mark.parametrize("hardware, mesh, remat, rings, streamed", STREAMED)
+@pytest.mark.parametrize("hardware, mesh, remat, rings, streamed, more", STREAMED)
 def test_planner_prices_the_tpu_compilers_streamed_weights(
-    tmp_path, hardware, mesh, remat, rings, streamed
+    tmp_path, hardware, mesh, remat, rings, streamed, more
 ):
     # Priced as gathers, the first was 0.63 of the compiled bytes (Llama-2-7B at fsdp=8: 0.55).
     out = tmp_path / "plan.json"
     args = ["plan", *SMALL_LLAMA, "--hardware", hardware, "--mesh", mesh, "--remat", remat]
-    args += ["--collective-matmul", rings]
+    args += ["--collective-matmul", rings, *more]
     r = cli(*args, "--batch-size", "16", "--verify", "1", "--json", str(out))
     assert r.returncode == 0, r.stderr
     row = json.loads(out.read_text())["layouts"][0]
@@ -302,7 +309,7 @@ def test_planner_prices_the_tpu_compilers_streamed_weights(
     permuted = row["expected"].get(f"{gathers}|collective-permute", 0)
     # Streamed: n - 1 shards of 1/n per use one way (2n + 1 two-way), twice or three times a
     # step, so more than 0.8 of the layers' weights (bf16; half of them per device beside
-    # tensor=2); nothing else is permuted (the embedding, 2 rows of 512 a device, is routed:
-    # all-to-alls).
+    # tensor=2); besides them only the head's gradient is (the embedding, 2 rows of 512 a
+    # device, is routed: all-to-alls).
     layers_bf16 = 2 * 4 * (4 * 1024 * 1024 + 3 * 1024 * 2816)
     assert (permuted > 0.8 * layers_bf16) == streamed, row["expected"]

@@ -30,14 +30,13 @@ def run(args: Bench) -> int:
     from jaxdist import train as loop
     from jaxdist.data import DataConfig
     from jaxdist.profiling.bench import bench
-    from jaxdist.step import StepConfig
     from models.presets import model_spec
 
     model = model_spec(model_cfg)
     data = DataConfig(batch_size=args.batch_size, seed=args.seed)
     config = loop.RunConfig(
         data=data,
-        step=StepConfig(microbatches=args.step.microbatches),
+        step=args.step,
         loop=loop.LoopConfig(steps=args.steps + args.warmup + 1, seed=args.seed),
     )
     jitted, batches = loop.prepare(model, mesh, rules, config)

@@ -74,6 +74,7 @@ def run(args: Comm) -> int:
         microbatches=args.step.microbatches,
         extra_expected=extra,
         collective_matmul=args.step.collective_matmul,
+        fused_loss=args.step.loss_chunk_tokens > 0,
         branch_share=share,
     )
     if args.json:

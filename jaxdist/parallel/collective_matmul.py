@@ -20,13 +20,19 @@ hidden behind the matmuls needs a TPU to time; `--collective-matmul two-way` giv
 Other platforms stream nothing by default; the option is TPU's alone.
 """
 
+from jaxdist.errors import ConfigError
+
 MODES = ("one-way", "two-way")
+
+
+def check(mode: str) -> None:
+    if mode not in MODES:
+        raise ConfigError(f"--collective-matmul {mode!r}: choose from {', '.join(MODES)}")
 
 
 def compiler_options(platform: str, mode: str) -> dict[str, bool]:
     """The XLA options that choose the ring's direction, for jit on `platform`."""
-    if mode not in MODES:
-        raise ValueError(f"collective matmul {mode!r}: choose from {', '.join(MODES)}")
+    check(mode)
     if platform != "tpu":
         return {}
     return {"xla_tpu_spmd_bidirectional_windowed_einsum": mode == "two-way"}

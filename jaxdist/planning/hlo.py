@@ -154,8 +154,9 @@ def _multiplicities(
                 m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
                 trip = int(m.group(1)) if m else _trip_from_condition(line, comps)
             calls = re.findall(r"\b(body|calls)=%([\w.\-]+)", line)
-            # Every branch of a conditional, each counted as if taken every time: an upper
-            # bound, since which branch runs is only known at run time.
+            # Every branch of a conditional, each counted as if taken every time (an upper
+            # bound, since which branch runs is only known at run time) unless its share is
+            # known: from the caller, or from a predicated conditional's predicate (below).
             for branches in re.findall(r"\bbranch_computations=\{([^}]*)\}", line):
                 names = [b.strip().lstrip("%") for b in branches.split(",")]
                 share = (branch_share or {}).get(len(names), (1.0,) * len(names))
@@ -174,8 +175,8 @@ def _multiplicities(
                 times = mult[comp] * (
                     trip if key == "body" else key if isinstance(key, float) else 1
                 )
-                if key == "body":
-                    trips[callee] = trip
+                if key == "body":  # a body reached by loops of other trips: share unknown
+                    trips[callee] = trip if trips.get(callee, trip) == trip else 0
                 mult[callee] = mult.get(callee, 0) + times
                 order.append(callee)
     return mult
@@ -183,10 +184,12 @@ def _multiplicities(
 
 def _true_share(line: str, lines: list[str], trip: int | None) -> float | None:
     """The share of a loop's `trip` iterations in which a conditional's predicate holds, where
-    it is `compare(add(counter, a), b), direction=LT` with constants a and b (the counter taken
-    to run from 0): (b - a) / trip, clipped to [0, 1]. None for any other form."""
+    it is `compare(add(counter, a), b), direction=LT` with constants a and b and the counter an
+    element of the loop's state (taken to run from 0 by 1, as a scan's does): (b - a) / trip,
+    clipped to [0, 1]. None for any other form, or a trip count not known (0, or 1: the
+    fallback of _trip_from_condition)."""
     pred = re.search(r" conditional\(%([\w.\-]+)", line)
-    if not trip or not pred:
+    if not trip or trip < 2 or not pred:
         return None
     defs = {m.group(2): m for m in map(_INSTR.match, lines) if m}
     cmp = defs.get(pred.group(1))
@@ -204,8 +207,12 @@ def _true_share(line: str, lines: list[str], trip: int | None) -> float | None:
     }
     if not add or add.group(4) != "add" or rhs not in const:
         return None
-    step = [const[x] for x in re.findall(r"%([\w.\-]+)", add.group(5).split(")")[0]) if x in const]
-    if len(step) != 1:
+    terms = re.findall(r"%([\w.\-]+)", add.group(5).split(")")[0])
+    step = [const[x] for x in terms if x in const]
+    counter = [defs.get(x) for x in terms if x not in const]
+    if len(step) != 1 or len(counter) != 1 or not counter[0]:
+        return None
+    if counter[0].group(4) != "get-tuple-element":
         return None
     return min(max((const[rhs] - step[0]) / trip, 0.0), 1.0)
 
@@ -234,7 +241,10 @@ def collectives(
 
     `branch_share`: for conditionals of n branches, the share of executions each branch takes,
     where the caller knows it (the pipeline's tick switch: idle, forward, backward, from its
-    schedule); other conditionals count every branch as taken every time, an upper bound."""
+    schedule). A predicated conditional (true_/false_computation) takes its share from its
+    predicate where that is a loop counter's (_true_share); other conditionals count every
+    branch as taken every time, an upper bound. All-reduces in XLA:TPU's reduce-scatter fusion
+    count as reduce-scatters (_scatters)."""
     comps, entry = _computations(hlo_text)
     mult = _multiplicities(comps, entry, branch_share)
     starts: dict[str, tuple[str, str]] = {}

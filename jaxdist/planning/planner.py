@@ -177,6 +177,7 @@ def _traffic(
         tokens_BT=(cfg.batch_size // m, model.seq_len),
         reruns=model.reruns,
         collective_matmul=cfg.collective_matmul,
+        fused_loss=cfg.loss_chunk_tokens > 0,
     )
 
 

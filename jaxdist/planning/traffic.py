@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxdist.kernels.lookup import Route, routed_table
+from jaxdist.parallel.collective_matmul import check as collective_matmul_check
 from jaxdist.planning import hlo
 from jaxdist.rules import AxisRules, logical_axes, variables, ways
 
@@ -83,11 +84,14 @@ def expected(
     tokens_BT: tuple[int, int],
     reruns: frozenset[tuple] = frozenset(),
     collective_matmul: str = "one-way",
+    fused_loss: bool = True,
 ) -> dict[tuple[str, str], float]:
     """Analytic bytes per step, keyed like hlo.summarize: (axis label, kind), as `platform`'s
     compiler emits them. `tokens_BT`: a microbatch's rows and sequence length. `reruns`: the
     logical axes of the layer weights whose forward matmul the backward reruns (the remat
-    policy's). `collective_matmul`: the TPU's streamed rings, one-way or two-way."""
+    policy's). `collective_matmul`: the TPU's streamed rings, one-way or two-way.
+    `fused_loss`: the step's loss is jaxdist.kernels.fused_loss (loss_chunk_tokens > 0)."""
+    collective_matmul_check(collective_matmul)
     out: dict[tuple[str, str], float] = {}
 
     def add(label: str, kind: str, nbytes: float) -> None:
@@ -122,7 +126,7 @@ def expected(
         matmul = len(named) > 2 and "layers" in named and "expert" not in named
         head = tuple(named) == ("embed", "vocab")
         seq_split = {a for a in seq_axes if mesh.shape.get(a, 1) > 1}
-        if n and head and seq_split:
+        if n and head and seq_split and fused_loss:
             axes = (gather, set(batch_axes), seq_split)
             _context_head(add, mesh, axes, compute_size, compute_bytes, microbatches)
             continue
@@ -280,6 +284,7 @@ def report(
     extra_expected: dict[tuple[str, str], float] | None = None,
     branch_share: dict[int, tuple[float, ...]] | None = None,
     collective_matmul: str = "one-way",
+    fused_loss: bool = True,
 ) -> dict:
     """Compiles the step for abstract inputs and puts measured beside expected bytes.
 
@@ -300,6 +305,7 @@ def report(
         platform=platform,
         tokens_BT=(batch_size // microbatches, seq_len),
         collective_matmul=collective_matmul,
+        fused_loss=fused_loss,
     )
     for key, nbytes in (extra_expected or {}).items():
         exp[key] = exp.get(key, 0.0) + nbytes
