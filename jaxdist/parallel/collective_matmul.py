@@ -11,7 +11,7 @@ It has two forms, chosen here (`xla_tpu_spmd_bidirectional_windowed_einsum`):
   what an all-gather moves. Pays in latency: a ring of n - 1 steps.
 - `two-way` (XLA's own default, and MaxText's): the ring runs both ways, for a loop half as
   long, and sends 2n + 1 shards of 1/n per use (counted in the compiled HLO of Llama layers on
-  v5p-16: 17 sends of each weight's shard per use at n = 8), 2.4 times the bytes. Pays in
+  v5p-16: 17 sends of each weight's shard per use at n = 8, 2.4 times one-way's). Pays in
   bandwidth: on Llama-2-7B at fsdp=8 it sends 70.6 GB a step where one-way sends 34.6
   (experiments/README.md).
 
