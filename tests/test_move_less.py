@@ -202,6 +202,9 @@ def test_a_ring_that_skips_its_last_send_counts_the_sends_it_makes():
     # were missing from every count (34.6 GB a step on Llama-2-7B at fsdp=8).
     found = hlo.collectives(ONE_WAY_RING, {"fsdp": 2})
     assert [(c.kind, c.executions) for c in found] == [("collective-permute", 5)]
+    # The counter as the TPU compiler prints a loop it widened: the state's element `%p#0`.
+    widened = ONE_WAY_RING.replace("%j = u32[] add(%i, %one)", "%j = u32[] add(%p#0, %one)")
+    assert [c.executions for c in hlo.collectives(widened, {"fsdp": 2})] == [5]
     # A predicate of another form: its branch counted on every trip, an upper bound.
     other = ONE_WAY_RING.replace(
         "compare(%j, %last), direction=LT", "compare(%j, %last), direction=NE"

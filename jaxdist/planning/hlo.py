@@ -207,12 +207,15 @@ def _true_share(line: str, lines: list[str], trip: int | None) -> float | None:
     }
     if not add or add.group(4) != "add" or rhs not in const:
         return None
-    terms = re.findall(r"%([\w.\-]+)", add.group(5).split(")")[0])
-    step = [const[x] for x in terms if x in const]
-    counter = [defs.get(x) for x in terms if x not in const]
-    if len(step) != 1 or len(counter) != 1 or not counter[0]:
+    # The counter: an element of the loop state, by get-tuple-element or, as the TPU compiler
+    # prints a loop it widened, `%param#k`.
+    terms = re.findall(r"%([\w.\-]+)(#\d+)?", add.group(5).split(")")[0])
+    step = [const[x] for x, _ in terms if x in const]
+    counter = [(defs.get(x), element) for x, element in terms if x not in const]
+    if len(step) != 1 or len(counter) != 1 or not counter[0][0]:
         return None
-    if counter[0].group(4) != "get-tuple-element":
+    op = counter[0][0].group(4)
+    if not (op == "get-tuple-element" or (op == "parameter" and counter[0][1])):
         return None
     return min(max((const[rhs] - step[0]) / trip, 0.0), 1.0)
 
