@@ -30,6 +30,12 @@ def check(mode: str) -> None:
         raise ConfigError(f"--collective-matmul {mode!r}: choose from {', '.join(MODES)}")
 
 
+def shards_sent(mode: str, n: int) -> int:
+    """Shards of 1/n of a weight each chip sends per use on a ring of n chips."""
+    check(mode)
+    return n - 1 if mode == "one-way" else 2 * n + 1
+
+
 def compiler_options(platform: str, mode: str) -> dict[str, bool]:
     """The XLA options that choose the ring's direction, for jit on `platform`."""
     check(mode)

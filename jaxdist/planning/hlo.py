@@ -154,23 +154,7 @@ def _multiplicities(
                 m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
                 trip = int(m.group(1)) if m else _trip_from_condition(line, comps)
             calls = re.findall(r"\b(body|calls)=%([\w.\-]+)", line)
-            # Every branch of a conditional, each counted as if taken every time (an upper
-            # bound, since which branch runs is only known at run time) unless its share is
-            # known: from the caller, or from a predicated conditional's predicate (below).
-            for branches in re.findall(r"\bbranch_computations=\{([^}]*)\}", line):
-                names = [b.strip().lstrip("%") for b in branches.split(",")]
-                share = (branch_share or {}).get(len(names), (1.0,) * len(names))
-                calls += [(share[i], b) for i, b in enumerate(names)]
-            # A predicated conditional (true_/false_computation): the TPU compiler's one-way
-            # windowed einsum skips its ring's last send so, `counter + 1 < n` in an n-trip
-            # loop. Its branches' shares where the predicate has that form, else 1 each.
-            branches = re.search(
-                r"true_computation=%([\w.\-]+), false_computation=%([\w.\-]+)", line
-            )
-            if branches:
-                taken = _true_share(line, comps[comp], trips.get(comp))
-                shares = (1.0, 1.0) if taken is None else (taken, 1.0 - taken)
-                calls += list(zip(shares, branches.groups(), strict=True))
+            calls += _branch_calls(line, comps[comp], trips.get(comp), branch_share)
             for key, callee in calls:
                 times = mult[comp] * (
                     trip if key == "body" else key if isinstance(key, float) else 1
@@ -180,6 +164,25 @@ def _multiplicities(
                 mult[callee] = mult.get(callee, 0) + times
                 order.append(callee)
     return mult
+
+
+def _branch_calls(line: str, lines: list[str], trip: int | None, branch_share) -> list:
+    """A conditional's branches, (share of the executions it takes, name). Each counted as if
+    taken every time (an upper bound, since which branch runs is only known at run time) unless
+    its share is known: from the caller (`branch_share`, for n-way conditionals), or from a
+    predicated conditional's predicate (true_/false_computation: the TPU compiler's one-way
+    windowed einsum skips its ring's last send so, `counter + 1 < n` in an n-trip loop)."""
+    calls = []
+    for branches in re.findall(r"\bbranch_computations=\{([^}]*)\}", line):
+        names = [b.strip().lstrip("%") for b in branches.split(",")]
+        share = (branch_share or {}).get(len(names), (1.0,) * len(names))
+        calls += [(share[i], b) for i, b in enumerate(names)]
+    pair = re.search(r"true_computation=%([\w.\-]+), false_computation=%([\w.\-]+)", line)
+    if pair:
+        taken = _true_share(line, lines, trip)
+        shares = (1.0, 1.0) if taken is None else (taken, 1.0 - taken)
+        calls += list(zip(shares, pair.groups(), strict=True))
+    return calls
 
 
 def _true_share(line: str, lines: list[str], trip: int | None) -> float | None:
@@ -200,11 +203,7 @@ def _true_share(line: str, lines: list[str], trip: int | None) -> float | None:
         return None
     lhs, rhs = operands
     add = defs.get(lhs)
-    const = {
-        k: int(c.group(1))
-        for k, v in defs.items()
-        if (c := re.match(r"(\d+)\)", v.group(5))) and v.group(4) == "constant"
-    }
+    const = _counter_constants(lines)
     if not add or add.group(4) != "add" or rhs not in const:
         return None
     # The counter: an element of the loop state, by get-tuple-element or, as the TPU compiler
@@ -287,7 +286,7 @@ def _scatters(comp: str, lines: list[str], name: str) -> bool:
     `xla_tpu_enable_all_reduce_scatter_fusion=false`, turning it back into an all-reduce)."""
     if not comp.startswith("all-reduce-scatter"):
         return False
-    root = next((x for x in lines if x.lstrip().startswith("ROOT ")), "")
+    root = _root(lines)
     return " dynamic-slice(" in root and f"%{name}," in root
 
 
@@ -298,14 +297,22 @@ def _trip_from_condition(line: str, comps: dict[str, list[str]]) -> int:
     another form."""
     cond = re.search(r"\bcondition=%([\w.\-]+)", line)
     body = comps.get(cond.group(1), []) if cond else []
-    root = next((x for x in body if x.lstrip().startswith("ROOT ")), "")
+    root = _root(body)
     if " compare(" not in root or "direction=LT" not in root:
         return 1
-    for x in body:
-        m = re.search(r"= [su]32\[\][^ ]* constant\((\d+)\)", x)
-        if m and x.split("=")[0].strip().lstrip("%") in root:
-            return int(m.group(1))
-    return 1
+    return next((n for name, n in _counter_constants(body).items() if name in root), 1)
+
+
+_COUNTER_CONSTANT = re.compile(r"^\s*%([\w.\-]+) = [su]32\[\][^ ]* constant\((\d+)\)")
+
+
+def _counter_constants(lines: list[str]) -> dict[str, int]:
+    """A computation's scalar s32 and u32 constants by name: a loop's bounds and steps."""
+    return {m.group(1): int(m.group(2)) for m in map(_COUNTER_CONSTANT.match, lines) if m}
+
+
+def _root(lines: list[str]) -> str:
+    return next((x for x in lines if x.lstrip().startswith("ROOT ")), "")
 
 
 def summarize(found: list[Collective]) -> dict[tuple[str, str], dict[str, int]]:

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from jaxdist.kernels.lookup import Route, routed_table
 from jaxdist.parallel.collective_matmul import check as collective_matmul_check
+from jaxdist.parallel.collective_matmul import shards_sent
 from jaxdist.planning import hlo
 from jaxdist.rules import AxisRules, logical_axes, variables, ways
 
@@ -135,7 +136,7 @@ def expected(
             # weight gradient streamed per microbatch.
             passes = _passes(named, logical in reruns, bool(_label(mesh, act_axes)))
             streams, gathers = (microbatches, 1) if head else (microbatches * p for p in passes)
-            sent = ((n - 1) if collective_matmul == "one-way" else (2 * n + 1)) / n * compute_size
+            sent = shards_sent(collective_matmul, n) / n * compute_size
             _stream(add, _label(mesh, gather), sent, compute_size, streams, gathers)
             continue
         add(_label(mesh, gather), "all-gather", uses * compute_size)
