@@ -27,6 +27,9 @@ def main() -> None:
     ap.add_argument("--devices", default="cpu:8")
     ap.add_argument("--mesh", default="fsdp=-1")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--sync-repeats", type=int, default=None, help="default: --repeats (each is slow)"
+    )
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     ap.add_argument("--mtbf-hours-per-device", type=float, default=50_000.0)
     args = ap.parse_args()
@@ -61,7 +64,8 @@ def main() -> None:
         options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=False),
     )
     sync_s = []
-    for i in range(args.repeats + 1):  # the first of each kind pays one-off setup; dropped
+    sync_repeats = args.repeats if args.sync_repeats is None else args.sync_repeats
+    for i in range(sync_repeats + 1):  # the first of each kind pays one-off setup; dropped
         t0 = time.perf_counter()
         sync.save(i, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
         sync_s.append(time.perf_counter() - t0)

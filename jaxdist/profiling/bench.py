@@ -73,6 +73,7 @@ def bench(
     )
     mem = jax.devices()[0].memory_stats() or {}
     estimate = xla_peak(exe.memory_analysis())
+    peak_bytes = mem.get("peak_bytes_in_use", estimate)
     return {
         "model": model.name,
         "batch_size": batch_size,
@@ -87,9 +88,9 @@ def bench(
         "step_ms_p90": stats["p90"] * 1e3,
         "step_ms_bare": bare * 1e3,
         "loop_overhead": stats["p50"] / bare - 1,
-        "peak_mem_gb": (
-            mem["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in mem else estimate / 1e9
-        ),
+        "peak_mem_gb": peak_bytes / 1e9,
+        "peak_mem_gib": peak_bytes / 2**30,  # the peers' unit
+        "xla_estimate_gib": estimate / 2**30,
         "peak_mem_source": "allocator" if "peak_bytes_in_use" in mem else "xla_estimate",
         "compile_s": compile_s,
         "steps": steps,

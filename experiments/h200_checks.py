@@ -1,0 +1,165 @@
+"""The parts of experiments/h200.py that are not a benchmark beside a peer: the results file's
+header, the device's target config, checkpoint blocking, the profiled fixture, and the targets.
+
+None of this initializes a JAX backend in the driver's own process: on a GPU, JAX would take
+most of the card's memory, and every measurement runs in a process of its own.
+"""
+
+import datetime
+import difflib
+import importlib.metadata
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMMITTED_TARGET = ROOT / "jaxdist" / "planning" / "gpu_targets" / "h200.txtpb"
+PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "flax", "optax", "orbax-checkpoint", "torch")
+
+
+def meta(smoke: bool) -> dict:
+    versions = {}
+    for p in PACKAGES:
+        try:
+            versions[p] = importlib.metadata.version(p)
+        except importlib.metadata.PackageNotFoundError:
+            versions[p] = None
+    card = _sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv"])
+    commit = _sh(["git", "-C", str(ROOT), "rev-parse", "HEAD"])
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "card": card.splitlines()[-1] if card else "no GPU (nvidia-smi absent)",
+        "versions": versions,
+        "python": sys.version.split()[0],
+        "commit": commit.strip() or None,
+        "smoke": smoke,
+    }
+
+
+def _sh(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def _run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode:
+        raise RuntimeError(f"exit {r.returncode}: {' '.join(cmd)}\n{r.stderr[-3000:]}")
+    return r
+
+
+def target_config(out: pathlib.Path, timeout: float) -> dict:
+    """XLA writes the GpuTargetConfigProto it compiled for beside a dumped module: on the
+    device, the card's own, which deviceless compiles need (planning/gpu_targets/)."""
+    import os
+
+    with tempfile.TemporaryDirectory() as d:
+        env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={d}"}
+        code = "import jax, jax.numpy as n; jax.jit(n.sin).lower(n.ones(8)).compile()"
+        _run([sys.executable, "-c", code], min(timeout, 120), env)
+        found = sorted(pathlib.Path(d).glob("*gpu_target_config.pbtxt"))
+        if not found:
+            return {"error": "no gpu_target_config.pbtxt dumped: the backend is not a GPU"}
+        shutil.copy(found[0], out / "h200_target.pbtxt")
+        theirs = found[0].read_text().splitlines()
+    ours = [x for x in COMMITTED_TARGET.read_text().splitlines() if not x.startswith("#")]
+    diff = [x for x in difflib.unified_diff(ours, theirs, lineterm="", n=0) if x[:1] in "+-"]
+    return {"file": "h200_target.pbtxt", "differs_from_committed": diff[2:]}
+
+
+def checkpoint(model: str, devices: str, timeout: float) -> dict:
+    """experiments/checkpoint_blocking.py on the model's whole training state (local disk)."""
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [
+            sys.executable,
+            str(ROOT / "experiments" / "checkpoint_blocking.py"),
+            *("--model", model, "--devices", devices, "--mesh", "fsdp=-1"),
+            # three async saves of each kind, two synchronous (16 s each for 1b on an H200)
+            *("--repeats", "2", "--sync-repeats", "1", "--dir", d),
+        ]
+        r = _run(cmd, timeout)
+    return json.loads([x for x in r.stdout.splitlines() if x.startswith("{")][-1])
+
+
+def profile(out, model: str, batch: int, remat: str, flags: tuple, timeout: float) -> dict:
+    """Five traced steps (after three untraced; `train --profile` turns command buffers off,
+    so that each kernel is its own trace event); then the fixture and its truth, and the
+    parser's busy time per step beside the truth's."""
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [
+            sys.executable,
+            *("-m", "jaxdist.cli", "train", "--model", model, "--batch-size", str(batch)),
+            *("--remat", remat, "--steps", "8", "--profile", "3:8", "--run-dir", d, *flags),
+        ]
+        _run(cmd, timeout)
+        report = json.loads((pathlib.Path(d) / "profile" / "breakdown.json").read_text())
+        shutil.copy(
+            pathlib.Path(d) / "profile" / "breakdown.json", out / "gpu_trace.breakdown.json"
+        )
+        trim = [sys.executable, str(ROOT / "tests" / "make_gpu_trace.py"), f"{d}/profile"]
+        r = subprocess.run([*trim, str(out), "--name", "gpu_trace"], capture_output=True, text=True)
+    if r.returncode:  # a CPU trace (the smoke run) has no GPU plane to trim
+        return {"fixture": None, "why": r.stderr.strip()[-500:], "summary": report["summary"]}
+    truth = json.loads((out / "gpu_trace.truth.json").read_text())
+    parsed = {(x["step"], str(x["device"])): x["step_s"] - x["idle_s"] for x in report["steps"]}
+    busy = [
+        {
+            "step": t["step"],
+            "device": dev,
+            "truth_s": t["busy_s"],
+            "parser_s": parsed.get((t["step"], dev)),
+        }
+        for dev, per_step in truth["devices"].items()
+        for t in per_step
+    ]
+    size = (out / "gpu_trace.xplane.pb").stat().st_size
+    return {"fixture_bytes": size, "busy": busy, "summary": report["summary"]}
+
+
+def targets(data: dict, rows: list[dict], plan) -> list[dict]:
+    """Each of the issue's targets with what this call measured for it (None: not measured)."""
+    from experiments.gpu_vs_peers import TARGETS, mem_gib
+
+    out = []
+    for row in rows:
+        need = TARGETS.get(row["model"])
+        if need is None or row["remat"] != plan.remat:
+            continue
+        speed, memory = row.get("speed_vs_torch"), row.get("memory_vs_torch")
+        out.append(_target(f"{row['model']} tokens/s over torch.compile", speed, need, True))
+        out.append(_target(f"{row['model']} peak memory over torch.compile", memory, 1.0, False))
+    moe = (data["parts"].get(f"bench {plan.moe[0]}") or {}).get("result") or {}
+    out.append(_target(f"{plan.moe[0]} MFU on active parameters", moe.get("mfu"), 0.40, True))
+    ck = (data["parts"].get("checkpoint") or {}).get("result") or {}
+    out.append(_target("async save blocked / sync save", ck.get("blocked_over_sync"), 0.02, False))
+    if ck.get("async_blocked_s") and ck.get("orbax_alone_blocked_s"):
+        ratio = max(ck["async_blocked_s"]) / max(ck["orbax_alone_blocked_s"])
+    else:
+        ratio = None
+    out.append(_target("async save blocked / plain Orbax's (max)", ratio, 1.0, False))
+    for row in rows:
+        key = f"{row['model']} {row['batch']} {row['remat']}"
+        est = (data.get("deviceless") or {}).get(key, {}).get("per_device_bytes", {})
+        est = est.get("peak_estimate", 0) / 2**30 or None
+        got = (
+            mem_gib(row.get("jaxdist") or {}) if "error" not in (row.get("jaxdist") or {}) else None
+        )
+        if est is not None and got:
+            out.append(
+                _target(f"deviceless estimate / measured peak, {key}", est / got, None, None)
+            )
+    return out
+
+
+def _target(name: str, value, need, higher_is_better) -> dict:
+    met = None
+    if value is not None and need is not None:
+        met = value >= need if higher_is_better else value <= need
+    if need is None and value is not None:
+        met = abs(value - 1) <= 0.10  # the deviceless estimate within 10% of the measured peak
+    return {"target": name, "measured": value, "need": need, "met": met}
