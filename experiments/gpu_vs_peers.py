@@ -36,8 +36,11 @@ def run_json(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
     of time must not end the whole comparison)."""
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s: {' '.join(cmd)}"}
+    except subprocess.TimeoutExpired as e:
+        out = {"error": f"timed out after {timeout:.0f} s: {' '.join(cmd)}"}
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        lines = [x for x in text.splitlines() if x.startswith("{")]
+        return out | ({"partial": json.loads(lines[-1])} if lines else {})
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     if r.returncode or not lines:
         return {"error": f"exit {r.returncode}: {' '.join(cmd)}", "stderr": r.stderr[-3000:]}
@@ -75,6 +78,10 @@ def ratios(row: dict) -> dict:
         theirs = row.get(peer) or {}
         if "tokens_per_s" in ours and "tokens_per_s" in theirs:
             out[f"speed_vs_{peer}"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+            # like for like: the peers wait for every step, as this jaxdist figure does
+            if "tokens_per_s_synced" in ours:
+                synced = ours["tokens_per_s_synced"] / theirs["tokens_per_s"]
+                out[f"synced_speed_vs_{peer}"] = synced
             if mem_gib(theirs):
                 out[f"memory_vs_{peer}"] = mem_gib(ours) / mem_gib(theirs)
     return out

@@ -7,10 +7,11 @@ time no longer fits the budget is skipped and named in the file):
   2. `jaxdist bench` beside the torch.compile peer: gpt2-124m batch 32, 1b batch 8 (remat dots,
      the presets' own, which the deviceless compile puts under the peer's memory);
   3. `jaxdist bench --model moe-1b` (MFU on active parameters);
-  4. five profiled steps of gpt2-124m (`train --profile` turns command buffers off), trimmed
+  4. the async save of the 1b training state beside plain Orbax, save by save in turn
+     (checkpoint_blocking.py);
+  5. five profiled steps of gpt2-124m (`train --profile` turns command buffers off), trimmed
      to a test fixture with its raw-kernel truth (tests/make_gpu_trace.py), and the parser's
-     busy time per step beside the truth's;
-  5. the async save of the 1b training state beside plain Orbax (checkpoint_blocking.py);
+     busy time per step beside the truth's; the raw trace comes back too, gzipped;
   6. if time is left: remat auto (none), the plain-JAX peer, the Llama presets;
   7. the deviceless compile's memory estimate (`train --compile-only --target h200:1`, run on
      four CPU cores in the background from the start) beside each measured peak.
@@ -29,7 +30,10 @@ The call (device tool: carry [".peers", ".whl"], timeout_s 600; about 8 minutes)
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit; \\
-      PYTHONUNBUFFERED=1 python3 experiments/h200.py --out $OUT 2>&1 | tee $OUT/h200.log
+      PYTHONUNBUFFERED=1 python3 experiments/h200.py --out $OUT --commit HASH \\
+      2>&1 | tee $OUT/h200.log
+
+(HASH: `git rev-parse HEAD` here, of a clean tree: the copy that travels has no history.)
 
 Back here: $OUT/h200.json goes to experiments/results/, gpu_trace.* to tests/fixtures/gpu_trace/,
 h200_target.pbtxt is compared with (or replaces) the committed target config.
@@ -62,6 +66,11 @@ class Plan:
     bench_flags: tuple = ()
     devices: str = "auto"
 
+    @property
+    def measured(self) -> tuple:
+        """The steps measured with the plan's policy, whose deviceless estimate is compared."""
+        return (*self.core, self.moe)
+
 
 FULL = Plan(
     core=(("gpt2-124m", 32), ("1b", 8)),
@@ -81,16 +90,18 @@ SMOKE = Plan(
     bench_flags=("--devices", "cpu:1", "--mesh", "data=1"),
     devices="cpu:1",
 )
-# Seconds each part is expected to take on the H200 (compile included), for the budget.
+# Seconds each part is expected to take on the H200 (compile included), for the budget: a
+# part starts only if its estimate fits what is left, and is stopped at twice its estimate
+# plus a minute, so that one hang cannot take the whole call.
 ESTIMATE_S = {"bench": 60, "torch": 90, "jax": 45, "checkpoint": 110, "profile": 75}
 
 
 class Run:
     """The results file, rewritten after every part so that a call cut short keeps what ran."""
 
-    def __init__(self, out: pathlib.Path, budget_s: float, smoke: bool):
+    def __init__(self, out: pathlib.Path, budget_s: float, smoke: bool, commit: str | None):
         self.out, self.t0, self.budget_s = out, time.monotonic(), budget_s
-        self.data = {"meta": checks.meta(smoke), "parts": {}, "skipped": []}
+        self.data = {"meta": checks.meta(smoke, commit), "parts": {}, "skipped": []}
         out.mkdir(parents=True, exist_ok=True)
 
     def left(self) -> float:
@@ -105,7 +116,7 @@ class Run:
             return None
         t = time.monotonic()
         try:
-            result = fn(*args, max(self.left(), 1.0))
+            result = fn(*args, max(min(self.left(), 2 * need + 60), 1.0))
         except Exception as e:  # noqa: BLE001 - one part failing must not lose the others
             result = {"error": f"{type(e).__name__}: {e}"}
         self.data["parts"][name] = {"wall_s": round(time.monotonic() - t, 1), "result": result}
@@ -119,13 +130,15 @@ class Run:
 
 def deviceless_thread(configs: list, results: dict, smoke: bool) -> threading.Thread:
     """XLA's GPU compiler on four CPU cores, beside the device work: the estimate a user gets
-    from `train --compile-only --target h200:1` for each measured step."""
-
-    def pin():  # keep the benchmarks' host threads on the other cores
-        cpus = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, cpus[-4:] if len(cpus) > 8 else cpus)
+    from `train --compile-only --target h200:1` for each measured step, compiled by the same
+    code in the same call. (It competes with the parts' compiles for the host, not with their
+    timed steps, which wait on the GPU.)"""
+    procs: list[subprocess.Popen] = []
 
     def work():
+        # Pins this thread, so the compilers it starts inherit four cores of their own.
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, cpus[-4:] if len(cpus) > 8 else cpus)
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         for model, batch, remat in configs:
             cmd = [
@@ -134,19 +147,17 @@ def deviceless_thread(configs: list, results: dict, smoke: bool) -> threading.Th
                 *("--remat", remat, "--compile-only", "--target", "h200:1"),
                 *(("--compile-cache", "off") if smoke else ()),
             ]
-            try:
-                r = subprocess.run(
-                    cmd, capture_output=True, text=True, env=env, timeout=600, preexec_fn=pin
-                )
-                lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
-                rep = json.loads(lines[-1]) if lines else {"error": r.stderr[-2000:]}
-            except subprocess.TimeoutExpired:
-                rep = {"error": "timed out"}
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+            procs.append(proc)
+            stdout, stderr = proc.communicate()
+            lines = [x for x in stdout.decode().splitlines() if x.startswith("{")]
+            rep = json.loads(lines[-1]) if lines else {"error": stderr.decode()[-2000:]}
             keep = ("peak_gib", "per_device_bytes", "remat", "kernels", "compile_s", "error")
             results[(model, batch, remat)] = {k: rep[k] for k in keep if k in rep}
 
     t = threading.Thread(target=work, daemon=True)
     t.start()
+    t.procs = procs  # ended by main() if still running when the budget is spent
     return t
 
 
@@ -172,30 +183,37 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole call")
     ap.add_argument("--peers", default=".peers")
     ap.add_argument("--torch-python", default="python3", help="a Python with torch ('' skips)")
+    ap.add_argument("--commit", default=None, help="the commit measured (the copy has no .git)")
     ap.add_argument("--smoke", action="store_true", help="every part, tiny, on CPU")
     args = ap.parse_args()
     plan = SMOKE if args.smoke else FULL
     out = pathlib.Path(args.out)
-    run = Run(out, args.budget, args.smoke)
-    # the measured steps' policy first; auto (the planner's choice, none when it fits) after
-    measured = [(m, b, plan.remat) for m, b in (*plan.core, plan.moe)]
-    measured += [(m, b, "auto") for m, b in plan.core]
+    run = Run(out, args.budget, args.smoke, args.commit)
+    if not checks.preflight(run.data, plan.devices):
+        run.save()
+        raise SystemExit(f"preflight failed: {run.data['preflight']}")
     estimates: dict = {}
-    worker = deviceless_thread(measured, estimates, args.smoke)
+    worker = deviceless_thread(
+        [(m, b, plan.remat) for m, b in plan.measured], estimates, args.smoke
+    )
     run.part("target config", "config", checks.target_config, out)
 
     rows = compare(run, plan, args.torch_python, "", args.peers, plan.core, plan.remat)
-    cmd = vs.ours_cmd(*plan.moe, plan.steps, plan.remat, plan.bench_flags)
-    run.part(f"bench {plan.moe[0]}", "bench", vs.run_json, cmd)
-    run.part("profile", "profile", checks.profile, out, *plan.profile, plan.remat, plan.bench_flags)
+    rows += compare(run, plan, "", "", args.peers, [plan.moe], plan.remat)
     run.part("checkpoint", "checkpoint", checks.checkpoint, plan.checkpoint, plan.devices)
+    run.part("profile", "profile", checks.profile, out, *plan.profile, plan.remat, plan.bench_flags)
     # What is left of the budget: the default policy (auto: none when it fits), plain JAX.
     rows += compare(run, plan, "", sys.executable, args.peers, plan.core, "auto")
     rows += compare(run, plan, "", "", args.peers, plan.extra_models, plan.remat)
 
     worker.join(timeout=max(run.left(), 5))
+    for proc in worker.procs:
+        if proc.poll() is None:
+            proc.kill()
+            run.data["skipped"].append(f"deviceless compile {proc.args[5]}: out of time")
     run.data["deviceless"] = {" ".join(map(str, k)): v for k, v in estimates.items()}
     run.data["rows"] = rows
+    run.save()
     run.data["targets"] = checks.targets(run.data, rows, plan)
     run.save()
     vs.print_table(rows)

@@ -18,16 +18,23 @@ sorted intervals. It does not use the parser's classification, windows or interv
 """
 
 import argparse
+import importlib.util
 import json
 import pathlib
 import re
-import sys
 
 from jax.profiler import ProfileData
 
-if __package__ in (None, ""):  # run as a script: the repository root on the path
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from tests.xspace import write  # noqa: E402
+
+def _xspace_writer():
+    """tests/xspace.py's `write`, loaded from beside this file: run as a script on another
+    machine, a `tests` package installed there must not stand in for this one."""
+    path = pathlib.Path(__file__).with_name("xspace.py")
+    spec = importlib.util.spec_from_file_location("jaxdist_tests_xspace", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write
+
 
 DEVICE = re.compile(r"^/device:GPU:(\d+)$")
 
@@ -98,7 +105,7 @@ def trim(src: pathlib.Path, out_dir: pathlib.Path, name: str) -> dict:
     if not truth["devices"]:
         raise SystemExit(f"{src}: no /device:GPU:N plane; this tool trims GPU traces")
     out_dir.mkdir(parents=True, exist_ok=True)
-    write(out_dir / f"{name}.xplane.pb", kept)
+    _xspace_writer()(out_dir / f"{name}.xplane.pb", kept)
     (out_dir / f"{name}.truth.json").write_text(json.dumps(truth, indent=1) + "\n")
     return truth
 

@@ -34,8 +34,9 @@ def _raw(tmp_path):
                 ],
                 "Stream #9(nccl)": [("ncclDevKernel_AllReduce", 3.5 * MS, 1.5 * MS, ar)],
                 "Stream #11(memcpy)": [("MemcpyD2D", 11.5 * MS, 1.5 * MS, {})],
-                # a derived line: kept in the fixture, but not kernels
+                # a derived line and the profiler's own: kept in the fixture, not kernels
                 "XLA Ops": [("fusion.1", 1 * MS, 2 * MS, {"hlo_op": "fusion.1"})],
+                "CUPTI overhead": [("CUPTI overhead", 6 * MS, 2 * MS, {})],
             },
             "/host:metadata": {"m": [("meta", 0, 1, {})]},
         },
@@ -75,7 +76,13 @@ def test_trimmed_trace_keeps_the_device_and_the_steps_only(tmp_path):
         ("loop_k2", 2, 2, {"hlo_op": "fusion.2", "kernel_details": "g"}),
         ("gemm_k3", 11, 1, {"hlo_op": "fusion.1"}),
     ]
-    assert set(device) == {"Stream #7(compute)", "Stream #9(nccl)", "Stream #11(memcpy)", "XLA Ops"}
+    assert set(device) == {
+        "Stream #7(compute)",
+        "Stream #9(nccl)",
+        "Stream #11(memcpy)",
+        "XLA Ops",
+        "CUPTI overhead",
+    }
 
 
 def test_a_trace_without_steps_or_gpu_is_refused(tmp_path):

@@ -99,6 +99,23 @@ def test_overlap_gap_and_async_pair(tmp_path):
     assert r["comm_exposed_s"] == pytest.approx(0.005) and r["idle_s"] == pytest.approx(0.005)
 
 
+def test_profiler_overhead_is_not_device_work(tmp_path):
+    # XLA's CUPTI collector names a device line holding its own overhead events "CUPTI
+    # overhead" (cupti_collector.cc, GetDeviceXLineName); only the kernel is busy time.
+    f = write(
+        tmp_path,
+        {
+            "/host:CPU": {"python": [("train", 0, 10 * MS, {"step_num": 0})]},
+            "/device:GPU:0": {
+                "Stream #1(Kernel)": [("gemm", 0, 4 * MS, {"hlo_op": "fusion.1"})],
+                "CUPTI overhead": [("CUPTI overhead", 5 * MS, 3 * MS, {})],
+            },
+        },
+    )
+    (r,) = rows_of(f)
+    assert r["compute_s"] == pytest.approx(0.004) and r["idle_s"] == pytest.approx(0.006)
+
+
 def test_sync_wait_names_the_straggler(tmp_path):
     ar = {"hlo_op": "all-reduce.7"}
     f = write(

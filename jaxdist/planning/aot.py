@@ -14,8 +14,9 @@ What compiling without the device cannot see, where it matters:
   index;
 - the TPU compiler's memory_analysis() counts beyond its own buffer assignment (the planner's
   tpu_copies, jaxdist.planning.memory).
-On a real GPU, `get_topology_for_devices(jax.devices()).target_config` gives the config to
-check planning/gpu_targets/ against.
+On a real GPU, XLA writes the config it compiled for beside each dumped module
+(XLA_FLAGS=--xla_dump_to=DIR: *.gpu_target_config.pbtxt), the one to check
+planning/gpu_targets/ against (experiments/h200.py saves it).
 """
 
 import dataclasses

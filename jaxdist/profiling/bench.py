@@ -57,15 +57,7 @@ def bench(
     float(local_value(pending["loss"]))
     times.append(time.perf_counter() - t_prev)
 
-    # The bare step: same executable and batch, nothing else, one wait at the end.
-    batch = place(0)
-    jax.block_until_ready(state)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state, m = exe(state, batch)
-    jax.block_until_ready(state)
-    bare = (time.perf_counter() - t0) / steps
-
+    bare, synced_p50 = _bare_and_synced(exe, state, place(0), steps)
     stats = distribution(times)
     peak = hardware.peak_flops(jax.devices()[0], peak_tflops)
     tp = throughput(
@@ -76,6 +68,7 @@ def bench(
     peak_bytes = mem.get("peak_bytes_in_use", estimate)
     return {
         "model": model.name,
+        "remat": getattr(model.config, "remat", None),  # the policy --remat auto chose
         "batch_size": batch_size,
         "seq_len": model.seq_len,
         "devices": jax.device_count(),
@@ -87,6 +80,8 @@ def bench(
         "step_ms_p50": stats["p50"] * 1e3,
         "step_ms_p90": stats["p90"] * 1e3,
         "step_ms_bare": bare * 1e3,
+        "step_ms_synced_p50": synced_p50 * 1e3,
+        "tokens_per_s_synced": batch_size * model.seq_len / synced_p50,
         "loop_overhead": stats["p50"] / bare - 1,
         "peak_mem_gb": peak_bytes / 1e9,
         "peak_mem_gib": peak_bytes / 2**30,  # the peers' unit
@@ -96,3 +91,23 @@ def bench(
         "steps": steps,
         "final_loss": float(np.asarray(local_value(m["loss"]))),
     } | ({} if peak else {"mfu_note": _NO_PEAK.format(jax.devices()[0].device_kind)})
+
+
+def _bare_and_synced(exe, state, batch, steps: int) -> tuple[float, float]:
+    """Seconds per step two more ways: the bare step (same executable and batch, nothing
+    else, one wait at the end), and the p50 of steps each waited for, as a benchmark that
+    synchronizes after every step times it (the torch peers do): the host's launch gap
+    between steps is then in the figure."""
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, _m = exe(state, batch)
+    jax.block_until_ready(state)
+    bare = (time.perf_counter() - t0) / steps
+    synced = []
+    for _ in range(min(steps, 10)):
+        t0 = time.perf_counter()
+        state, _m = exe(state, batch)
+        jax.block_until_ready(state)
+        synced.append(time.perf_counter() - t0)
+    return bare, distribution(synced)["p50"]

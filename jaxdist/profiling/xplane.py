@@ -103,8 +103,10 @@ def load(path: str | pathlib.Path) -> Trace:
                 "XLA TraceMe",
                 "Framework Ops",
                 "Source code",
+                # XLA's CUPTI collector puts the profiler's own buffer flushes here
+                "CUPTI overhead",
             ):
-                continue  # derived or host-side summary lines, not device activity
+                continue  # derived, host-side or profiler lines, not device activity
             for e in line.events:
                 stats = {k: v for k, v in e.stats if k is not None}
                 if "step_num" in stats and not device_match:
