@@ -29,7 +29,7 @@ Prepare on the CPU host (the two folders are git-ignored and travel with the cal
 The call (device tool: carry [".peers", ".whl"], timeout_s 600; about 8 minutes):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit; \\
+      --target .site .whl/*.whl && export PYTHONPATH=.site:. || exit; \\
       PYTHONUNBUFFERED=1 python3 experiments/h200.py --out $OUT --commit HASH \\
       2>&1 | tee $OUT/h200.log
 
