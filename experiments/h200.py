@@ -128,7 +128,7 @@ class Run:
         (self.out / "h200.json").write_text(json.dumps(self.data, indent=1) + "\n")
 
 
-def deviceless_thread(configs: list, results: dict, smoke: bool) -> threading.Thread:
+def deviceless_thread(configs: list, results: dict, smoke: bool):
     """XLA's GPU compiler on four CPU cores, beside the device work: the estimate a user gets
     from `train --compile-only --target h200:1` for each measured step, compiled by the same
     code in the same call. (It competes with the parts' compiles for the host, not with their
@@ -157,8 +157,7 @@ def deviceless_thread(configs: list, results: dict, smoke: bool) -> threading.Th
 
     t = threading.Thread(target=work, daemon=True)
     t.start()
-    t.procs = procs  # ended by main() if still running when the budget is spent
-    return t
+    return t, procs  # the compilers, ended by main() if still running when the budget is spent
 
 
 def compare(run: Run, plan: Plan, py_torch: str, py_jax: str, peers: str, models, remat: str):
@@ -193,7 +192,7 @@ def main() -> None:
         run.save()
         raise SystemExit(f"preflight failed: {run.data['preflight']}")
     estimates: dict = {}
-    worker = deviceless_thread(
+    worker, compilers = deviceless_thread(
         [(m, b, plan.remat) for m, b in plan.measured], estimates, args.smoke
     )
     run.part("target config", "config", checks.target_config, out)
@@ -207,7 +206,7 @@ def main() -> None:
     rows += compare(run, plan, "", "", args.peers, plan.extra_models, plan.remat)
 
     worker.join(timeout=max(run.left(), 5))
-    for proc in worker.procs:
+    for proc in compilers:
         if proc.poll() is None:
             proc.kill()
             run.data["skipped"].append(f"deviceless compile {proc.args[5]}: out of time")

@@ -113,6 +113,8 @@ def profile(out, model: str, batch: int, remat: str, flags: tuple, timeout: floa
     """Five traced steps (after three untraced; `train --profile` turns command buffers off,
     so that each kernel is its own trace event); then the fixture and its truth, and the
     parser's busy time per step beside the truth's. The raw trace comes back gzipped too."""
+    from jaxdist.profiling.xplane import find_xplane
+
     with tempfile.TemporaryDirectory() as d:
         cmd = [
             sys.executable,
@@ -125,7 +127,7 @@ def profile(out, model: str, batch: int, remat: str, flags: tuple, timeout: floa
         here = pathlib.Path(d) / "profile"
         report = json.loads((here / "breakdown.json").read_text())
         shutil.copy(here / "breakdown.json", out / "gpu_trace.breakdown.json")
-        raw = sorted(here.rglob("*.xplane.pb"))[-1]
+        raw = find_xplane(here)
         if raw.stat().st_size < 60 * 2**20:  # gzip makes it a few times smaller; 16 MiB back
             with raw.open("rb") as f, gzip.open(out / "gpu_trace.raw.xplane.pb.gz", "wb") as g:
                 shutil.copyfileobj(f, g)

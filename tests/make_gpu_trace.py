@@ -25,6 +25,9 @@ import re
 
 from jax.profiler import ProfileData
 
+from jaxdist.errors import ConfigError
+from jaxdist.profiling.xplane import find_xplane
+
 
 def _xspace_writer():
     """tests/xspace.py's `write`, loaded from beside this file: run as a script on another
@@ -116,12 +119,10 @@ def main() -> None:
     ap.add_argument("out_dir")
     ap.add_argument("--name", default="gpt2_124m_h200")
     args = ap.parse_args()
-    src = pathlib.Path(args.trace)
-    if src.is_dir():
-        found = sorted(src.rglob("*.xplane.pb"), key=lambda f: f.stat().st_mtime)
-        if not found:
-            raise SystemExit(f"no .xplane.pb under {src}")
-        src = found[-1]
+    try:  # locating the file only; nothing of the parser reads it
+        src = find_xplane(args.trace)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
     truth = trim(src, pathlib.Path(args.out_dir), args.name)
     print(json.dumps(truth))
 
