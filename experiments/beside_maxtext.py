@@ -105,7 +105,7 @@ def jaxdist(
     the policy auto took). `extra`: more flags for `jaxdist train`."""
     mesh = f"context={cp},fsdp={8 // cp}" if cp > 1 else "fsdp=8"
     cmd = [sys.executable, "-m", "jaxdist.cli", "train", "--model", model, "--seq-len", str(seq)]
-    cmd += ["--mesh", mesh, "--batch-size", str(round(8 * rows)), "--compile-only"]
+    cmd += ["--mesh", mesh, "--batch-size", str(round(8 * rows)), "--compile-only", "--json", "-"]
     cmd += ["--target", "v5p-16", "--remat", remat, *extra]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:

@@ -23,7 +23,9 @@ import argparse
 import dataclasses
 import json
 
-from jaxdist.planning.planner import PlanConfig, plan
+from jaxdist.config import StepConfig
+from jaxdist.planning.inputs import PlanConfig
+from jaxdist.planning.planner import plan
 from meshes.presets import STANDARD_RULES
 from models.inventory import plan_model
 from models.presets import get_model_config
@@ -259,10 +261,9 @@ def predict(row: Row) -> dict:
         devices=devices,
         hardware=row.hardware,
         batch_size=row.batch_size,
-        microbatches=row.microbatches,
-        layout=layout,
         # The published TPU runs compiled with XLA's own windowed einsums, two-way rings.
-        collective_matmul="two-way",
+        step=StepConfig(microbatches=row.microbatches, collective_matmul="two-way"),
+        mesh=layout,
     )
     priced = plan(model, STANDARD_RULES, cfg)["layouts"][0]
     published = published_step_s(row, devices)

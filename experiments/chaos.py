@@ -115,9 +115,9 @@ def run_day(name: str, steps: int, work: pathlib.Path, extra: list[str]) -> dict
 
 
 def _restarts(run_dir: pathlib.Path) -> list[dict]:
-    from jaxdist.cluster import restarts
+    from jaxdist.metrics.goodput import read_restarts
 
-    return restarts.read(run_dir)
+    return read_restarts(run_dir)
 
 
 def short(cause: str) -> str:
@@ -190,7 +190,6 @@ def main() -> None:
             pathlib.Path(args.plot).with_suffix(".png"),
         )
         return
-    sys.path.insert(0, str(ROOT))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shm_root = "/dev/shm" if pathlib.Path("/dev/shm").is_dir() else None  # a tmpfs, if any

@@ -31,9 +31,10 @@ def measured(steps: int) -> list[dict]:
     import jax
     import numpy as np
 
+    from jaxdist.config import Layout, StepConfig
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.step import StepConfig, Vocab, build
+    from jaxdist.step import Vocab, build
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config
     from models.transformer import Transformer
@@ -44,12 +45,11 @@ def measured(steps: int) -> list[dict]:
         batch = 8192 // T * 2  # 16K tokens per step at every T
         for strategy in STRATEGIES:
             tx, lr = make_optimizer(OptimConfig(), steps + 2)
-            jitted = build(
-                lambda r, mc=mc: Transformer(mc, r),
-                *(tx, lr, STANDARD_RULES, build_mesh(parse_mesh("context=4,fsdp=2"))),
-                StepConfig(context_strategy=strategy),
-                *(0, batch, Vocab(mc.vocab_size, None), T),
-            )
+            mesh = build_mesh(parse_mesh("context=4,fsdp=2"))
+            step = StepConfig(context_strategy=strategy)
+            at = Layout.on(mesh, STANDARD_RULES, step, batch_size=batch, seq_len=T)
+            init = lambda r, mc=mc: Transformer(mc, r)  # noqa: E731
+            jitted = build(init, tx, lr, at, mesh, vocab=Vocab(mc.vocab_size, None))
             tokens = np.random.default_rng(0).integers(0, mc.vocab_size, (batch, T + 1))
             tokens = jax.device_put(tokens.astype(np.int32), jitted.batch_sharding)
             state = jitted.init_fn()
@@ -75,7 +75,9 @@ def measured(steps: int) -> list[dict]:
 
 
 def predicted() -> list[dict]:
-    from jaxdist.planning.planner import PlanConfig, plan
+    from jaxdist.config import StepConfig
+    from jaxdist.planning.inputs import PlanConfig
+    from jaxdist.planning.planner import plan
     from meshes.presets import STANDARD_RULES
     from models.inventory import plan_model
     from models.presets import get_model_config
@@ -99,9 +101,8 @@ def predicted() -> list[dict]:
                     )
                     for remat in ORDER
                 ]
-                cfg = PlanConfig(
-                    8, hardware, batch, layout=(("context", 8),), context_strategy=strategy
-                )
+                step = StepConfig(context_strategy=strategy)
+                cfg = PlanConfig(8, hardware, batch, step, mesh=(("context", 8),))
                 row = plan(models, STANDARD_RULES, cfg)["layouts"][0]
                 at_T.append(
                     {

@@ -23,7 +23,6 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
@@ -39,7 +38,7 @@ def main() -> int:
         "--meshes", default="tensor=8;data=4,tensor=2;data=2,fsdp=2,tensor=2;data=8"
     )
     args = parser.parse_args()
-    from experiments.hf_import_memory import make_model
+    from hf_import_memory import make_model  # this folder's study, beside this one
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

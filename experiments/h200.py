@@ -49,9 +49,8 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from experiments import gpu_vs_peers as vs  # noqa: E402
-from experiments import h200_checks as checks  # noqa: E402
+import gpu_vs_peers as vs  # this folder's, beside this script
+import h200_checks as checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +143,7 @@ def deviceless_thread(configs: list, results: dict, smoke: bool):
             cmd = [
                 sys.executable,
                 *("-m", "jaxdist.cli", "train", "--model", model, "--batch-size", str(batch)),
-                *("--remat", remat, "--compile-only", "--target", "h200:1"),
+                *("--remat", remat, "--compile-only", "--target", "h200:1", "--json", "-"),
                 *(("--compile-cache", "off") if smoke else ()),
             ]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

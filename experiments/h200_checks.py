@@ -96,7 +96,7 @@ def checkpoint(model: str, devices: str, timeout: float) -> dict:
     """experiments/checkpoint_blocking.py on the model's whole training state, written under
     the repository (the machine's disk, not /tmp); a run cut short keeps its synchronous
     saves (the script prints them first)."""
-    from experiments.gpu_vs_peers import run_json
+    from gpu_vs_peers import run_json
 
     with tempfile.TemporaryDirectory(dir=ROOT, prefix=".ckpt-") as d:
         cmd = [
@@ -154,7 +154,7 @@ def profile(out, model: str, batch: int, remat: str, flags: tuple, timeout: floa
 
 def targets(data: dict, rows: list[dict], plan) -> list[dict]:
     """Each of the issue's targets with what this call measured for it (None: not measured)."""
-    from experiments.gpu_vs_peers import TARGETS, mem_gib
+    from gpu_vs_peers import TARGETS, mem_gib
 
     out = []
     for row in rows:

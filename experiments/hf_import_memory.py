@@ -26,7 +26,6 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def make_model(directory: pathlib.Path, args) -> dict:

@@ -50,16 +50,18 @@ def main() -> None:
 
     from jaxdist.checkpoint.local import LocalTier
     from jaxdist.checkpoint.store import Checkpointer
+    from jaxdist.config import Layout
     from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.step import StepConfig, build
+    from jaxdist.step import build
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config, model_spec
 
     mesh = make_mesh(args.mesh)
     tx, lr = make_optimizer(OptimConfig(), 100)
     spec = model_spec(get_model_config(args.model))
-    jitted = build(spec.init, tx, lr, STANDARD_RULES, mesh, StepConfig(), 0, mesh.size)
+    at = Layout.on(mesh, STANDARD_RULES, batch_size=mesh.size, seq_len=spec.seq_len)
+    jitted = build(spec.init, tx, lr, at, mesh)
     state = jax.block_until_ready(jitted.init_fn())
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     root = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="jaxdist-persistent-"))

@@ -36,9 +36,10 @@ def main() -> None:
 
     from jax.experimental import topologies
 
+    from jaxdist.config import Layout
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.step import StepConfig, Vocab, build
+    from jaxdist.step import Vocab, build
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config, model_spec
 
@@ -56,7 +57,8 @@ def main() -> None:
         tx, lr = make_optimizer(OptimConfig(), 10)
         for packed in (False, True):
             vocab = Vocab(cfg.vocab_size, 0 if packed else None)
-            jitted = build(model.init, tx, lr, STANDARD_RULES, mesh, StepConfig(), 0, B, vocab)
+            at = Layout.on(mesh, STANDARD_RULES, batch_size=B, seq_len=T)
+            jitted = build(model.init, tx, lr, at, mesh, vocab=vocab)
             program = jitted.compile_abstract((B, T + 1))
             hlo = program.as_text()
             calls = sorted(set(re.findall(r'custom_call_target="(__cudnn\$\w+)"', hlo)))

@@ -41,6 +41,7 @@ def main() -> None:
     import jax
     import numpy as np
 
+    from jaxdist.config import Layout, StepConfig
     from jaxdist.data import DataConfig, TokenBatches
     from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
@@ -49,7 +50,7 @@ def main() -> None:
     from jaxdist.planning import hlo
     from jaxdist.profiling.breakdown import breakdown
     from jaxdist.profiling.xplane import load
-    from jaxdist.step import StepConfig, build
+    from jaxdist.step import build
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config, model_spec
 
@@ -61,16 +62,9 @@ def main() -> None:
         for m in (int(k) * p for k in args.multiples.split(",")):
             batch = 2 * m  # one row per data shard per microbatch
             tx, lr = make_optimizer(OptimConfig(), 10)
-            c = build(
-                model_spec(mc).init,
-                tx,
-                lr,
-                STANDARD_RULES,
-                mesh,
-                StepConfig(m, pipeline_schedule=schedule, virtual_stages=v),
-                0,
-                batch,
-            )
+            step = StepConfig(m, pipeline_schedule=schedule, virtual_stages=v)
+            at = Layout.on(mesh, STANDARD_RULES, step, batch_size=batch, seq_len=mc.seq_len)
+            c = build(model_spec(mc).init, tx, lr, at, mesh)
             data = TokenBatches(DataConfig(batch_size=batch), mc.seq_len, mc.vocab_size)
             exe = c.compile_abstract((batch, mc.seq_len + 1))
             temp = exe.memory_analysis().temp_size_in_bytes

@@ -36,14 +36,16 @@ LAYOUTS = [
 def measure(layout, model, microbatches, schedule, args) -> dict:
     import jax
 
+    from jaxdist.config import Layout, StepConfig
     from jaxdist.data import DataConfig, TokenBatches
     from jaxdist.mesh import make_mesh
     from jaxdist.metrics.records import distribution
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.planning import hlo
+    from jaxdist.planning.inputs import PlanConfig
     from jaxdist.planning.memory import xla_peak
-    from jaxdist.planning.planner import PlanConfig, evaluate
-    from jaxdist.step import StepConfig, build
+    from jaxdist.planning.planner import price
+    from jaxdist.step import build
     from meshes.presets import STANDARD_RULES
     from models.inventory import plan_model
     from models.presets import get_model_config, model_spec
@@ -51,16 +53,9 @@ def measure(layout, model, microbatches, schedule, args) -> dict:
     mc = get_model_config(model, num_layers=args.layers)
     mesh = make_mesh(layout)
     tx, lr = make_optimizer(OptimConfig(), args.steps + args.warmup)
-    c = build(
-        model_spec(mc).init,
-        tx,
-        lr,
-        STANDARD_RULES,
-        mesh,
-        StepConfig(microbatches, pipeline_schedule=schedule),
-        0,
-        args.batch_size,
-    )
+    step = StepConfig(microbatches, pipeline_schedule=schedule)
+    at = Layout.on(mesh, STANDARD_RULES, step, batch_size=args.batch_size, seq_len=mc.seq_len)
+    c = build(model_spec(mc).init, tx, lr, at, mesh)
     exe = c.compile_abstract((args.batch_size, mc.seq_len + 1))
     peak = xla_peak(exe.memory_analysis())
     moved = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape)))
@@ -77,11 +72,8 @@ def measure(layout, model, microbatches, schedule, args) -> dict:
             times.append(time.perf_counter() - t0)
             losses.append(float(metrics["loss"]))
     sizes = {a: n for a, n in mesh.shape.items() if n > 1}
-    predicted = evaluate(
-        sizes,
-        plan_model(mc),
-        STANDARD_RULES,
-        PlanConfig(8, "cpu", args.batch_size, microbatches=microbatches, schedule=schedule),
+    predicted = price(
+        sizes, [plan_model(mc)], STANDARD_RULES, PlanConfig(8, "cpu", args.batch_size, step)
     )
     return {
         "layout": layout,

@@ -39,15 +39,16 @@ _API = {
     "ModelSpec": "jaxdist.model",
     "OptimConfig": "jaxdist.optim",
     "DataConfig": "jaxdist.data",
-    "StepConfig": "jaxdist.step",
-    "LoopConfig": "jaxdist.train",
-    "RunConfig": "jaxdist.train",
+    "StepConfig": "jaxdist.config",
+    "LoopConfig": "jaxdist.config",
+    "EvalConfig": "jaxdist.config",
+    "RunConfig": "jaxdist.config",
+    "Layout": "jaxdist.config",
     "CheckpointConfig": "jaxdist.checkpoint.interval",
     # training and its pieces
     "fit": "jaxdist.train",  # the loop
     "prepare": "jaxdist.train",
     "evaluate": "jaxdist.evaluation",
-    "EvalConfig": "jaxdist.evaluation",
     "build": "jaxdist.step",
     "make_optimizer": "jaxdist.optim",
     "TokenBatches": "jaxdist.data",
@@ -56,8 +57,8 @@ _API = {
     "profile": "jaxdist.profiling.report",
     "compile_only": "jaxdist.planning.aot",
     "plan": "jaxdist.planning.planner",
-    "PlanConfig": "jaxdist.planning.planner",
-    "PlanModel": "jaxdist.planning.planner",
+    "PlanConfig": "jaxdist.planning.inputs",
+    "PlanModel": "jaxdist.planning.inputs",
     "ConfigError": "jaxdist.errors",
 }
 __all__ = sorted(_API)

@@ -13,7 +13,6 @@ import hashlib
 import json
 import pathlib
 import time
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -27,6 +26,7 @@ from jaxdist.checkpoint.resume import rerun_hint, restore_or_init, write_record
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
 from jaxdist.cluster.faults import Faults
 from jaxdist.cluster.watchdog import Watchdog
+from jaxdist.config import RunConfig
 from jaxdist.data import TokenBatches
 from jaxdist.evaluation import coverage, evaluate
 from jaxdist.metrics import wandb_log
@@ -38,9 +38,6 @@ from jaxdist.model import ModelSpec
 from jaxdist.profiling.capture import Capture
 from jaxdist.step import JittedStep
 
-if TYPE_CHECKING:
-    from jaxdist.train import RunConfig
-
 
 @dataclasses.dataclass
 class Attempt:
@@ -49,7 +46,7 @@ class Attempt:
 
     model: ModelSpec
     mesh: Mesh
-    config: "RunConfig"
+    config: RunConfig
     jitted: JittedStep
     batches: TokenBatches
     held_out: TokenBatches | None
@@ -170,7 +167,7 @@ class Attempt:
             )
 
 
-def _tiers(config: "RunConfig", run_dir: pathlib.Path, faults: Faults):
+def _tiers(config: RunConfig, run_dir: pathlib.Path, faults: Faults):
     """The persistent checkpointer, the local tier (or None) and their intervals."""
     ck = config.checkpoint
     checkpointer = Checkpointer(run_dir / "checkpoints", ck.keep, rerun_hint(run_dir), faults)
@@ -186,7 +183,7 @@ def _tiers(config: "RunConfig", run_dir: pathlib.Path, faults: Faults):
 
 
 def open_attempt(
-    model, mesh, rules, config: "RunConfig", prepared, run_dir, console, extra, init_state
+    model, mesh, rules, config: RunConfig, prepared, run_dir, console, extra, init_state
 ) -> tuple[Attempt, object]:
     """An attempt's start: the run's record (checked against its checkpoint before anything is
     written), the first state (the newest good checkpoint's, or a new one), the logs."""

@@ -11,7 +11,6 @@ then over fewer distinct tokens than it averages, which `coverage` counts and
 `small_data_warning` says once.
 """
 
-import dataclasses
 import math
 
 import grain
@@ -19,27 +18,10 @@ import jax
 import numpy as np
 
 from jaxdist.cluster.join import local_value, process_rows
+from jaxdist.config import EvalConfig
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.step import JittedStep
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    eval_every: int | None = None
-    """evaluate every N steps and at the end; default: at the end when the data has an eval
-    split; 0: never"""
-    eval_batches: int = 20
-    """fixed batches per evaluation (the same ones each time)"""
-    eval_data: str | None = None
-    """held-out data (a tokenized directory: its eval split, else all of it); default: the
-    training data's eval split"""
-
-    def validate(self) -> None:
-        if self.eval_every is not None and self.eval_every < 0:
-            raise ConfigError(f"--eval-every {self.eval_every} must be >= 0 (0: never)")
-        if self.eval_batches < 1:
-            raise ConfigError(f"--eval-batches {self.eval_batches} must be at least 1")
 
 
 def eval_batches(

@@ -7,6 +7,7 @@ running job finds its own preset. The figures, with their sources, are data: har
 
 import dataclasses
 import pathlib
+import re
 import tomllib
 
 import jax
@@ -110,8 +111,6 @@ def get_hardware(name: str) -> Hardware:
     H100s, 12.5 GB/s per GPU between hosts; the chip's preset keeps its name, so compile
     targets and device kinds still match); or a Google Cloud TPU slice (v5p-16: 8 chips of
     tpu-v5p), whose chips are then the preset's ICI domain: beyond it, slices talk over DCN."""
-    from jaxdist.planning.tpu import cloud_slice
-
     name = _ALIASES.get(name, name)
     if name in PRESETS:
         return PRESETS[name]
@@ -128,6 +127,44 @@ def get_hardware(name: str) -> Hardware:
     return dataclasses.replace(
         PRESETS[f"tpu-{generation}"], devices_per_host=chips, slice_name=name
     )
+
+
+# Google Cloud's accelerator types count TensorCores for v4 and v5p (two per chip) and chips
+# for v5e (v5litepod in the console) and v6e: v5p-16 is 8 chips, v6e-8 is 8.
+_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
+_CLOUD = re.compile(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)")
+_OLD = re.compile(r"tpu-(v4|v5p|v5e|v6e)-(\d+)")
+
+
+def cloud_name(generation: str, chips: int) -> str:
+    """Google Cloud's name of a slice of `chips` chips: 8 v5p chips are v5p-16."""
+    return f"{generation}-{chips * _CORES_PER_CHIP[generation]}"
+
+
+def cloud_slice(name: str) -> tuple[str, int] | None:
+    """(generation, chips) of a Google Cloud accelerator type such as v5p-16 (8 chips); None
+    for a name of another form; a ConfigError for one that cannot be a slice, or for
+    jaxdist's old chip-counting names (tpu-v5p-64), which Google's would contradict."""
+    old = _OLD.fullmatch(name)
+    if old:
+        generation, chips = old[1], int(old[2])
+        raise ConfigError(
+            f"{name}: jaxdist no longer names slices by chips; Google Cloud calls {chips} "
+            f"{generation} chips {cloud_name(generation, chips)}: write that instead"
+        )
+    m = _CLOUD.fullmatch(name)
+    if not m:
+        return None
+    generation = "v5e" if m[1] == "v5litepod" else m[1]
+    count, per_chip = int(m[2]), _CORES_PER_CHIP[generation]
+    chips = count // per_chip
+    if count % per_chip or chips < 1 or chips & (chips - 1):
+        unit = "TensorCores, 2 per chip" if per_chip == 2 else "chips"
+        raise ConfigError(
+            f"{name}: Google Cloud {generation} names count {unit}, and jaxdist plans slices "
+            f"of a power of two chips; e.g. {cloud_name(generation, 8)} is 8 chips"
+        )
+    return generation, chips
 
 
 def lookup(device: jax.Device) -> Hardware | None:

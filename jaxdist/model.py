@@ -13,7 +13,7 @@ Optional, for memory: `model.features(tokens_BT, docs=None) -> (h_BTD, head_DV, 
 hidden state and the output head (logits = h_BTD @ head_DV). A model that has it gets the fused
 cross-entropy (jaxdist.kernels.fused_loss: the logits computed chunk by chunk, never whole in
 memory); one that has not is called for its logits. Optional, for pipeline parallelism:
-`model.stages()` (jaxdist.parallel.pipeline.Stages).
+`model.stages()` (`Stages` below; jaxdist.parallel.pipeline runs them).
 """
 
 from collections.abc import Callable
@@ -29,3 +29,18 @@ class ModelSpec(NamedTuple):
     vocab_size: int
     flops_per_token: float  # training FLOPs per token, for MFU
     config: Any = None  # a dataclass, recorded in the run directory
+
+
+class Stages(NamedTuple):
+    """A model cut into pipeline pieces (supplied by the model)."""
+
+    weights: dict  # name -> array, as stored
+    layer_keys: list[str]  # stacked per-layer weights, split over the pipeline axis
+    embed: Callable  # (weights, tokens_bT, docs: Documents | None) -> x_bTD
+    body: Callable  # (layer weights, x_bTD, docs) -> (x_bTD, auxiliary loss share)
+    head: Callable  # (weights, x_bTD) -> logits_bTV
+    axes: dict  # name -> the weight's logical axes (jaxdist.axes)
+    compute_dtype: str = "float32"  # weights are gathered in it
+    # (weights, x_bTD) -> (h_bTD, head_DV), logits = h @ head: for the fused loss, which never
+    # holds a microbatch's whole logits (jaxdist.kernels.fused_loss); None: the loss takes `head`'s.
+    features: Callable | None = None

@@ -177,46 +177,46 @@ def batch_ways(sharding: NamedSharding) -> int:
 
 
 # The activation-constraint door. Models call `constrain` with logical names; the trainer
-# enters `activation_rules` once around tracing. A thread-local is the price of keeping mesh
-# names out of models; `constrain` refuses to run outside it rather than silently not shard.
+# enters `activation_rules` once around tracing, with the step's whole Layout. A thread-local is
+# the price of keeping mesh names out of models; `constrain` refuses to run outside it rather
+# than silently not shard.
 _ACTIVE = threading.local()
 
 
 @contextlib.contextmanager
-def activation_rules(
-    rules: AxisRules, mesh: Mesh, context_strategy: str = "all-gather", microbatches: int = 1
-) -> Iterator[None]:
-    """`context_strategy`: how attention crosses a sequence split over the mesh
-    (jaxdist.parallel.context), a step-wide choice the model never names; `microbatches`: how
-    many the step accumulates (the embedding lookup's choice weighs them)."""
-    previous = [getattr(_ACTIVE, k, None) for k in ("value", "context", "microbatches")]
-    _ACTIVE.value, _ACTIVE.context = (rules, mesh), context_strategy
-    _ACTIVE.microbatches = microbatches
+def activation_rules(layout, mesh: Mesh) -> Iterator[None]:
+    """Trace under `layout` (a jaxdist.config.Layout: the rule table, the step's settings such
+    as how attention crosses a sequence split and the microbatches, the batch's shape) over
+    `mesh`. Whatever re-enters it later (a custom VJP's backward traced after the caller's
+    context closed) passes the same value back: `with activation_rules(*entered())`."""
+    previous = getattr(_ACTIVE, "value", None)
+    _ACTIVE.value = (layout, mesh)
     try:
         yield
     finally:
-        _ACTIVE.value, _ACTIVE.context, _ACTIVE.microbatches = previous
+        _ACTIVE.value = previous
 
 
-def active_context_strategy() -> str:
-    """The strategy the step is traced under (all-gather outside one)."""
-    return getattr(_ACTIVE, "context", None) or "all-gather"
+def entered() -> tuple:
+    """(layout, mesh) the step is being traced under, to re-enter with."""
+    value = getattr(_ACTIVE, "value", None)
+    if value is None:
+        raise RuntimeError(
+            "jaxdist sharding helpers called outside activation_rules(layout, mesh); wrap the "
+            "model call (or the jit tracing of the step) in that context"
+        )
+    return value
 
 
-def active_microbatches() -> int:
-    """The microbatches the step is traced with (1 outside one)."""
-    return getattr(_ACTIVE, "microbatches", None) or 1
+def active_layout():
+    """The jaxdist.config.Layout the step is being traced under."""
+    return entered()[0]
 
 
 def active() -> tuple[AxisRules, Mesh]:
     """The rules and mesh the step is being traced under."""
-    value = getattr(_ACTIVE, "value", None)
-    if value is None:
-        raise RuntimeError(
-            "jaxdist sharding helpers called outside activation_rules(rules, mesh); wrap the "
-            "model call (or the jit tracing of the step) in that context"
-        )
-    return value
+    layout, mesh = entered()
+    return layout.rules, mesh
 
 
 def constrain(x: jax.Array, logical: tuple[str | None, ...], kind: str = "activation") -> jax.Array:
@@ -246,8 +246,7 @@ def gathered(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     whole gradient over every batch axis and then slices it (the output head's: 262 MB of
     all-reduce a step on Llama-2-7B, fsdp=8); landing in the stored layout, it is
     reduce-scattered over the FSDP axes, as the layer weights' are."""
-    rules, mesh = active()
-    strategy = active_context_strategy()
+    here = entered()
 
     @jax.custom_vjp
     def use(x):
@@ -255,8 +254,8 @@ def gathered(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
 
     def back(_, g):
         # The transpose may be traced after the caller's activation_rules has closed (a
-        # jax.grad taken outside it): the rules in force where the weight was used apply.
-        with activation_rules(rules, mesh, strategy):
+        # jax.grad taken outside it): the layout in force where the weight was used applies.
+        with activation_rules(*here):
             return (constrain(g, logical, "param"),)
 
     use.defvjp(lambda x: (use(x), None), back)

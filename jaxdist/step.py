@@ -8,7 +8,7 @@ and batch shardings imply; jaxdist.planning.traffic reads them back out of the c
 import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,16 +16,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.config import Layout, StepConfig
 from jaxdist.errors import ConfigError
-from jaxdist.kernels.loss import Vocab, forward_loss, stage_loss
+from jaxdist.kernels.loss import Vocab, model_loss, stage_loss
 from jaxdist.parallel import collective_matmul, context, pipeline
 from jaxdist.rules import (
     AxisRules,
     activation_rules,
     batch_sharding,
-    batch_ways,
     state_shardings,
-    ways,
 )
 
 
@@ -35,52 +34,14 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    microbatches: int = 1
-    """gradient accumulation: the batch is run as this many slices per step (with a pipeline
-    axis: the microbatches the schedule pipelines)"""
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    """schedule over the pipeline mesh axis"""
-    virtual_stages: int = 1
-    """layer chunks per device for the interleaved schedule"""
-    document_mask: bool = True
-    """with tokenized data: attention stays inside each packed document and positions restart
-    at each (off: a row is one causal sequence)"""
-    loss_chunk_tokens: int = 2048
-    """fused cross-entropy: the sequence is cut into chunks of at most this many tokens per
-    device, whose fp32 logits (tokens x vocab x 4 bytes) are the most held at once (1 GB at
-    Llama 3's 128K vocabulary); 0: the whole logits, as the model returns them"""
-    context_strategy: Literal["all-gather", "ring", "ulysses"] = "all-gather"
-    """how attention crosses a sequence split over the `context` mesh axis
-    (jaxdist.parallel.context)"""
-    collective_matmul: Literal["one-way", "two-way"] = "one-way"
-    """TPU: how the compiler streams an FSDP weight through its matmuls, each shard once round
-    the ring or both ways (XLA's default: 2n + 1 shards of 1/n per use against n - 1, about
-    twice a step's bytes); jaxdist.parallel.collective_matmul"""
-    fault_nan_steps: tuple[int, ...] = ()
-    """fault injection, for testing recovery: make these steps' loss and gradients NaN"""
-
-    def validate(self) -> None:
-        if self.microbatches < 1:
-            raise ConfigError(f"--microbatches {self.microbatches} must be at least 1")
-        if self.virtual_stages < 1:
-            raise ConfigError(f"--virtual-stages {self.virtual_stages} must be at least 1")
-        if self.loss_chunk_tokens < 0:
-            raise ConfigError(
-                f"--loss-chunk-tokens {self.loss_chunk_tokens} must be >= 0 (0: unfused)"
-            )
-        if self.context_strategy not in context.STRATEGIES:
-            raise ConfigError(
-                f"--context-strategy {self.context_strategy!r}: choose from "
-                f"{', '.join(context.STRATEGIES)}"
-            )
-        collective_matmul.check(self.collective_matmul)
-        if self.virtual_stages > 1 and self.pipeline_schedule != "interleaved":
-            raise ConfigError(
-                f"--virtual-stages {self.virtual_stages} applies to the interleaved schedule; "
-                "add --pipeline-schedule interleaved"
-            )
+def forward_loss(model, tokens_BT1, vocab: Vocab, document_mask: bool, chunk_tokens: int = 0):
+    """Cross-entropy of next-token prediction over a batch of [B, T+1] tokens, and the model's
+    auxiliary output. With packed documents (`document_mask` and an EOS id) the model gets
+    their ids and positions; a sequence split over `context` is reordered for causal balance
+    first (jaxdist.parallel.context)."""
+    eos = vocab.eos_id if document_mask else None
+    inputs_BT, targets_BT, docs = context.inputs_and_targets(tokens_BT1, eos)
+    return model_loss(model, inputs_BT, targets_BT, docs, vocab.size, chunk_tokens)
 
 
 def _pipelined_grads(
@@ -207,49 +168,32 @@ class JittedStep(NamedTuple):
     abstract_state: TrainState
     num_params: int
     eval_fn: Callable[[nnx.State, jax.Array], jax.Array]
+    layout: Layout
 
-    def compile_abstract(self, batch_shape: tuple[int, int]) -> jax.stages.Compiled:
-        """The step compiled ahead of time for abstract state and batch ([B, T+1] tokens):
-        XLA's program text, memory and cost analyses, with nothing allocated or run."""
+    def compile_abstract(self, batch_shape: tuple[int, int] | None = None) -> jax.stages.Compiled:
+        """The step compiled ahead of time for abstract state and batch ([B, T+1] tokens; the
+        layout's by default): XLA's program text, memory and cost analyses, with nothing
+        allocated or run."""
+        if batch_shape is None:
+            batch_shape = (self.layout.batch_size, self.layout.seq_len + 1)
         batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
         return self.step_fn.lower(self.abstract_state, batch).compile()
 
 
-def _batch_sharding(rules: AxisRules, mesh: Mesh, config: StepConfig, batch_size: int):
-    """The batch's sharding, once its microbatches are known to split over the batch axes."""
-    if config.microbatches < 1 or batch_size % config.microbatches:
-        raise ConfigError(
-            f"batch size {batch_size} is not divisible by {config.microbatches} microbatches"
-        )
-    micro = batch_size // config.microbatches
-    tokens_sharding = batch_sharding(rules, mesh)
-    ways = batch_ways(tokens_sharding)
-    if micro % ways:
-        raise ConfigError(
-            f"microbatch of {micro} rows (batch {batch_size} / {config.microbatches} "
-            f"microbatches) does not split over the {ways} devices of the batch axes "
-            f"{tokens_sharding.spec[0]}; use a batch size that is a multiple of "
-            f"{ways * config.microbatches}"
-        )
-    return tokens_sharding
-
-
-def _check_documents(
-    abstract_model: nnx.Module, config: StepConfig, vocab: Vocab, rules: AxisRules, mesh: Mesh
-) -> None:
+def _check_documents(abstract_model: nnx.Module, layout: Layout, vocab: Vocab) -> None:
     """Packed documents, and a sequence split over devices, need a model whose __call__ takes
     `docs` (the latter: each token's place in the row, jaxdist.parallel.context)."""
     params = inspect.signature(type(abstract_model).__call__).parameters
     takes = "docs" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
-    seq_axes = rules.mesh_axes("seq", "activation")
-    if not takes and ways(mesh.shape, seq_axes) > 1:
+    seq_axes = layout.seq_axes
+    if not takes and layout.seq_ways > 1:
         raise ConfigError(
             f"{type(abstract_model).__name__} takes no `docs`, which carry each token's place "
             f"in the row when the sequence is split over {'x'.join(seq_axes)}; add "
             "`docs: jaxdist.kernels.documents.Documents | None = None` to its __call__, or use "
             "a mesh without a context axis"
         )
-    if config.document_mask and vocab.eos_id is not None:
+    if layout.step.document_mask and vocab.eos_id is not None:
         if not takes:
             raise ConfigError(
                 f"{type(abstract_model).__name__} is called without document masks (its "
@@ -310,26 +254,29 @@ def build(
     init_model: Callable[[nnx.Rngs], nnx.Module],
     tx: optax.GradientTransformation,
     lr_schedule: optax.Schedule,
-    rules: AxisRules,
+    layout: Layout,
     mesh: Mesh,
-    config: StepConfig,
-    seed: int,
-    batch_size: int,
+    seed: int = 0,
     vocab: Vocab | None = None,
-    seq_len: int | None = None,
 ) -> JittedStep:
-    """Shapes, shardings and the jitted step, checked against the mesh before any compile.
-    `vocab`: the data's vocabulary and EOS (from the data; default: raw bytes, no packing);
-    `seq_len`, where known, is checked against a context split (else when the step traces)."""
+    """Shapes, shardings and the jitted step of `layout` over `mesh`, checked before any
+    compile. `vocab`: the data's vocabulary and EOS (from the data; default: raw bytes, no
+    packing); the layout's `seq_len`, where known, is checked against a context split (else
+    when the step traces)."""
     vocab = vocab or Vocab()
+    config, rules = layout.step, layout.rules
     config.validate()
     rules.validate(mesh.axis_names)
-    if seq_len is not None:
-        seq_axes = rules.mesh_axes("seq", "activation")
-        context.balanced_order(seq_len, ways(mesh.shape, seq_axes))
-    tokens_sharding = _batch_sharding(rules, mesh, config, batch_size)
+    if layout.mesh_shape != dict(mesh.shape):
+        raise ConfigError(f"a layout for mesh {layout.mesh_shape} built on mesh {dict(mesh.shape)}")
+    if layout.seq_len:
+        context.balanced_order(layout.seq_len, layout.seq_ways)
+    problem = layout.batch_problem()
+    if problem:
+        raise ConfigError(problem)
+    tokens_sharding = batch_sharding(rules, mesh)
     abstract_model = nnx.eval_shape(lambda: init_model(nnx.Rngs(seed)))
-    _check_documents(abstract_model, config, vocab, rules, mesh)
+    _check_documents(abstract_model, layout, vocab)
     graphdef, abstract_params = nnx.split(abstract_model)
     state_sharding, abstract_opt = _state_sharding(tx, abstract_params, rules, mesh)
     replicated = state_sharding.step
@@ -341,13 +288,15 @@ def build(
     init_fn = jax.jit(init, out_shardings=state_sharding)
     schedule = _pipeline_schedule(mesh, config, abstract_params)
     step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab)
+    # Held-out loss: the whole batch at once, no microbatches (the lookup weighs them).
+    whole = dataclasses.replace(layout, step=dataclasses.replace(config, microbatches=1))
 
     def traced_step(state, batch):
-        with activation_rules(rules, mesh, config.context_strategy, config.microbatches):
+        with activation_rules(layout, mesh):
             return step(state, batch)
 
     def eval_loss(params: nnx.State, tokens_BT1: jax.Array) -> jax.Array:
-        with activation_rules(rules, mesh, config.context_strategy):
+        with activation_rules(whole, mesh):
             model = nnx.merge(graphdef, params)
             return forward_loss(
                 model, tokens_BT1, vocab, config.document_mask, config.loss_chunk_tokens
@@ -370,5 +319,6 @@ def build(
     abstract_state = _abstract_state(abstract_params, abstract_opt, state_sharding)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
     return JittedStep(
-        step_fn, init_fn, state_sharding, tokens_sharding, abstract_state, num_params, eval_fn
+        *(step_fn, init_fn, state_sharding, tokens_sharding, abstract_state, num_params),
+        *(eval_fn, layout),
     )

@@ -11,141 +11,29 @@ preemption and non-finite steps.
 `close_attempt` (the last save committed, summary.json), in jaxdist.attempt.
 """
 
-import dataclasses
 import json
 import pathlib
 import time
-from typing import Annotated
 
 import jax
-import tyro
 from jax.sharding import Mesh
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from jaxdist import hardware
 from jaxdist.attempt import Attempt, close_attempt, open_attempt
-from jaxdist.checkpoint.interval import CheckpointConfig
 from jaxdist.checkpoint.lock import RunLock
 from jaxdist.checkpoint.preemption import PreemptionSignal
-from jaxdist.checkpoint.recovery import NonFinitePolicy, apply_nonfinite_policy
+from jaxdist.checkpoint.recovery import apply_nonfinite_policy
 from jaxdist.checkpoint.resume import finished_step
-from jaxdist.cluster import faults as fault_injection
 from jaxdist.cluster.join import process_rows
-from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.config import Layout, RunConfig
+from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
-from jaxdist.evaluation import EvalConfig, eval_batches, small_data_warning
-from jaxdist.metrics import wandb_log
+from jaxdist.evaluation import eval_batches, small_data_warning
 from jaxdist.model import ModelSpec
-from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.profiling.capture import parse_range
+from jaxdist.optim import make_optimizer
 from jaxdist.rules import AxisRules
-from jaxdist.step import JittedStep, StepConfig, Vocab, build
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopConfig:
-    steps: int = 300
-    log_every: int = 10
-    run_dir: str | None = None
-    """directory for config.json, metrics.jsonl, summary.json, checkpoints (none: a new
-    runs/<time>); pass the same one again to resume"""
-    peak_tflops: float | None = None
-    """peak TFLOP/s per device for MFU, where the device kind is not known"""
-    seed: int = 0
-    nonfinite: NonFinitePolicy = "skip"
-    """on a NaN/Inf loss or gradient: skip the update, roll back to the last checkpoint and
-    skip past the batch, or stop"""
-    profile: str | None = None
-    """START:STOP: trace these steps and write the step-time breakdown to the run dir"""
-    watch_comm: float | None = None
-    """warn when exposed communication or sync passes this fraction of a step (profiles a
-    few steps every --watch-every steps)"""
-    watch_every: int = 100
-    hardware: str = "auto"
-    """cost-model preset for profile reports (jaxdist.hardware); auto: the devices' own"""
-    slow_step_factor: float = 10.0
-    """report a step slower than this many times the p50 step, naming lagging processes"""
-    hang_timeout: float | None = None
-    """seconds without a finished step after which the run is declared hung: the stuck
-    processes are named, their stacks logged, and every process exits 124 (default: the larger
-    of 600 s and 20 x the p50 step; 0: off)"""
-    term_grace: float = 60.0
-    """after SIGTERM or SIGINT, seconds to reach the next step boundary and save; past them
-    the process exits 143 without saving (0: wait forever)"""
-    fault: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
-    """fault injection, for tests and the chaos study: KIND:STEP:PROCESS[:SECONDS], KIND one of
-    kill, stall (with SECONDS), term, restore-error, disk-full; each fires once per run;
-    repeat the flag for several"""
-    fault_stall: str | None = None
-    """fault injection, for testing the watchdog: STEP:PROCESS:SECONDS to stall (the same as
-    --fault stall:STEP:PROCESS:SECONDS)"""
-    wandb: str | None = None
-    """also log the TensorBoard scalars to this Weights & Biases project (pip install
-    'jaxdist[wandb]'); offline, into RUN_DIR/wandb, without an API key; a resumed run
-    continues its W&B run"""
-    wandb_entity: str | None = None
-    """the W&B team or user to log under (none: the API key's own)"""
-
-    def validate(self) -> None:
-        if self.steps < 1:
-            raise ConfigError(f"--steps {self.steps} must be at least 1")
-        if self.log_every < 1:
-            raise ConfigError(f"--log-every {self.log_every} must be at least 1")
-        if self.nonfinite not in ("skip", "rollback", "stop"):
-            raise ConfigError(f"--nonfinite {self.nonfinite!r}: use skip, rollback or stop")
-        if self.watch_every < 1:
-            raise ConfigError(f"--watch-every {self.watch_every} must be at least 1")
-        if self.watch_comm is not None and not 0 < self.watch_comm < 1:
-            raise ConfigError(f"--watch-comm {self.watch_comm} is a fraction of a step: (0, 1)")
-        if not self.slow_step_factor > 1:
-            raise ConfigError(f"--slow-step-factor {self.slow_step_factor} must be > 1")
-        if self.hang_timeout is not None and self.hang_timeout < 0:
-            raise ConfigError(f"--hang-timeout {self.hang_timeout} must be >= 0 (0: off)")
-        if self.term_grace < 0:
-            raise ConfigError(f"--term-grace {self.term_grace} must be >= 0 (0: wait forever)")
-        for spec in self.faults():
-            fault_injection.parse(spec)
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ConfigError(f"--peak-tflops {self.peak_tflops} must be > 0")
-        if self.profile:
-            parse_range(self.profile)
-        if self.hardware != "auto":
-            hardware.get_hardware(self.hardware)
-        if self.wandb is not None:
-            if not self.wandb.strip():
-                raise ConfigError("--wandb needs a project name: --wandb my-project")
-            wandb_log.require()
-        elif self.wandb_entity is not None:
-            raise ConfigError("--wandb-entity names who logs to --wandb PROJECT; add --wandb")
-
-    def faults(self) -> tuple[str, ...]:
-        """Every injected fault, --fault-stall among them."""
-        if self.fault_stall is None:
-            return self.fault
-        if len(self.fault_stall.split(":")) != 3:
-            raise ConfigError(f"--fault-stall {self.fault_stall!r} is not STEP:PROCESS:SECONDS")
-        return (*self.fault, f"stall:{self.fault_stall}")
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """A run's configuration: one config per component, recorded as the run's config.json."""
-
-    optim: OptimConfig = OptimConfig()
-    data: DataConfig = DataConfig()
-    step: StepConfig = StepConfig()
-    loop: LoopConfig = LoopConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    eval: EvalConfig = EvalConfig()
-
-    def validate(self) -> None:
-        self.optim.validate()
-        self.data.validate()
-        self.step.validate()
-        self.loop.validate()
-        self.checkpoint.validate()
-        self.eval.validate()
+from jaxdist.step import JittedStep, Vocab, build
 
 
 def prepare(
@@ -158,9 +46,15 @@ def prepare(
     batches = TokenBatches(data, model.seq_len, model.vocab_size)
     tx, lr = make_optimizer(config.optim, config.loop.steps)
     vocab = Vocab(batches.vocab_size, batches.eos_id)
-    jitted = build(
-        model.init, tx, lr, rules, mesh, config.step, seed, data.batch_size, vocab, model.seq_len
+    layout = Layout.on(
+        mesh,
+        rules,
+        config.step,
+        remat=getattr(model.config, "remat", ""),
+        batch_size=data.batch_size,
+        seq_len=model.seq_len,
     )
+    jitted = build(model.init, tx, lr, layout, mesh, seed, vocab)
     rows = process_rows(jitted.batch_sharding, (data.batch_size, model.seq_len + 1))
     return jitted, batches.for_rows(rows)
 

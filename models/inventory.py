@@ -12,10 +12,10 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdist.config import Layout
+from jaxdist.parallel.context import carrier
 from jaxdist.parallel.experts import capacity
-from jaxdist.planning.memory import Activation, Inventory
-from jaxdist.planning.planner import PlanModel
-from jaxdist.planning.traffic import PartialSum
+from jaxdist.planning.inputs import Activation, Inventory, PartialSum, PlanModel
 from models.remat import RECOMPUTE
 from models.transformer import LOGICAL, Transformer, TransformerConfig
 
@@ -33,7 +33,7 @@ def plan_model(config: TransformerConfig) -> PlanModel:
         compute_bytes=jnp.dtype(config.compute_dtype).itemsize,
         num_experts=config.num_experts,
         inventory=lambda rows: activations(config, rows),
-        partial_sums=lambda *a, **k: partial_sums(config, *a, **k),
+        partial_sums=lambda layout, platform: partial_sums(config, layout, platform),
         # What the policy reruns, priced as compute: its share of the layers' matmuls, and
         # attention's forward where full remat reruns the kernel or XLA's unfused attention
         # (not a saved kernel output) is recomputed.
@@ -54,24 +54,18 @@ def _reruns(policy: str) -> frozenset[tuple]:
     return frozenset({"full": attention | mlp_in, "dots_except_mlp": mlp_in}.get(policy, ()))
 
 
-def partial_sums(
-    c: TransformerConfig,
-    batch_size: int,
-    microbatches: int = 1,
-    batch_ways: int = 1,
-    stages: int = 1,
-    virtual: int = 1,
-    context: tuple[str, int] = ("all-gather", 1),
-    platform: str = "cpu",
-) -> list[PartialSum]:
+def partial_sums(c: TransformerConfig, layout: Layout, platform: str = "cpu") -> list[PartialSum]:
     """Where this model's matmuls leave partial sums when their split dims are sharded,
-    and (MoE) the buffers its experts exchange. `batch_ways`: devices sharing the batch.
-    Pipelined (`stages` > 1, `virtual` chunks each): a device runs its L / stages layers,
-    replays their forward in the backward tick, and runs the embedding and head (masked) in
-    each of its forward ticks (jaxdist.parallel.pipeline). `platform`: GPU's and TPU's
-    compilers sum two partial sums bound for the same all-reduce before reducing (XLA's
-    all-reduce reassociation; the CPU pipeline does not)."""
-    B, T, D, L = batch_size // microbatches, c.seq_len, c.d_model, c.num_layers // stages
+    and (MoE) the buffers its experts exchange, on `layout`. Pipelined (stages > 1, `virtual`
+    chunks each): a device runs its L / stages layers, replays their forward in the backward
+    tick, and runs the embedding and head (masked) in each of its forward ticks
+    (jaxdist.parallel.pipeline). `platform`: GPU's and TPU's compilers sum two partial sums
+    bound for the same all-reduce before reducing (XLA's all-reduce reassociation; the CPU
+    pipeline does not)."""
+    microbatches, batch_ways = layout.microbatches, layout.batch_ways
+    stages, virtual = layout.stages, layout.virtual_stages
+    context = (carrier(layout.step.context_strategy, platform, stages > 1), layout.seq_ways)
+    B, T, D, L = layout.micro_rows, c.seq_len, c.d_model, c.num_layers // stages
     nbytes = jnp.dtype(c.compute_dtype).itemsize
     x, btd = ("batch", "seq", "embed"), (B, T, D)
     # Full remat, or a pipeline's backward tick, replays the forward. Full remat's replay stops

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.kernels.attention import attention, document_mask
 from jaxdist.kernels.documents import Documents
 from jaxdist.kernels.lookup import lookup
-from jaxdist.parallel.pipeline import Stages
+from jaxdist.model import Stages
+from jaxdist.parallel.attention import attention, document_mask
 from jaxdist.rules import constrain, gathered
 from models import moe, remat, rope
 from models.moe import EXPERT_WEIGHTS, MOE_LOGICAL

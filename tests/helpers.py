@@ -7,10 +7,11 @@ import sys
 
 import jax
 
+from jaxdist.config import Layout, StepConfig
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.metrics.records import latest_per_step, read_metrics
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.step import StepConfig, build
+from jaxdist.step import build
 from meshes.presets import STANDARD_RULES, get_mesh_preset
 from models.presets import get_model_config
 from models.transformer import Transformer
@@ -33,16 +34,9 @@ def compiled_for(
     mc = get_model_config(model, **model_overrides)
     mesh = mesh_for(layout)
     tx, lr = make_optimizer(OptimConfig(warmup_steps=2), steps)
-    jitted = build(
-        lambda r: Transformer(mc, r),
-        tx,
-        lr,
-        STANDARD_RULES,
-        mesh,
-        StepConfig(microbatches),
-        seed=0,
-        batch_size=batch_size,
-    )
+    step = StepConfig(microbatches)
+    layout = Layout.on(mesh, STANDARD_RULES, step, batch_size=batch_size, seq_len=mc.seq_len)
+    jitted = build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
     return mc, mesh, jitted
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from jaxdist.cli.main import main
-from jaxdist.cluster import restarts
 from jaxdist.metrics import goodput
+from jaxdist.metrics.goodput import read_restarts
 from tests.helpers import cli, cli_popen, losses
 
 pytestmark = pytest.mark.slow  # real processes, stalled, signalled, killed and restarted
@@ -169,7 +169,7 @@ def test_launch_restarts_after_a_kill_a_restore_error_and_a_preemption_like_no_f
     assert causes[0].startswith("process 1 killed by SIGKILL; then process 1 stopped: ")
     assert "Input/output error" in causes[0]
     assert f"step {stopped[1]}" in causes[1] and rep["attempts"][2]["finished"]
-    times = [x["time"] for x in restarts.read(run_dir)]
+    times = [x["time"] for x in read_restarts(run_dir)]
     assert times[1] - times[0] < 60, "the restore error took minutes to end the attempt"
 
 

@@ -21,12 +21,13 @@ from jaxdist.checkpoint.damage import RestoreFailed, list_checkpoints
 from jaxdist.checkpoint.interval import CheckpointConfig, Interval, daly_interval_s
 from jaxdist.checkpoint.recovery import TrainingStopped
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
+from jaxdist.config import Layout, LoopConfig, RunConfig, StepConfig
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.metrics.records import latest_per_step, read_metrics
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.step import StepConfig, build
-from jaxdist.train import LoopConfig, RunConfig, fit
+from jaxdist.step import build
+from jaxdist.train import fit
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config, model_spec
 from models.transformer import Transformer
@@ -45,7 +46,8 @@ def compiled(layout: str, model: str = "tiny"):
     mesh = mesh_for(layout)
     tx, lr = make_optimizer(OPTIM, NAN_AT)
     init = lambda r: Transformer(mc, r)  # noqa: E731
-    return mc, mesh, build(init, tx, lr, STANDARD_RULES, mesh, STEP, seed=0, batch_size=BATCH)
+    layout = Layout.on(mesh, STANDARD_RULES, STEP, batch_size=BATCH, seq_len=SEQ)
+    return mc, mesh, build(init, tx, lr, layout, mesh)
 
 
 def _steps(jitted, state, data, first, last):

@@ -100,6 +100,8 @@ def test_compile_only_reports_memory_for_1b_on_8_devices(capsys):
         "--batch-size",
         "8",
         "--compile-only",
+        "--json",
+        "-",
     )
     assert rc == 0, err
     report = json.loads(out)

@@ -3,8 +3,7 @@
 import pytest
 
 from jaxdist.planning import hlo, traffic
-from jaxdist.rules import batch_ways
-from models.inventory import partial_sums
+from models.inventory import plan_model
 from tests.helpers import compiled_for
 
 SLOW = pytest.mark.slow  # the quick loop (-m "not slow") keeps the default layout
@@ -27,16 +26,7 @@ CASES = [
 def test_measured_bytes_match_expected(layout, model, microbatches, seq_len):
     over = {"seq_len": seq_len} if seq_len else {}
     mc, mesh, jitted = compiled_for(layout, model, 16, microbatches, **over)
-    rep = traffic.report(
-        jitted,
-        mesh,
-        compiled_rules(),
-        16,
-        mc.seq_len,
-        partial_sums(mc, 16, microbatches, batch_ways(jitted.batch_sharding)),
-        compute_bytes=4,
-        microbatches=microbatches,
-    )
+    rep = traffic.report(jitted, plan_model(mc), jitted.layout)
     rows = rep["rows"]
     total = sum(r["bytes"] for r in rows)
     assert total > 0
@@ -51,12 +41,6 @@ def test_measured_bytes_match_expected(layout, model, microbatches, seq_len):
     want = {a.split("=")[0] for a in layout.split(",")}
     # Every sharded axis carries traffic; data+fsdp reduce together where both exist.
     assert want <= {a for label in axes for a in label.split("+")}
-
-
-def compiled_rules():
-    from meshes.presets import STANDARD_RULES
-
-    return STANDARD_RULES
 
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}

@@ -11,13 +11,15 @@ import jax
 import numpy as np
 import pytest
 
+from jaxdist.config import Layout, StepConfig
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.inference.generate import check_unsplit
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.parallel import context
-from jaxdist.planning.planner import PlanConfig, plan
-from jaxdist.step import StepConfig, Vocab, build
+from jaxdist.planning.inputs import PlanConfig
+from jaxdist.planning.planner import plan
+from jaxdist.step import Vocab, build
 from meshes.presets import STANDARD_RULES
 from models.inventory import plan_model
 from models.presets import get_model_config
@@ -45,13 +47,11 @@ def _run(
     mc = get_model_config(model, compute_dtype="float32", **dict(overrides))
     tx, lr = make_optimizer(OptimConfig(warmup_steps=2), steps)
     vocab = Vocab(mc.vocab_size, EOS if packed else None)
-    jitted = build(
-        lambda r: Transformer(mc, r),
-        *(tx, lr, STANDARD_RULES, mesh_for(layout)),
-        # a pipeline runs its schedule over 2 microbatches (the mean of means: the same step)
-        StepConfig(microbatches=2 if "pipeline" in layout else 1, context_strategy=strategy),
-        *(0, ROWS, vocab, mc.seq_len),
-    )
+    mesh = mesh_for(layout)
+    # a pipeline runs its schedule over 2 microbatches (the mean of means: the same step)
+    step = StepConfig(microbatches=2 if "pipeline" in layout else 1, context_strategy=strategy)
+    layout = Layout.on(mesh, STANDARD_RULES, step, batch_size=ROWS, seq_len=mc.seq_len)
+    jitted = build(lambda r: Transformer(mc, r), tx, lr, layout, mesh, vocab=vocab)
     data = TokenBatches(DataConfig(batch_size=ROWS), mc.seq_len, mc.vocab_size)
     state, losses, grads0, aux = jitted.init_fn(), [], None, []
     for s in range(steps):
@@ -150,12 +150,9 @@ def test_balanced_order_gives_each_device_equal_causal_work(cp):
 def _build(layout, seq_len=128, **step):
     mc = get_model_config("tiny-llama")
     tx, lr = make_optimizer(OptimConfig(), 10)
-    return build(
-        lambda r: Transformer(mc, r),
-        *(tx, lr, STANDARD_RULES, mesh_for(layout)),
-        StepConfig(**step),
-        *(0, ROWS, Vocab(mc.vocab_size, None), seq_len),
-    )
+    mesh = mesh_for(layout)
+    at = Layout.on(mesh, STANDARD_RULES, StepConfig(**step), batch_size=ROWS, seq_len=seq_len)
+    return build(lambda r: Transformer(mc, r), tx, lr, at, mesh, vocab=Vocab(mc.vocab_size, None))
 
 
 def test_layouts_it_cannot_run_are_refused_before_compiling():
@@ -170,7 +167,7 @@ def test_layouts_it_cannot_run_are_refused_before_compiling():
         ConfigError, match="fsdp=2,context=4 cannot run .*: sequence not a multiple of 2 x context"
     ):
         model = plan_model(get_model_config("tiny-llama", seq_len=100))
-        plan(model, STANDARD_RULES, PlanConfig(8, "h100", 8, layout=(("context", 4), ("fsdp", 2))))
+        plan(model, STANDARD_RULES, PlanConfig(8, "h100", 8, mesh=(("context", 4), ("fsdp", 2))))
 
 
 @SLOW
@@ -181,7 +178,7 @@ def test_ring_in_pipeline_stages_permutes_on_tpu():
     # naming --attention xla, which must exist and run.
     args = ["train", "--model", "tiny-llama", "--mesh", "pipeline=2,context=2,data=2"]
     args += ["--context-strategy", "ring", "--microbatches", "2", "--batch-size", "8"]
-    args += ["--compile-only", "--target", "tpu-v5p:2x2x2"]
+    args += ["--compile-only", "--target", "tpu-v5p:2x2x2", "--json", "-"]
     refused = cli(*args)
     assert refused.returncode != 0 and "add --attention xla" in refused.stderr
     r = cli(*args, "--attention", "xla")
@@ -201,7 +198,7 @@ def test_ulysses_runs_the_platforms_fused_kernel(target):
     # kernel it runs without a split (splash, cuDNN), not XLA's [T, T] scores per head shard.
     args = ["train", "--model", "tiny-llama", "--seq-len", "512", "--batch-size", "2"]
     args += ["--mesh", "context=4,fsdp=2", "--context-strategy", "ulysses"]
-    r = cli(*args, "--compile-only", "--target", target)
+    r = cli(*args, "--compile-only", "--target", target, "--json", "-")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout.strip().splitlines()[-1])
     kernels = report["kernels"]

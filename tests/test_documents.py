@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdist.config import Layout
 from jaxdist.kernels import documents
 from jaxdist.kernels.loss import cross_entropy
 from jaxdist.mesh import build_mesh, parse_mesh
@@ -77,7 +78,7 @@ def _model(name: str, **overrides):
 
     @functools.partial(jax.jit, static_argnames="packed")
     def run(params, tokens_BT, packed: bool):
-        with activation_rules(STANDARD_RULES, mesh):
+        with activation_rules(Layout.on(mesh, STANDARD_RULES), mesh):
             docs = documents.from_tokens(tokens_BT, EOS) if packed else None
             return nnx.merge(graphdef, params)(tokens_BT, docs)[0]
 
@@ -199,7 +200,7 @@ def test_pipelined_documents_equal_unpipelined(name, layout):
             logits_BTV, _ = nnx.merge(graphdef, params)(inputs_BT, docs)
             return cross_entropy(logits_BTV, tokens_BT1[:, 1:])
 
-        with activation_rules(STANDARD_RULES, single):
+        with activation_rules(Layout.on(single, STANDARD_RULES), single):
             return jax.value_and_grad(loss_fn)(params)
 
     mesh = build_mesh(parse_mesh(layout), jax.devices()[: 2 if layout == "pipeline=2" else 8])
@@ -207,7 +208,7 @@ def test_pipelined_documents_equal_unpipelined(name, layout):
 
     @jax.jit
     def pipelined(params, tokens_BT1):
-        with activation_rules(STANDARD_RULES, mesh):
+        with activation_rules(Layout.on(mesh, STANDARD_RULES), mesh):
             stages = nnx.merge(graphdef, params).stages()
             loss = lambda w, y_bTD, t_bT: cross_entropy(stages.head(w, y_bTD), t_bT)  # noqa: E731
             return pipeline.value_and_grad(stages, tokens_BT1, loss, 1.0, schedule, M, eos_id=EOS)

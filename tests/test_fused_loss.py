@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxdist.config import Layout
 from jaxdist.kernels.fused_loss import _chunks
-from jaxdist.kernels.loss import Vocab, forward_loss
+from jaxdist.kernels.loss import Vocab
 from jaxdist.rules import activation_rules
+from jaxdist.step import forward_loss
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
 from models.transformer import Transformer
@@ -28,7 +30,7 @@ def _loss_and_grads(mc, layout: str, tokens_BT1, vocab: Vocab, chunk_tokens: int
     graphdef, params = _split(mc)
 
     def loss(params, tokens_BT1):
-        with activation_rules(STANDARD_RULES, mesh):
+        with activation_rules(Layout.on(mesh, STANDARD_RULES), mesh):
             model = nnx.merge(graphdef, params)
             return forward_loss(model, tokens_BT1, vocab, True, chunk_tokens)[0]
 
@@ -57,7 +59,7 @@ def test_chunked_loss_and_grads_equal_whole_logits(tie, chunk_tokens):
     # the sharded layout is run.
     mc, tokens, whole = _whole(tie)
     layout = "data=2,fsdp=2,tensor=2"
-    with activation_rules(STANDARD_RULES, mesh_for(layout)):
+    with activation_rules(Layout.on(mesh_for(layout), STANDARD_RULES), mesh_for(layout)):
         assert _chunks(16, mc.seq_len, chunk_tokens) == (4, 8 if chunk_tokens == 64 else 1)
     loss, grads = _loss_and_grads(mc, layout, tokens, VOCAB, chunk_tokens)
     np.testing.assert_allclose(loss, whole[0], rtol=1e-5)

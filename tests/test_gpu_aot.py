@@ -72,7 +72,7 @@ COMPILERS = 2
 
 
 def _train(*args: str) -> tuple[str, ...]:
-    return ("train", *args, "--compile-only")
+    return ("train", *args, "--compile-only", "--json", "-")
 
 
 def _plan(args: tuple[str, ...], verify: int) -> tuple[str, ...]:

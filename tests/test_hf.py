@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from jaxdist.cli.main import main
+from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
 from jaxdist.hf.export import export
 from jaxdist.hf.generation import generation_mesh, run_generation
@@ -71,7 +72,7 @@ def logits_of(config, mesh, params, ids: np.ndarray, dense_moe: bool = True) -> 
 
     @jax.jit
     def forward(state, ids):
-        with activation_rules(STANDARD_RULES, mesh):
+        with activation_rules(Layout.on(mesh, STANDARD_RULES), mesh):
             return nnx.merge(graphdef, state)(ids)[0]
 
     return np.asarray(forward(state, jnp.asarray(ids, jnp.int32)))

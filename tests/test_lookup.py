@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist.config import Layout
 from jaxdist.kernels.lookup import lookup, reduce_scatter, routing
 from jaxdist.planning import hlo
 from jaxdist.rules import activation_rules, constrain
@@ -43,7 +44,7 @@ def _compiled(layout: str, T: int, forward: bool = False):
     mesh = mesh_for(layout)
 
     def rows(t, ids):
-        with activation_rules(RULES, mesh):
+        with activation_rules(Layout.on(mesh, RULES), mesh):
             return constrain(lookup(t, ids, TABLE), ("batch", "seq", "embed"))
 
     def sharding(logical, kind="activation"):

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
+from jaxdist.config import Layout
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.parallel.experts import capacity, moe_ffn
 from jaxdist.rules import activation_rules
@@ -81,7 +82,7 @@ def test_dropped_fraction_matches_the_router_choices():
 
     @jax.jit
     def run(x, expert, weight, w_up, w_gate, w_down):
-        with activation_rules(STANDARD_RULES, mesh):
+        with activation_rules(Layout.on(mesh, STANDARD_RULES), mesh):
             return moe_ffn(x, expert, weight, w_up, w_gate, w_down, cf, dropless=False)
 
     _, stats = run(

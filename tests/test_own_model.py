@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import jaxdist
+from jaxdist.config import Layout
 from jaxdist.kernels import documents
 from jaxdist.rules import activation_rules
 from meshes.presets import STANDARD_RULES
@@ -106,7 +107,7 @@ def test_packed_documents_mix_only_within_themselves():
 
     @jax.jit  # one program with documents (their ids and positions are arguments), one without
     def logits(params, docs):
-        with activation_rules(STANDARD_RULES, mesh_for("single")):
+        with activation_rules(Layout.on(mesh_for("single"), STANDARD_RULES), mesh_for("single")):
             return nnx.merge(graphdef, params)(rows_BT, docs)[0]
 
     logits_BTV = np.asarray(logits(params, documents.from_tokens(rows_BT, eos)))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
+from jaxdist.config import Layout, StepConfig
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.mesh import build_mesh, parse_mesh
@@ -16,9 +17,9 @@ from jaxdist.parallel import pipeline
 from jaxdist.parallel.pipeline import make_schedule, recv_table
 from jaxdist.planning import traffic
 from jaxdist.rules import batch_ways
-from jaxdist.step import StepConfig, build
+from jaxdist.step import build
 from meshes.presets import STANDARD_RULES
-from models.inventory import partial_sums
+from models.inventory import plan_model
 from models.presets import get_model_config
 from models.transformer import Transformer
 from tests.helpers import mesh_for
@@ -34,21 +35,12 @@ def _compiled(
 ):
     mc = get_model_config("tiny", num_layers=layers)
     tx, lr = make_optimizer(OptimConfig(warmup_steps=2), STEPS)
-    return mc, build(
-        lambda r: Transformer(mc, r),
-        tx,
-        lr,
-        STANDARD_RULES,
-        mesh_for(layout),
-        StepConfig(
-            microbatches,
-            pipeline_schedule=schedule,
-            virtual_stages=virtual,
-            loss_chunk_tokens=chunk,
-        ),
-        0,
-        batch,
+    mesh = mesh_for(layout)
+    step = StepConfig(
+        microbatches, pipeline_schedule=schedule, virtual_stages=virtual, loss_chunk_tokens=chunk
     )
+    layout = Layout.on(mesh, STANDARD_RULES, step, batch_size=batch, seq_len=mc.seq_len)
+    return mc, build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
 
 
 def _run(layout, schedule="1f1b", microbatches=4, virtual=1, chunk=8192):
@@ -253,18 +245,9 @@ def test_comm_reports_the_interleaved_permute_bytes(layout, virtual):
     ways = batch_ways(c.batch_sharding)
     act = pipeline.microbatch_bytes(16, 4, ways, mc.seq_len, mc.d_model, 4)
     expected = pipeline.send_bytes(sched, c.abstract_state.params, STANDARD_RULES, mesh.shape, act)
-    report = traffic.report(
-        c,
-        mesh,
-        STANDARD_RULES,
-        16,
-        mc.seq_len,
-        partial_sums(mc, 16, 4, ways),
-        compute_bytes=4,
-        microbatches=4,
-        extra_expected={("pipeline", "collective-permute"): expected},
-    )
+    report = traffic.report(c, plan_model(mc), c.layout)
     (row,) = [x for x in report["rows"] if x["kind"] == "collective-permute"]
+    assert row["expected_bytes"] == pytest.approx(expected)
     assert row["axis"] == "pipeline" and row["ratio"] == pytest.approx(1.0, abs=0.05)
     shifts = sum(1 for shift, _, _ in pipeline.shuffle_plan(p, virtual) if shift)
     layer_arrays = sum(1 for k in c.abstract_state.params.keys() if "_L" in k)

@@ -12,10 +12,11 @@ import jax
 import pytest
 
 from jaxdist.cli.main import main
+from jaxdist.config import Layout, StepConfig
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.planning import hlo
-from jaxdist.step import StepConfig, build
+from jaxdist.step import build
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
 from models.transformer import Transformer
@@ -52,16 +53,9 @@ def _flat(layout: str) -> dict:
     mesh = build_mesh(parse_mesh(layout), jax.devices()[:4])
     mc = get_model_config("tiny", num_layers=LAYERS, compute_dtype="float32", attention="xla")
     tx, lr = make_optimizer(OptimConfig(), 100)
-    c = build(
-        lambda r: Transformer(mc, r),
-        tx,
-        lr,
-        STANDARD_RULES,
-        mesh,
-        StepConfig(MICROBATCHES),
-        0,
-        BATCH,
-    )
+    step = StepConfig(MICROBATCHES)
+    layout = Layout.on(mesh, STANDARD_RULES, step, batch_size=BATCH, seq_len=mc.seq_len)
+    c = build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
     text = c.compile_abstract((BATCH, mc.seq_len + 1)).as_text()
     return hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
 

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
+from jaxdist.config import Layout, StepConfig
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.step import StepConfig, build
+from jaxdist.step import build
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
 from models.transformer import Transformer
@@ -32,7 +33,8 @@ def _compiled(layout: str, microbatches: int = 4):
     mesh = build_mesh(parse_mesh(layout), jax.devices()[:n])
     tx, lr = make_optimizer(OptimConfig(warmup_steps=2), STEPS)
     step = StepConfig(microbatches)
-    return mc, build(lambda r: Transformer(mc, r), tx, lr, STANDARD_RULES, mesh, step, 0, 16)
+    layout = Layout.on(mesh, STANDARD_RULES, step, batch_size=16, seq_len=mc.seq_len)
+    return mc, build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
 
 
 @functools.cache

@@ -8,7 +8,8 @@ import pytest
 
 from jaxdist.cli.main import main
 from jaxdist.errors import ConfigError
-from jaxdist.planning.planner import PlanConfig, plan
+from jaxdist.planning.inputs import PlanConfig
+from jaxdist.planning.planner import plan
 from jaxdist.planning.tpu import parse_target
 from meshes.presets import STANDARD_RULES
 from models.inventory import plan_model
@@ -21,8 +22,7 @@ def _model(name: str, dtype: str = "bfloat16", **over):
 
 def test_google_cloud_slice_names(capsys):
     """Google Cloud counts v4 and v5p TensorCores (2 per chip), v5e and v6e chips."""
-    from jaxdist.hardware import get_hardware
-    from jaxdist.planning.tpu import cloud_slice
+    from jaxdist.hardware import cloud_slice, get_hardware
     from meshes.presets import get_mesh_preset
 
     assert cloud_slice("v5p-16") == ("v5p", 8)
@@ -65,7 +65,7 @@ def test_cloud_gpu_machine_types_bring_their_own_network(tmp_path, capsys):
         devices = 1
         for _, n in layout:
             devices *= n
-        cfg = PlanConfig(devices, hardware, 4 * devices, layout=layout)
+        cfg = PlanConfig(devices, hardware, 4 * devices, mesh=layout)
         return plan(_model("llama2-7b", remat="dots"), STANDARD_RULES, cfg)["layouts"][0]["step_s"]
 
     one_host = (("fsdp", 8),)
@@ -210,7 +210,7 @@ def test_absolute_step_time_within_10_percent_of_published_runs(
     model = _model("custom", **sizes, **more)
     share, attention = rerun
     model = dataclasses.replace(model, recompute_matmul=share, recompute_attention=attention)
-    cfg = PlanConfig(8, hardware, batch, layout=(("fsdp", 8),))
+    cfg = PlanConfig(8, hardware, batch, mesh=(("fsdp", 8),))
     row = plan(model, STANDARD_RULES, cfg)["layouts"][0]
     assert row["step_s"] == pytest.approx(published_s, rel=0.10)
 

@@ -7,9 +7,11 @@ import math
 import pytest
 
 from jaxdist.cli.main import main
+from jaxdist.config import StepConfig
 from jaxdist.errors import ConfigError
 from jaxdist.parallel.experts import capacity
-from jaxdist.planning.planner import PlanConfig, evaluate, plan
+from jaxdist.planning.inputs import PlanConfig
+from jaxdist.planning.planner import plan, price
 from jaxdist.planning.tpu import parse_target, topology_name
 from meshes.presets import STANDARD_RULES
 from models.inventory import plan_model
@@ -26,18 +28,19 @@ def _model(name: str, dtype: str = "bfloat16", **over):
 def _compiled_figures(row: dict, batch: int) -> tuple[int, int]:
     """XLA's per-device peak and the HLO's collective bytes for a planned layout, compiled here
     in the test process as `plan --verify` compiles it (float32 on CPU, AdamW)."""
+    from jaxdist.config import Layout
     from jaxdist.mesh import MeshConfig, build_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.planning import hlo
-    from jaxdist.step import StepConfig, build
+    from jaxdist.step import build
     from models.presets import model_spec
 
     mc = get_model_config("tiny", compute_dtype="float32")
     mesh = build_mesh(MeshConfig(ici=tuple(row["mesh"].items())))
     tx, lr = make_optimizer(OptimConfig(), 100)
-    c = build(
-        model_spec(mc).init, tx, lr, STANDARD_RULES, mesh, StepConfig(row["microbatches"]), 0, batch
-    )
+    step = StepConfig(row["microbatches"])
+    layout = Layout.on(mesh, STANDARD_RULES, step, batch_size=batch, seq_len=mc.seq_len)
+    c = build(model_spec(mc).init, tx, lr, layout, mesh)
     exe = c.compile_abstract((batch, mc.seq_len + 1))
     m = exe.memory_analysis()
     # Arguments, outputs and temporaries, the donated state (aliased to its output) once.
@@ -189,16 +192,16 @@ def _product(sizes: dict) -> int:
 
 def test_sharding_divides_state_and_tensor_parallelism_is_exposed():
     model, cfg = _model("1b"), PlanConfig(devices=8, hardware="h100-nvlink", batch_size=64)
-    dp = evaluate({"data": 8}, model, STANDARD_RULES, cfg)
-    fsdp = evaluate({"fsdp": 8}, model, STANDARD_RULES, cfg)
-    tp = evaluate({"tensor": 8}, model, STANDARD_RULES, cfg)
+    dp = price({"data": 8}, [model], STANDARD_RULES, cfg)
+    fsdp = price({"fsdp": 8}, [model], STANDARD_RULES, cfg)
+    tp = price({"tensor": 8}, [model], STANDARD_RULES, cfg)
     # FSDP splits parameters and moments 8 ways (all but the small unsharded vectors).
     assert fsdp["memory_bytes"]["params"] < dp["memory_bytes"]["params"] / 7.5
     # Gradient reductions hide behind compute; tensor-parallel partial sums cannot.
     assert dp["comm_exposed_s"] == 0 and dp["overlap_s"] > 0
     assert tp["comm_exposed_s"] > 0
     # The sync term grows with the fleet: sqrt(2 ln N).
-    big = evaluate({"data": 64}, model, STANDARD_RULES, PlanConfig(64, "h100-ib", 512))
+    big = price({"data": 64}, [model], STANDARD_RULES, PlanConfig(64, "h100-ib", 512))
     assert big["sync_s"] / big["compute_s"] > dp["sync_s"] / dp["compute_s"]
 
 
@@ -251,6 +254,8 @@ def test_compile_for_a_tpu_slice_from_a_cpu_host():
         "--compile-only",
         "--target",
         "tpu-v5p:2x2x2",
+        "--json",
+        "-",
     )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout.strip().splitlines()[-1])
@@ -278,22 +283,29 @@ def test_interleaving_shrinks_the_priced_bubble_and_its_sends_match_the_hlo():
     sizes = {"pipeline": 4, "data": 2}
 
     def priced(schedule):
-        cfg = PlanConfig(8, "cpu", 16, microbatches=4, schedule=schedule, virtual_stages=2)
-        return evaluate(sizes, model, STANDARD_RULES, cfg)
+        cfg = PlanConfig(8, "cpu", 16, StepConfig(4, schedule, virtual_stages=2))
+        return price(sizes, [model], STANDARD_RULES, cfg)
 
     plain, interleaved = priced("1f1b"), priced("interleaved")
     assert plain["bubble_s"] / plain["compute_s"] == pytest.approx(3 / 4)  # (p-1)/m
     assert interleaved["bubble_s"] / interleaved["compute_s"] == pytest.approx(3 / 8)  # /(vm)
 
+    from jaxdist.config import Layout
     from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.step import StepConfig, build
+    from jaxdist.step import build
     from models.transformer import Transformer
 
     mc = get_model_config("tiny", num_layers=8)
     mesh = mesh_for("pipeline=4,data=2")
     tx, lr = make_optimizer(OptimConfig(), 10)
     step = StepConfig(4, "interleaved", virtual_stages=2)
-    c = build(lambda r: Transformer(mc, r), tx, lr, STANDARD_RULES, mesh, step, 0, 16)
+    c = build(
+        lambda r: Transformer(mc, r),
+        tx,
+        lr,
+        Layout.on(mesh, STANDARD_RULES, step, batch_size=16, seq_len=mc.seq_len),
+        mesh,
+    )
     batch = jax.ShapeDtypeStruct((16, mc.seq_len + 1), np.int32, sharding=c.batch_sharding)
     text = c.step_fn.lower(c.abstract_state, batch).compile().as_text()
     measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
@@ -303,8 +315,8 @@ def test_interleaving_shrinks_the_priced_bubble_and_its_sends_match_the_hlo():
 
 def test_expert_layouts_for_a_moe_model():
     model, cfg = _model("tiny-moe", "float32"), PlanConfig(8, "cpu", 32)
-    naive = evaluate({"data": 8}, model, STANDARD_RULES, cfg)
-    experts = evaluate({"expert": 8}, model, STANDARD_RULES, cfg)
+    naive = price({"data": 8}, [model], STANDARD_RULES, cfg)
+    experts = price({"expert": 8}, [model], STANDARD_RULES, cfg)
     # Experts split 8 ways: their weights and moments no longer sit whole on every device.
     assert experts["memory_bytes"]["params"] < naive["memory_bytes"]["params"] / 2
     # The token exchange is an all-to-all over the expert axis, on the critical path: each

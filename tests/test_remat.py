@@ -12,8 +12,10 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from jaxdist.kernels.loss import Vocab, forward_loss
+from jaxdist.config import Layout
+from jaxdist.kernels.loss import Vocab
 from jaxdist.rules import activation_rules
+from jaxdist.step import forward_loss
 from meshes.presets import STANDARD_RULES
 from models import remat
 from models.presets import get_model_config
@@ -43,7 +45,7 @@ def _saved(policy: str) -> list[str]:
     mesh = mesh_for("single")
 
     def layer(x_BTD, w):
-        with activation_rules(STANDARD_RULES, mesh):
+        with activation_rules(Layout.on(mesh, STANDARD_RULES), mesh):
             block = jax.checkpoint(
                 lambda x, w: _block(c, x, w, positions_BT, None)[0],
                 policy=remat.POLICIES[policy],
@@ -75,7 +77,7 @@ def test_every_policy_has_the_gradients_of_keeping_everything(attention):
         graphdef, params = nnx.split(Transformer(mc, nnx.Rngs(0)))
 
         def loss(params, tokens_BT1, graphdef=graphdef):
-            with activation_rules(STANDARD_RULES, mesh):
+            with activation_rules(Layout.on(mesh, STANDARD_RULES), mesh):
                 model = nnx.merge(graphdef, params)
                 return forward_loss(model, tokens_BT1, Vocab(None, 0), True, 8192)[0]
 

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdist.cluster import restarts
+from jaxdist.metrics.goodput import read_restarts
 from tests.helpers import JAXDIST, cli, losses, tiny_train
 from tests.slurm_cluster import SlurmCluster, why_not
 
@@ -103,7 +103,7 @@ def test_sbatch_restarts_a_killed_task_in_the_allocation(cluster, tmp_path):
     log = next(tmp_path.glob("jaxdist-*.out")).read_text()
     assert r.returncode == 0, r.stderr + log[-5000:]
     run_dir = tmp_path / "runs" / f"jaxdist-{job_id}"  # the script's default: JOB_NAME-JOB_ID
-    (rec,) = restarts.read(run_dir)
+    (rec,) = read_restarts(run_dir)
     assert rec["restart"] == 1 and rec["max_restarts"] == 2 and rec["by"] == "slurm"
     # srun's own code is the stopped task's; the cause names the task that was killed.
     assert re.fullmatch(r"srun exited \d+ \(task 1 killed by SIGKILL\)", rec["cause"]), rec

@@ -12,6 +12,7 @@ import pytest
 
 from jaxdist.cluster import manifests, restarts
 from jaxdist.errors import ConfigError
+from jaxdist.metrics.goodput import read_restarts
 
 TRAIN = ["train", "--model", "tiny", "--steps", "6"]
 # What the real srun prints when one of two tasks dies, and the others are stopped for it.
@@ -89,7 +90,7 @@ def test_a_killed_task_is_restarted_and_recorded(tmp_path):
     assert r.stdout.count("a task's output") == 2 and r.stderr.count("a task's log line") == 2
     cause = "srun exited 137 (a task killed by SIGKILL)"
     assert f"jaxdist: attempt 1: {cause}; restart 1 of 2\n" in r.stderr
-    (rec,) = restarts.read(run_dir)
+    (rec,) = read_restarts(run_dir)
     assert {k: rec[k] for k in ("restart", "max_restarts", "cause", "by")} == {
         "restart": 1,
         "max_restarts": 2,
@@ -107,7 +108,7 @@ def test_restarts_run_out(tmp_path):
     assert r.returncode == 3
     assert len(calls(tmp_path)) == 2
     cause = "srun exited 3 (task 0 exited with code 3)"
-    assert [x["cause"] for x in restarts.read(run_dir)] == [cause]
+    assert [x["cause"] for x in read_restarts(run_dir)] == [cause]
     assert f"jaxdist: attempt 2: {cause}; not restarted: no restarts left of 1\n" in r.stderr
 
 
@@ -135,7 +136,7 @@ def test_the_cause_is_the_first_task_srun_reports(tmp_path, report, cause):
     script = manifests.sbatch(1, 0, [*TRAIN, f"--run-dir={run_dir}"], max_restarts=3)
     r = run_script(tmp_path, script, fake_srun(tmp_path, [(report, 143), ("", 0)]))
     assert r.returncode == 0, r.stderr
-    assert [x["cause"] for x in restarts.read(run_dir)] == [cause]
+    assert [x["cause"] for x in read_restarts(run_dir)] == [cause]
 
 
 def test_srun_failing_on_its_own_is_told_apart(tmp_path):
@@ -144,7 +145,7 @@ def test_srun_failing_on_its_own_is_told_apart(tmp_path):
     report = "srun: error: Unable to create step for job 77: Job has been cancelled"
     r = run_script(tmp_path, script, fake_srun(tmp_path, [(report, 1), ("", 0)]))
     assert r.returncode == 0, r.stderr
-    (rec,) = restarts.read(run_dir)
+    (rec,) = read_restarts(run_dir)
     assert rec["cause"] == "srun exited 1 (no task's failure reported: srun's own error, above)"
 
 
@@ -153,7 +154,7 @@ def test_the_default_run_dir_is_the_jobs(tmp_path):
     r = run_script(tmp_path, script, fake_srun(tmp_path, [("", 137), ("", 0)]))
     assert r.returncode == 0, r.stderr
     assert all(c.endswith("--run-dir runs/job-77") for c in calls(tmp_path))
-    assert [x["restart"] for x in restarts.read(tmp_path / "runs" / "job-77")] == [1]
+    assert [x["restart"] for x in read_restarts(tmp_path / "runs" / "job-77")] == [1]
 
 
 def test_a_sigterm_is_not_restarted(tmp_path):
@@ -163,7 +164,7 @@ def test_a_sigterm_is_not_restarted(tmp_path):
     report = "srun: error: vm: task 1: Terminated"
     r = run_script(tmp_path, script, fake_srun(tmp_path, [(report, 143), ("", 0)]))
     assert r.returncode == 143
-    assert len(calls(tmp_path)) == 1 and restarts.read(run_dir) == []
+    assert len(calls(tmp_path)) == 1 and read_restarts(run_dir) == []
     assert "not restarted: a SIGTERM asks to stop" in r.stderr
 
 
@@ -173,7 +174,7 @@ def test_a_sigterm_to_the_script_ends_the_loop(tmp_path):
     bindir = fake_srun(tmp_path, [(KILLED_1, 137), ("", 0)], term_parent=True)
     r = run_script(tmp_path, script, bindir)
     assert r.returncode == 137
-    assert len(calls(tmp_path)) == 1 and restarts.read(run_dir) == []
+    assert len(calls(tmp_path)) == 1 and read_restarts(run_dir) == []
 
 
 def test_without_restarts_the_script_runs_srun_once(tmp_path):

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist.kernels import attention as attn
+from jaxdist.config import Layout
 from jaxdist.kernels.documents import from_tokens
-from jaxdist.kernels.loss import Vocab, forward_loss
+from jaxdist.kernels.loss import Vocab
+from jaxdist.parallel import attention as attn
 from jaxdist.planning import tpu
 from jaxdist.rules import activation_rules
+from jaxdist.step import forward_loss
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
 from models.transformer import Transformer
@@ -39,7 +41,7 @@ def test_splash_equals_xla_attention_outputs_and_grads(packed):
 
     def run(implementation):
         def f(q, k, v):
-            with activation_rules(STANDARD_RULES, mesh):
+            with activation_rules(Layout.on(mesh, STANDARD_RULES), mesh):
                 mask = attn.document_mask(implementation, docs) if packed else None
                 o = attn.attention(q, k, v, mask, implementation)
             return jnp.sum(o * w), o
@@ -65,7 +67,7 @@ def test_a_model_with_splash_attention_trains_as_with_xla():
         graphdef, params = nnx.split(Transformer(mc, nnx.Rngs(0)))
 
         def loss(params, tokens_BT1, graphdef=graphdef):
-            with activation_rules(STANDARD_RULES, mesh):
+            with activation_rules(Layout.on(mesh, STANDARD_RULES), mesh):
                 model = nnx.merge(graphdef, params)
                 return forward_loss(model, tokens_BT1, Vocab(None, 0), True, 8192)[0]
 
@@ -80,23 +82,17 @@ def test_a_model_with_splash_attention_trains_as_with_xla():
 def test_splash_attention_inside_the_pipeline_trains_as_xla_unpipelined():
     # Inside the pipeline's shard_map the batch axes are manual already: splash splits only
     # the heads there (rules.shard_map_here). Same losses as XLA's attention without a pipeline.
+    from jaxdist.config import Layout, StepConfig
     from jaxdist.data import DataConfig, TokenBatches
     from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.step import StepConfig, build
+    from jaxdist.step import build
 
     def losses(layout, kernel):
         mc = get_model_config("tiny-llama", attention=kernel, num_layers=4)
         tx, lr = make_optimizer(OptimConfig(warmup_steps=2), 3)
-        c = build(
-            lambda r: Transformer(mc, r),
-            tx,
-            lr,
-            STANDARD_RULES,
-            mesh_for(layout),
-            StepConfig(4),
-            0,
-            16,
-        )
+        mesh = mesh_for(layout)
+        at = Layout.on(mesh, STANDARD_RULES, StepConfig(4), batch_size=16, seq_len=mc.seq_len)
+        c = build(lambda r: Transformer(mc, r), tx, lr, at, mesh)
         data = TokenBatches(DataConfig(batch_size=16), mc.seq_len, mc.vocab_size)
         state, out = c.init_fn(), []
         for s in range(2):
@@ -111,7 +107,17 @@ def test_splash_attention_inside_the_pipeline_trains_as_xla_unpipelined():
     )
 
 
-TPU_1B = ["--model", "1b", "--mesh", "fsdp=4", "--batch-size", "16", "--compile-only"]
+TPU_1B = [
+    "--model",
+    "1b",
+    "--mesh",
+    "fsdp=4",
+    "--batch-size",
+    "16",
+    "--compile-only",
+    "--json",
+    "-",
+]
 # The preset's remat named: `auto` may keep everything, the norms' fp32 [L, B, T, D] values
 # among it, which at D = T = 2048 are shaped like attention scores.
 TPU_1B += ["--target", "tpu-v5p:2x2x1", "--remat", "dots"]

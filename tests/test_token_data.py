@@ -15,15 +15,16 @@ from rich.console import Console
 
 from jaxdist import train as loop
 from jaxdist.cli.main import main
+from jaxdist.config import EvalConfig, Layout, LoopConfig, RunConfig, StepConfig
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.data.encode import TokenizeConfig, tokenize
 from jaxdist.data.tokenset import TokenSet
 from jaxdist.errors import ConfigError
-from jaxdist.evaluation import EvalConfig, evaluate
+from jaxdist.evaluation import evaluate
 from jaxdist.kernels.loss import cross_entropy
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.step import StepConfig, Vocab, build
-from jaxdist.train import LoopConfig, RunConfig, fit
+from jaxdist.step import Vocab, build
+from jaxdist.train import fit
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config, model_spec, with_data_vocab
 
@@ -168,7 +169,8 @@ def _compiled(layout, vocab, document_mask=True, microbatches=1, batch_size=16):
     tx, lr = make_optimizer(OptimConfig(warmup_steps=2), 10)
     step = StepConfig(microbatches=microbatches, document_mask=document_mask)
     mesh = mesh_for(layout)
-    c = build(model.init, tx, lr, STANDARD_RULES, mesh, step, 0, batch_size, vocab)
+    layout = Layout.on(mesh, STANDARD_RULES, step, batch_size=batch_size, seq_len=SEQ)
+    c = build(model.init, tx, lr, layout, mesh, vocab=vocab)
     return model, c
 
 
@@ -345,7 +347,9 @@ def test_a_model_that_takes_no_documents_is_told_how_to_fix_it():
     tx, lr = make_optimizer(OptimConfig(), 10)
     mesh = mesh_for("single")
     with pytest.raises(ConfigError, match="NoDocs is called without document masks"):
-        build(NoDocs, tx, lr, STANDARD_RULES, mesh, StepConfig(), 0, 16, Vocab(257, 256))
+        build(
+            NoDocs, tx, lr, Layout.on(mesh, STANDARD_RULES, batch_size=16), mesh, 0, Vocab(257, 256)
+        )
 
 
 @pytest.mark.slow

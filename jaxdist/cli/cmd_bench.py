@@ -25,21 +25,22 @@ def run(args: Bench) -> int:
     for flag, value in (("--steps", args.steps), ("--warmup", args.warmup)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be at least 1")
-    mesh, rules, model_cfg, args = setup(args)
-    check_host_memory(args, model_cfg, mesh, rules)
+    mesh, layout, model_cfg, args = setup(args)
+    check_host_memory(mesh, layout, model_cfg)
     from jaxdist import train as loop
+    from jaxdist.config import LoopConfig, RunConfig
     from jaxdist.data import DataConfig
     from jaxdist.profiling.bench import bench
     from models.presets import model_spec
 
     model = model_spec(model_cfg)
     data = DataConfig(batch_size=args.batch_size, seed=args.seed)
-    config = loop.RunConfig(
+    config = RunConfig(
         data=data,
         step=args.step,
-        loop=loop.LoopConfig(steps=args.steps + args.warmup + 1, seed=args.seed),
+        loop=LoopConfig(steps=args.steps + args.warmup + 1, seed=args.seed),
     )
-    jitted, batches = loop.prepare(model, mesh, rules, config)
+    jitted, batches = loop.prepare(model, mesh, layout.rules, config)
     result = bench(
         jitted, batches, model, args.batch_size, args.steps, args.warmup, args.peak_tflops
     )

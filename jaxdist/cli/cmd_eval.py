@@ -50,16 +50,18 @@ def evaluate(args: Eval) -> int:
         batch_size=batch_size,
         compile_cache=args.compile_cache,
     )
-    mesh, rules, platform_cfg, _ = setup(common)
+    mesh, layout, platform_cfg, _ = setup(common)
+    rules = layout.rules
 
     import jax
 
     from jaxdist.checkpoint.store import restore
     from jaxdist.cluster.join import process_rows
+    from jaxdist.config import Layout, StepConfig
     from jaxdist.data import DataConfig, TokenBatches
     from jaxdist.evaluation import evaluate, report, small_data_warning
     from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.step import StepConfig, Vocab, build
+    from jaxdist.step import Vocab, build
     from models.presets import from_record, model_spec
 
     # The recorded model, computed as this platform computes (dtype, attention kernel).
@@ -93,7 +95,8 @@ def evaluate(args: Eval) -> int:
     tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
     step_cfg = StepConfig(document_mask=record["step"].get("document_mask", True))
     vocab = Vocab(batches.vocab_size, batches.eos_id)
-    jitted = build(model.init, tx, lr, rules, mesh, step_cfg, 0, batch_size, vocab)
+    layout = Layout.on(mesh, rules, step_cfg, batch_size=batch_size, seq_len=model.seq_len)
+    jitted = build(model.init, tx, lr, layout, mesh, vocab=vocab)
     batches = batches.for_rows(process_rows(jitted.batch_sharding, (batch_size, model.seq_len + 1)))
     restored = restore(run_dir, jitted.abstract_state)
     if restored is None:

@@ -63,8 +63,8 @@ class Generate:
 
 
 def _load(checked: Checked, mesh: str, devices: str, cache: str, step: int | None = None):
-    mesh_, rules, platform_cfg, _ = setup(Common(mesh=mesh, devices=devices, compile_cache=cache))
-    return load(checked, mesh_, rules, platform_cfg.compute_dtype, step)
+    mesh_, layout, platform_cfg, _ = setup(Common(mesh=mesh, devices=devices, compile_cache=cache))
+    return load(checked, mesh_, layout.rules, platform_cfg.compute_dtype, step)
 
 
 def export_hf(args: ExportHF) -> int:

@@ -10,9 +10,9 @@ from typing import Annotated, Literal
 import tyro
 
 from jaxdist import hardware
+from jaxdist.config import StepConfig
 from jaxdist.errors import ConfigError
 from jaxdist.rules import ways
-from jaxdist.step import StepConfig
 from meshes.presets import PRESETS as MESH_PRESETS
 from models.presets import PRESETS as MODEL_PRESETS
 from models.remat import POLICIES as REMAT_POLICIES
@@ -140,12 +140,23 @@ def _attention(platform: str, dtype: str, asked: str = "auto") -> str:
     return "cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla"
 
 
-def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | None = None):
-    """Devices, mesh, rules and model config, all checked before anything compiles.
+def setup(
+    args: Common,
+    *,
+    profiling: bool = False,
+    cluster=None,
+    target: str | None = None,
+    data: str | None = None,
+):
+    """Devices, mesh, layout and model config, all checked before anything compiles.
 
     `profiling`: op-level trace events; `cluster`: a DistributedConfig to join (multi-process);
-    `target`: compile for a TPU slice or GPUs this host does not have. Returns (mesh, rules,
-    model config, args with the batch size resolved)."""
+    `target`: compile for a TPU slice or GPUs this host does not have; `data`: the --data whose
+    vocabulary the model takes (a Hugging Face architecture keeps its own). With --remat auto
+    the model takes the fastest policy that fits (jaxdist.planning.fit, by the one price of
+    the step's memory). Returns (mesh, layout, model config, args with the batch size
+    resolved)."""
+    from jaxdist.config import Layout
     from jaxdist.mesh import setup_devices
 
     args.validate()
@@ -165,17 +176,31 @@ def setup(args: Common, *, profiling: bool = False, cluster=None, target: str | 
     if args.compile_cache != "off" and not target:
         _persistent_cache(args.compile_cache)
     platform, target_devices = _target_devices(target, gpu_target)
-    model_cfg = model_config(args, platform)
+    model_cfg = _with_data(args, model_config(args, platform), data)
     mesh, rules = _mesh(args.mesh, platform, gpu_target, target_devices)
     if args.batch_size is None:
         batch_ways = ways(mesh.shape, rules.mesh_axes("batch", "activation"))
         batch_size = max(16, batch_ways * args.step.microbatches)
         args = dataclasses.replace(args, batch_size=batch_size)
+    layout = Layout.on(
+        mesh, rules, args.step, batch_size=args.batch_size, seq_len=model_cfg.seq_len
+    )
     if args.remat == "auto":
         from jaxdist.cli.remat_auto import resolve
 
-        model_cfg = resolve(args, model_cfg, mesh, rules, target).config
-    return mesh, rules, model_cfg, args
+        model_cfg = resolve(model_cfg, layout, mesh, target, platform)
+    return mesh, dataclasses.replace(layout, remat=model_cfg.remat), model_cfg, args
+
+
+def _with_data(args: Common, model_cfg, data: str | None):
+    """The model with the data's vocabulary (jaxdist.data.batches.data_vocab), but for a
+    pretrained architecture (`hf:`), which keeps its own."""
+    if data is None or args.model.startswith("hf:"):
+        return model_cfg
+    from jaxdist.data.batches import data_vocab
+    from models.presets import with_data_vocab
+
+    return with_data_vocab(model_cfg, data_vocab(data)[0])
 
 
 def _gpu_target(target: str | None):
@@ -261,27 +286,13 @@ def _mesh(name: str, platform: str, gpu_target, target_devices):
     return build_mesh(mesh_cfg, target_devices), rules
 
 
-def check_host_memory(
-    args: Common, model_cfg, mesh, rules, data: str | None = None, runs: bool = True
-) -> None:
+def check_host_memory(mesh, layout, model_cfg, runs: bool = True) -> None:
     """Fake CPU devices all share this host's memory: a step that cannot fit in it is refused
-    here, before it compiles (jaxdist.planning.hostfit). `data`: the --data whose vocabulary
-    the model takes; `runs`: False for a compile alone, which holds none of the step's buffers."""
+    here, before it compiles (jaxdist.planning.hostfit). `runs`: False for a compile alone,
+    which holds none of the step's buffers."""
     if not runs or mesh.devices.flat[0].platform != "cpu":
         return
-    from jaxdist.data.batches import data_vocab
     from jaxdist.planning.hostfit import check
     from models.inventory import plan_model
-    from models.presets import with_data_vocab
 
-    if not args.model.startswith("hf:"):  # a pretrained architecture keeps its vocabulary
-        model_cfg = with_data_vocab(model_cfg, data_vocab(data)[0])
-    check(
-        plan_model(model_cfg),
-        rules,
-        dict(mesh.shape),
-        args.batch_size,
-        args.step,
-        len(mesh.local_devices),
-        remat=model_cfg.remat,
-    )
+    check(plan_model(model_cfg), layout, len(mesh.local_devices))

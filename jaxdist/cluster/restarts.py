@@ -3,7 +3,8 @@
 Whoever restarts a failed run (`jaxdist launch --max-restarts N`, the Slurm script's loop)
 appends one JSON line to RUN_DIR/restarts.jsonl before starting the next attempt:
 {"time": unix seconds, "restart": k (1..N), "max_restarts": N, "cause": "...", "by": "launch"}.
-The Slurm script writes the same line with printf; this file is the format's one definition.
+The Slurm script writes the same line with printf; this file is the format's one definition
+(`goodput` reads it: jaxdist.metrics.goodput.read_restarts).
 """
 
 import json
@@ -11,8 +12,6 @@ import os
 import pathlib
 import signal
 import time
-
-from jaxdist.metrics.records import read_metrics
 
 FILE = "restarts.jsonl"
 # A process's exit code says what ended it (jaxdist's own codes, then signals).
@@ -48,9 +47,3 @@ def record(run_dir: str | os.PathLike, restart: int, max_restarts: int, why: str
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps(line) + "\n")
-
-
-def read(run_dir: str | os.PathLike) -> list[dict]:
-    """The run's restarts, oldest first (a torn last line, a restarter killed mid-write, is
-    skipped)."""
-    return read_metrics(pathlib.Path(run_dir) / FILE)

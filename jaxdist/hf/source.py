@@ -187,9 +187,10 @@ def _restore_params(run_dir, record, spec, mesh, rules, step) -> dict:
     import jax
 
     from jaxdist.checkpoint.store import Checkpointer, param_shapes
+    from jaxdist.config import Layout
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.rules import batch_sharding, batch_ways
-    from jaxdist.step import StepConfig, build
+    from jaxdist.step import build
 
     class OneStep(Checkpointer):
         """Restores `step` only, verified as any restore is."""
@@ -200,7 +201,8 @@ def _restore_params(run_dir, record, spec, mesh, rules, step) -> dict:
     # The optimizer's structure must match the checkpoint's, though only parameters are used.
     tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
     rows = batch_ways(batch_sharding(rules, mesh))
-    jitted = build(spec.init, tx, lr, rules, mesh, StepConfig(), 0, rows)
+    layout = Layout.on(mesh, rules, batch_size=rows)
+    jitted = build(spec.init, tx, lr, layout, mesh)
     checkpointer = OneStep(run_dir / "checkpoints")
     try:
         if step is not None and step not in checkpointer.steps():

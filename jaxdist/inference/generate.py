@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
 from jaxdist.rules import AxisRules, activation_rules, batch_sharding, batch_ways
 
@@ -124,13 +125,15 @@ def generate(
     )
     length = P + new
 
+    layout = Layout.on(mesh, rules, batch_size=rows)
+
     def prefill(params, tokens_BT, cache, key):
-        with activation_rules(rules, mesh):
+        with activation_rules(layout, mesh):
             logits_BTV, cache = decoder.forward(params, tokens_BT, cache, 0)
         return pick(logits_BTV[:, -1], vocab_size, sample, key), cache
 
     def step(params, ids_B, cache, pos, key):
-        with activation_rules(rules, mesh):
+        with activation_rules(layout, mesh):
             logits_BTV, cache = decoder.forward(params, ids_B[:, None], cache, pos)
         return pick(logits_BTV[:, -1], vocab_size, sample, key), cache
 

@@ -36,10 +36,10 @@ from jax.sharding import PartitionSpec
 from jaxdist.rules import (
     activation_rules,
     active,
-    active_context_strategy,
-    active_microbatches,
+    active_layout,
     as_tuple,
     constrain,
+    entered,
     logical_axes,
     position,
     variables,
@@ -55,15 +55,15 @@ def lookup(
     axes, vocabulary first). `tied`: the table is the output head too, gathered for the
     logits anyway, so the lookup takes it gathered."""
     rules, mesh = active()
-    strategy = active_context_strategy()
+    here = entered()
     # Inside a pipeline's shard_map (manual axes) the stages look up in the gathered table.
     inside = bool(jax.sharding.get_abstract_mesh().manual_axes)
     route = None
     if not (tied or inside):
         shapes = (table_VD.shape, ids_BT.shape)
-        route = routing(rules, mesh.shape, *shapes, logical, active_microbatches())
+        route = routing(rules, mesh.shape, *shapes, logical, active_layout().microbatches)
     if route is not None:
-        return _routed(table_VD, ids_BT, logical, route, strategy)
+        return _routed(table_VD, ids_BT, logical, route, here)
 
     @jax.custom_vjp
     def take(table_VD, ids_BT):
@@ -71,8 +71,8 @@ def lookup(
 
     def back(ids_BT, g_BTD):
         # The transpose may be traced after the caller's activation_rules has closed (a
-        # jax.grad taken outside it): the rules in force where the table was used apply.
-        with activation_rules(rules, mesh, strategy):
+        # jax.grad taken outside it): the layout in force where the table was used applies.
+        with activation_rules(*here):
             return _scattered(table_VD.shape, ids_BT, g_BTD, logical), None
 
     take.defvjp(lambda t, i: (take(t, i), i), back)
@@ -184,7 +184,7 @@ def routed_table(abstract_params, rules, mesh_shape, tokens_BT, microbatches) ->
     return routing(rules, mesh_shape, var.shape, tokens_BT, logical, microbatches)
 
 
-def _routed(table_VD, ids_BT, logical, route: Route, strategy) -> jax.Array:
+def _routed(table_VD, ids_BT, logical, route: Route, here) -> jax.Array:
     """`lookup` along `route`: the rows forward, the table's gradient in its stored layout
     backward, each a shard_map over the token and vocabulary axes."""
     rules, mesh = active()
@@ -221,7 +221,7 @@ def _routed(table_VD, ids_BT, logical, route: Route, strategy) -> jax.Array:
         return run(table_VD, ids_BT)
 
     def grad(ids_BT, g_BTD):
-        with activation_rules(rules, mesh, strategy):
+        with activation_rules(*here):
             return constrain(back(ids_BT, g_BTD), logical, "param"), None
 
     take.defvjp(lambda t, i: (take(t, i), i), grad)

@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdist.kernels import documents
 from jaxdist.kernels.fused_loss import fused_cross_entropy
-from jaxdist.parallel import context, pipeline
+from jaxdist.model import Stages
 
 
 class Vocab(NamedTuple):
@@ -35,33 +34,27 @@ def cross_entropy(
     return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
 
 
-def forward_loss(
-    model, tokens_BT1: jax.Array, vocab: Vocab, document_mask: bool, chunk_tokens: int = 0
+def model_loss(
+    model, inputs_BT: jax.Array, targets_BT: jax.Array, docs, vocab_size, chunk_tokens: int = 0
 ):
-    """Cross-entropy of next-token prediction over a batch of [B, T+1] tokens, and the model's
-    auxiliary output. With packed documents the model gets their ids and positions.
+    """Mean cross-entropy of the model's next-token predictions, and its auxiliary output;
+    `docs` (jaxdist.kernels.documents.Documents, or None: one sequence per row) is passed on.
 
     A model with `features(tokens_BT, docs=None) -> (h_BTD, head_DV, aux)` (the last hidden
     state and the output head, logits = h @ head) gets the fused loss (`chunk_tokens` > 0):
     its logits are never whole in memory; any other model is called for its logits."""
-    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
-    docs = None
-    if document_mask and vocab.eos_id is not None:
-        docs = documents.from_tokens(inputs_BT, vocab.eos_id)
-    # A sequence split over devices is reordered for causal balance, documents found first.
-    inputs_BT, targets_BT, docs = context.split_sequence(inputs_BT, targets_BT, docs)
     docs = () if docs is None else (docs,)
     # (without docs, a model that knows nothing of documents is called as it always was)
     if chunk_tokens and hasattr(model, "features"):
         h_BTD, head_DV, aux = model.features(inputs_BT, *docs)
-        return fused_cross_entropy(h_BTD, head_DV, targets_BT, vocab.size, chunk_tokens), aux
+        return fused_cross_entropy(h_BTD, head_DV, targets_BT, vocab_size, chunk_tokens), aux
     logits_BTV, aux = model(inputs_BT, *docs)
-    return cross_entropy(logits_BTV, targets_BT, vocab.size), aux
+    return cross_entropy(logits_BTV, targets_BT, vocab_size), aux
 
 
-def stage_loss(stages: pipeline.Stages, vocab: Vocab, chunk_tokens: int) -> Callable:
+def stage_loss(stages: Stages, vocab: Vocab, chunk_tokens: int) -> Callable:
     """The pipeline's last stage's loss from its output, `(weights, y_bTD, targets_bT) -> mean`:
-    fused, as `forward_loss`'s, where the model offers its features."""
+    fused, as `model_loss`'s, where the model offers its features."""
     if chunk_tokens and stages.features is not None:
 
         def fused(weights, y_bTD, targets_bT):

@@ -182,11 +182,17 @@ def report(records: list[dict], restarted: list[dict] = ()) -> dict:
     }
 
 
+def read_restarts(run_dir) -> list[dict]:
+    """The run's restarts (jaxdist.cluster.restarts), oldest first; a torn last line, a
+    restarter killed mid-write, is skipped."""
+    return read_metrics(pathlib.Path(run_dir) / restarts.FILE)
+
+
 def read_report(run_dir: pathlib.Path) -> dict:
     path = pathlib.Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise ConfigError(f"{path} does not exist; pass the --run-dir of a jaxdist train run")
-    out = report(read_metrics(path), restarts.read(run_dir))
+    out = report(read_metrics(path), read_restarts(run_dir))
     if not out["attempts"]:
         raise ConfigError(
             f"{path} holds no goodput records (a run logged before goodput accounting); "

@@ -37,8 +37,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import ConfigError
+from jaxdist.kernels import attention as kernels
+from jaxdist.kernels import documents
 from jaxdist.kernels.documents import Documents
-from jaxdist.rules import active, active_context_strategy, position, shard_map_here, ways
+from jaxdist.rules import active, active_layout, position, shard_map_here, ways
 
 Strategy = Literal["all-gather", "ring", "ulysses"]
 STRATEGIES: tuple[str, ...] = ("all-gather", "ring", "ulysses")
@@ -83,6 +85,15 @@ def balanced_order(T: int, cp: int) -> np.ndarray:
     return np.concatenate([np.arange(k * c, (k + 1) * c) for k in chunks])
 
 
+def inputs_and_targets(tokens_BT1: jax.Array, eos_id: int | None):
+    """A [B, T+1] token batch as next-token inputs, targets and documents (found from `eos_id`
+    where rows pack documents; None: one sequence per row), in the balanced order where the
+    sequence is split, documents found first."""
+    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    docs = None if eos_id is None else documents.from_tokens(inputs_BT, eos_id)
+    return split_sequence(inputs_BT, targets_BT, docs)
+
+
 def split_sequence(inputs_BT, targets_BT, docs: Documents | None):
     """Inputs, targets and documents in the balanced order, and the documents carrying each
     token's place in the row; unchanged where the sequence is not split."""
@@ -104,7 +115,7 @@ def attend(q_BTNH, k_BTGH, v_BTGH, split: Split, implementation: str) -> jax.Arr
     """Causal attention of a context-split sequence (queries, keys and values in the balanced
     order), by the active strategy, in a shard_map over batch, sequence and head axes."""
     rules, mesh = active()
-    strategy = active_context_strategy()
+    strategy = active_layout().step.context_strategy
     batch = rules.mesh_axes("batch", "activation") or None
     seq = rules.mesh_axes("seq", "activation")
     heads = rules.mesh_axes("heads", "activation") or None
@@ -199,8 +210,6 @@ def _kernel_in_row_order(q_BTnH, k_BTgH, v_BTgH, seg_BT, cp, implementation):
     the tokens put back in row order first (the balanced order is fixed by T and cp, so this
     is a static permutation on the device, no traffic), causal there, then returned to the
     balanced order. No [T, T] scores: the kernel works block by block."""
-    from jaxdist.kernels import attention
-
     order = balanced_order(q_BTnH.shape[1], cp)
     back = np.argsort(order)
     row = lambda x: None if x is None else x[:, back]  # noqa: E731
@@ -208,10 +217,10 @@ def _kernel_in_row_order(q_BTnH, k_BTgH, v_BTgH, seg_BT, cp, implementation):
     if implementation == "splash":
         _, mesh = active()
         interpret = mesh.devices.flat[0].platform == "cpu"
-        o_BTnH = attention.splash_local(q, k, v, seg, interpret=interpret)
+        o_BTnH = kernels.splash_local(q, k, v, seg, interpret=interpret)
     else:  # cuDNN takes documents as a bool mask, as without a split
         mask = None if seg is None else (seg[:, None, :, None] == seg[:, None, None, :])
-        o_BTnH = attention.cudnn_local(q, k, v, mask)
+        o_BTnH = kernels.cudnn_local(q, k, v, mask)
     return o_BTnH[:, order]
 
 
@@ -269,8 +278,6 @@ def _splash_all_gather(q_BTNH, k_BTGH, v_BTGH, split: Split, axes) -> jax.Array:
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
     from jax.sharding import NamedSharding
 
-    from jaxdist.kernels.attention import RESIDUALS, splash_blocks, splash_per_group
-
     _, mesh = active()
     batch, seq, heads, kv_heads = axes
     B, T, N, _ = q_BTNH.shape
@@ -280,10 +287,10 @@ def _splash_all_gather(q_BTNH, k_BTGH, v_BTGH, split: Split, axes) -> jax.Array:
     back = np.argsort(order)  # gathered (balanced) order -> row order
     kernel = splash.make_splash_mqa(
         mask=splash.MultiHeadMask([_balanced_class()(T, order)] * (N // G)),
-        block_sizes=splash_blocks(T // cp),
+        block_sizes=kernels.splash_blocks(T // cp),
         head_shards=1,
         q_seq_shards=cp,
-        residual_checkpoint_name=RESIDUALS,
+        residual_checkpoint_name=kernels.RESIDUALS,
         interpret=mesh.devices.flat[0].platform == "cpu",
     )
     kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, seq)))
@@ -293,7 +300,7 @@ def _splash_all_gather(q_BTNH, k_BTGH, v_BTGH, split: Split, axes) -> jax.Array:
         gather = lambda x: jax.lax.all_gather(x, seq, axis=1, tiled=True)[:, back]  # noqa: E731
         seg_q = seg[0] if docs else None
         seg_kv = gather(seg[0]) if docs else None
-        return splash_per_group(kernel, q, gather(k), gather(v), seg_q, seg_kv)
+        return kernels.splash_per_group(kernel, q, gather(k), gather(v), seg_q, seg_kv)
 
     q_spec, kv_spec = P(batch, seq, heads, None), P(batch, seq, kv_heads, None)
     specs = (q_spec, kv_spec, kv_spec, kernel_spec) + ((P(batch, seq),) if docs else ())

@@ -44,7 +44,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import ConfigError
-from jaxdist.kernels import documents
+from jaxdist.model import Stages
 from jaxdist.parallel import context, stage_weights, ticks
 from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeline's public surface
     SCHEDULES,
@@ -61,21 +61,6 @@ from jaxdist.rules import (
     logical_axes,
     variables,
 )
-
-
-class Stages(NamedTuple):
-    """A model cut into pipeline pieces (supplied by the model)."""
-
-    weights: dict  # name -> array, as stored
-    layer_keys: list[str]  # stacked per-layer weights, split over the pipeline axis
-    embed: Callable  # (weights, tokens_bT, docs: Documents | None) -> x_bTD
-    body: Callable  # (layer weights, x_bTD, docs) -> (x_bTD, auxiliary loss share)
-    head: Callable  # (weights, x_bTD) -> logits_bTV
-    axes: dict  # name -> the weight's logical axes (jaxdist.axes)
-    compute_dtype: str = "float32"  # weights are gathered in it
-    # (weights, x_bTD) -> (h_bTD, head_DV), logits = h @ head: for the fused loss, which never
-    # holds a microbatch's whole logits (jaxdist.kernels.fused_loss); None: the loss takes `head`'s.
-    features: Callable | None = None
 
 
 def _layer_vars(abstract_params) -> list[nnx.Variable]:
@@ -342,9 +327,7 @@ def _feed(tokens_BT1, M: int, eos_id: int | None, rules, manual) -> tuple[dict, 
 
     if not seq:
         return {"tokens": micro(tokens_BT1)}, {"tokens": P(None, rows)}
-    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
-    docs = None if eos_id is None else documents.from_tokens(inputs_BT, eos_id)
-    inputs_BT, targets_BT, docs = context.split_sequence(inputs_BT, targets_BT, docs)
+    inputs_BT, targets_BT, docs = context.inputs_and_targets(tokens_BT1, eos_id)
     feed = {
         "inputs": micro(inputs_BT),
         "targets": micro(targets_BT),

@@ -14,21 +14,19 @@ whole carry.
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxdist.kernels import documents
-
-if TYPE_CHECKING:
-    from jaxdist.parallel.pipeline import Stages
+from jaxdist.model import Stages
 
 
 class StageContext(NamedTuple):
     """What every tick of one device's stage reads, fixed for the step (inside the shard_map)."""
 
-    stages: "Stages"
+    stages: Stages
     head_loss: Callable  # (weights, y_bTD, targets_bT) -> the last stage's mean loss
     feed: dict  # this device's rows of every microbatch (see `inputs`)
     layers: dict  # [v, layers per chunk, ...]: its chunks in the order it runs them, gathered

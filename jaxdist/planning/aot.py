@@ -19,31 +19,32 @@ On a real GPU, XLA writes the config it compiled for beside each dumped module
 planning/gpu_targets/ against (experiments/h200.py saves it).
 """
 
-import dataclasses
 import math
 import re
 import time
 
 import numpy as np
 
+from jaxdist.config import Layout
 from jaxdist.hardware import get_hardware
 from jaxdist.mesh import MeshConfig, build_mesh
 from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.parallel.pipeline import branch_share, make_schedule
-from jaxdist.planning import hlo, kernels
+from jaxdist.parallel.pipeline import branch_share
+from jaxdist.planning import fit, hlo, kernels
 from jaxdist.planning.memory import xla_peak
-from jaxdist.rules import AxisRules
-from jaxdist.step import JittedStep, StepConfig, build
+from jaxdist.planning.traffic import schedule_of
+from jaxdist.step import JittedStep, build
 
 MEMORY_TOLERANCE = 0.15  # predicted vs XLA's per-device memory
 BYTES_TOLERANCE = 0.05  # predicted vs the compiled HLO's collective bytes
 
 
-def compile_only(jitted: JittedStep, batch_size: int, seq_len: int) -> dict:
-    """XLA's per-device memory analysis, collectives and cost analysis of the step."""
+def compile_only(jitted: JittedStep) -> dict:
+    """XLA's per-device memory analysis, collectives and cost analysis of the step, compiled
+    for its layout's batch."""
     t0 = time.perf_counter()
-    exe = jitted.compile_abstract((batch_size, seq_len + 1))
+    exe = jitted.compile_abstract()
     seconds = time.perf_counter() - t0
     mem = exe.memory_analysis()
     fields = (
@@ -57,8 +58,11 @@ def compile_only(jitted: JittedStep, batch_size: int, seq_len: int) -> dict:
     per_device["peak_estimate"] = xla_peak(mem)
     mesh = jitted.batch_sharding.mesh
     text = exe.as_text()
-    collectives = hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
+    layout = jitted.layout
+    share = branch_share(schedule_of(layout)) if layout.stages > 1 else None
+    collectives = hlo.summarize(hlo.collectives(text, dict(mesh.shape), share))
     platform = mesh.devices.flat[0].platform
+    seq_len = layout.seq_len
     accelerator = {"kernels": kernels.analyze(text, seq_len)} if platform in ("gpu", "tpu") else {}
     hosts = np.vectorize(lambda d: d.process_index)(mesh.devices)
     if hosts.max() > 0:
@@ -78,59 +82,60 @@ def compile_only(jitted: JittedStep, batch_size: int, seq_len: int) -> dict:
     }
 
 
-def target_fit(hardware: str, report: dict, model: ModelSpec, batch_size: int, devices: int):
-    """Whether the step fits a chip of the target, and the model's FLOPs per device."""
-    hw = get_hardware(hardware)
-    ours = model.flops_per_token * batch_size * model.seq_len / devices
+def memory_fit(report: dict, memory_bytes: float | None, predicted_peak: float) -> dict:
+    """The compiled peak beside the one price's prediction and, where the device's memory is
+    known, whether the program fits it (jaxdist.planning.fit: the same rule as the plan's)."""
     peak = report["per_device_bytes"]["peak_estimate"]
     out = {
-        "chip_memory_bytes": hw.memory_bytes,
+        "predicted_peak_bytes": predicted_peak,
+        "memory_ratio": predicted_peak / peak if peak else math.nan,
         "peak_gib": round(peak / 2**30, 2),
-        "chip_gib": round(hw.memory_bytes / 2**30, 2),
-        "fits": peak <= hw.memory_bytes,
+    }
+    if memory_bytes is not None:
+        out |= {
+            "device_memory_bytes": memory_bytes,
+            "device_gib": round(memory_bytes / 2**30, 2),
+            "usable_gib": round(fit.usable(memory_bytes) / 2**30, 2),
+            "fits": fit.fits(peak, memory_bytes),
+        }
+    return out
+
+
+def target_report(hardware: str, report: dict, model: ModelSpec, layout: Layout) -> dict:
+    """The model's FLOPs per device and, where the program was compiled for an accelerator,
+    the attention kernel it runs and what would make it slow or fail there."""
+    hw = get_hardware(hardware)
+    tokens = layout.batch_size * layout.seq_len
+    out = {
         # No XLA FLOP count beside it: XLA's cost analysis counts a loop's body once, so the
         # layer scan's FLOPs came out at 1/L of the step's (a ratio of 0.035-0.054 on 7B).
-        "model_flops_per_device": ours,
+        "model_flops_per_device": model.flops_per_token * tokens / layout.devices,
     }
     if "kernels" in report:
         attention = getattr(model.config, "attention", None)
         out["attention_kernel"] = kernels.attention_kernel(
             report["kernels"], report["platform"], attention
         )
-        out["warnings"] = kernels.warnings(report | out, hw.memory_bytes)
+        out["warnings"] = kernels.warnings(report | out, fit.usable(hw.memory_bytes))
     return out
 
 
-def verify(
-    row: dict,
-    model: ModelSpec,
-    rules: AxisRules,
-    batch_size: int,
-    step: StepConfig,
-    devices: list,
-) -> dict:
+def verify(row: dict, model: ModelSpec, layout: Layout, devices: list) -> dict:
     """Compiles a planned layout's real train step for abstract inputs on `devices` and sets
-    XLA's memory and the HLO's collective bytes beside the planner's predictions. `step`: the
-    step's settings but its microbatches, which are the layout's."""
-    mesh = build_mesh(MeshConfig(ici=tuple(row["mesh"].items())), devices)
+    XLA's memory and the HLO's collective bytes beside the planner's predictions (`row`)."""
+    mesh = build_mesh(MeshConfig(ici=layout.sizes), devices)
     tx, lr = make_optimizer(OptimConfig(), 100)
-    step = dataclasses.replace(step, microbatches=row["microbatches"])
     t0 = time.perf_counter()
-    jitted = build(model.init, tx, lr, rules, mesh, step, 0, batch_size, seq_len=model.seq_len)
+    jitted = build(model.init, tx, lr, layout, mesh)
     try:
-        exe = jitted.compile_abstract((batch_size, model.seq_len + 1))
+        exe = jitted.compile_abstract()
     except Exception as e:  # the TPU compiler refuses a step that cannot fit the chip
-        if "RESOURCE_EXHAUSTED" not in str(e):
+        if not fit.refused_for_memory(e):
             raise
         return _refused(row, str(e), devices, time.perf_counter() - t0)
     mem = exe.memory_analysis()
     peak = xla_peak(mem)
-    share = None
-    if mesh.shape.get("pipeline", 1) > 1:  # the tick's branches run on their own ticks only
-        sched = make_schedule(
-            step.pipeline_schedule, mesh.shape["pipeline"], step.microbatches, step.virtual_stages
-        )
-        share = branch_share(sched)
+    share = branch_share(schedule_of(layout)) if layout.stages > 1 else None
     measured = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape), share))
     hlo_bytes = sum(v["bytes"] for v in measured.values())
     predicted_mem = row["memory_bytes"]["peak"]
@@ -149,6 +154,7 @@ def verify(
         "bytes_ratio": bytes_ratio,
         "memory_ok": abs(mem_ratio - 1) <= MEMORY_TOLERANCE,
         "bytes_ok": abs(bytes_ratio - 1) <= BYTES_TOLERANCE,
+        "fits": fit.fits(peak, get_hardware(row["hardware"]).memory_bytes),
     }
 
 
@@ -171,4 +177,5 @@ def _refused(row: dict, message: str, devices, seconds: float) -> dict:
         "bytes_ratio": math.nan,
         "memory_ok": False,
         "bytes_ok": False,
+        "fits": False,
     }

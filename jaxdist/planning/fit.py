@@ -1,4 +1,5 @@
-"""Fit by default (`--remat auto`): the fastest rematerialization policy whose step fits.
+"""Fit by default (`--remat auto`): the fastest rematerialization policy whose step fits, and the
+one rule that says whether a step fits a device.
 
 Policies trade memory for recompute: keeping every activation is fastest and largest, full
 remat recomputes a whole forward and keeps only each layer's input. Which one a step needs
@@ -7,28 +8,41 @@ preset's `dots` left a Llama-2-7B at 4 rows per v5p chip where full remat fits 4
 small model would pay full remat's extra forward for nothing.
 
 `choose` walks the policies from fastest to leanest (the model family's order) and takes the
-first whose predicted peak (the planner's memory model, jaxdist.planning.memory) fits the
-usable share of the device's memory. Where the step is compiled for a target, the caller
-confirms the choice with the compiler and moves on to the next policy when XLA refuses it or
-its peak does not fit (`next_policy`): the prediction is within 15% of XLA's, not exact.
+first whose predicted peak (jaxdist.planning.memory.device_peak) `fits`. `plan`, `train
+--remat auto` and `train --compile-only` all choose here. Where the step is compiled for a
+target, the caller confirms the choice with the compiler and moves on to the next policy when
+XLA refuses it or its peak does not fit (`next_policy`).
 """
 
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from jaxdist.errors import ConfigError
-
-# The share of the device's memory a step may plan for: XLA's allocator, the runtime and the
-# collectives' buffers need the rest (jaxdist.planning.planner's MEMORY_HEADROOM).
+# The share of a device's memory a step may take: XLA's allocator, the runtime, the
+# collectives' buffers and the prediction's own error (within 10% of the compilers') need the
+# rest. The same share holds a predicted peak and a compiled one.
 USABLE = 0.9
+
+
+def usable(memory_bytes: float) -> float:
+    """Bytes of a device of `memory_bytes` a step may take."""
+    return USABLE * memory_bytes
+
+
+def fits(peak_bytes: float, memory_bytes: float) -> bool:
+    """Whether a step of this per-device peak (predicted or compiled) fits the device."""
+    return peak_bytes <= usable(memory_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
 class RematChoice:
     policy: str
-    budget_bytes: float  # usable per device
+    memory_bytes: float  # the device's
     predicted: dict[str, float]  # policy -> predicted peak per device, for each one tried
     by: str = "planner"  # or "compiler", when XLA refused the planner's choice
+
+    @property
+    def fits(self) -> bool:
+        return fits(self.predicted[self.policy], self.memory_bytes)
 
     def line(self) -> str:
         """One line for the run's output: what was chosen and why."""
@@ -36,31 +50,21 @@ class RematChoice:
         tried = ", ".join(f"{p} {b / gb:.1f} GB" for p, b in self.predicted.items())
         return (
             f"remat auto: {self.policy} (chosen by the {self.by}; predicted per device: "
-            f"{tried}; {self.budget_bytes / gb:.1f} GB usable)"
+            f"{tried}; {usable(self.memory_bytes) / gb:.1f} GB usable)"
         )
 
 
 def choose(
-    order: Sequence[str], peak_of: Callable[[str], float], budget_bytes: float, what: str
+    order: Sequence[str], peak_of: Callable[[str], float], memory_bytes: float
 ) -> RematChoice:
-    """The first policy of `order` (fastest first) whose predicted peak fits `budget_bytes`;
-    a ConfigError naming the need and the fixes when even the leanest is predicted not to fit
-    the whole device (`budget_bytes / USABLE`). `what`: the step, for that message."""
+    """The first policy of `order` (fastest first) whose predicted peak fits a device of
+    `memory_bytes`; the leanest, not fitting (`.fits` False), where none does."""
     predicted: dict[str, float] = {}
     for policy in order:
         predicted[policy] = peak_of(policy)
-        if predicted[policy] <= budget_bytes:
-            return RematChoice(policy, budget_bytes, predicted)
-    leanest = order[-1]
-    if predicted[leanest] > budget_bytes / USABLE:
-        raise ConfigError(
-            f"{what} does not fit at any rematerialization policy: the leanest ({leanest}) "
-            f"needs about {predicted[leanest] / 1e9:.1f} GB per device, the device has "
-            f"{budget_bytes / USABLE / 1e9:.1f} GB; use a smaller --batch-size, more devices, "
-            "or a mesh that shards more of the model (fsdp, tensor, pipeline)"
-        )
-    # Within the headroom: the compiler may still accept it.
-    return RematChoice(leanest, budget_bytes, predicted)
+        if fits(predicted[policy], memory_bytes):
+            break
+    return RematChoice(policy, memory_bytes, predicted)
 
 
 def next_policy(order: Sequence[str], policy: str) -> str | None:

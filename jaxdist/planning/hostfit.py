@@ -2,19 +2,18 @@
 
 Fake CPU devices (`--devices cpu:N`) all live in the host's memory, so a step whose buffers
 outgrow it is killed by the kernel minutes into compiling or running, saying nothing but XLA's
-own lines. The planner's memory model (jaxdist.planning.memory.predict) prices one device's
-share from shapes alone, in milliseconds; this process's devices together need that many
-times over.
+own lines. The one price of a step's memory (jaxdist.planning.memory.device_peak) gives a
+device's share from shapes alone, in milliseconds; this process's devices together need that
+many times over.
 """
 
+import dataclasses
 import os
 
+from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
-from jaxdist.parallel import pipeline
-from jaxdist.planning import memory
-from jaxdist.planning.planner import PlanModel
-from jaxdist.rules import AxisRules, ways
-from jaxdist.step import StepConfig
+from jaxdist.planning.inputs import PlanModel
+from jaxdist.planning.memory import device_peak
 
 # The compiler, the runtime, the data and Python itself need some of what is available too.
 HEADROOM = 0.9
@@ -36,77 +35,25 @@ def available_bytes() -> int | None:
         return None
 
 
-def device_bytes(
-    model: PlanModel,
-    rules: AxisRules,
-    mesh_shape: dict[str, int],
-    batch_size: int,
-    step: StepConfig,
-) -> float:
-    """One device's predicted peak, with the step's microbatches, fused loss and pipeline
-    buffers, as the planner prices a layout (jaxdist.planning.planner.evaluate)."""
-    stages = mesh_shape.get("pipeline", 1)
-    m = step.microbatches
-    stash = _stash(model, rules, mesh_shape, batch_size, step) if stages > 1 else 0.0
-    inventory = model.inventory(max(1, batch_size // m))
-    if step.loss_chunk_tokens:
-        inventory = memory.with_fused_loss(inventory, step.loss_chunk_tokens, model.compute_bytes)
-    return memory.predict(
-        model.abstract_params,
-        rules,
-        mesh_shape,
-        inventory,
-        model.num_layers // stages,
-        batch_size,
-        model.seq_len,
-        model.compute_bytes,
-        stash,
-        microbatches=max(1, m),
-    )["peak"]
-
-
-def _stash(model, rules, mesh_shape, batch_size, step) -> float:
-    """A pipeline stage's forward inbox, backward inbox and stash of microbatch inputs, as
-    the planner counts them; 0 for a schedule the step refuses (in its own words, later)."""
-    m = step.microbatches
-    v = step.virtual_stages if step.pipeline_schedule == "interleaved" else 1
-    try:
-        schedule = pipeline.make_schedule(step.pipeline_schedule, mesh_shape["pipeline"], m, v)
-    except ConfigError:
-        return 0.0
-    batch_ways = ways(mesh_shape, rules.mesh_axes("batch", "activation"))
-    micro = pipeline.microbatch_bytes(
-        batch_size, m, batch_ways, model.seq_len, model.d_model, model.compute_bytes
-    )
-    return 3 * v * schedule.capacity * micro
-
-
 def check(
-    model: PlanModel,
-    rules: AxisRules,
-    mesh_shape: dict[str, int],
-    batch_size: int,
-    step: StepConfig,
-    local_devices: int,
-    available: int | None = None,
-    remat: str | None = None,
+    model: PlanModel, layout: Layout, local_devices: int, available: int | None = None
 ) -> float:
-    """The bytes this process's `local_devices` need together; a ConfigError naming the need,
-    what is `available` (default: what the host has now) and the fixes, where it exceeds it.
-    `remat`: the model's policy (the fix "--remat full" is not offered where it is full)."""
+    """The bytes this process's `local_devices` need together (each device's peak by the one
+    price, jaxdist.planning.memory.device_peak); a ConfigError naming the need, what is
+    `available` (default: what the host has now) and the fixes, where it exceeds it."""
     gb = 1e9
-    need = local_devices * device_bytes(model, rules, mesh_shape, batch_size, step)
+    need = local_devices * device_peak(model, layout, "cpu")["peak"]
     if available is None:
         available = available_bytes()
     if available is None or need <= HEADROOM * available:
         return need
     fixes = ["a smaller --batch-size"]
-    smaller = _smaller_batch(model, rules, mesh_shape, batch_size, step, local_devices, available)
+    smaller = _smaller_batch(model, layout, local_devices, available)
     if smaller:
         b, b_need = smaller
         fits = b_need <= HEADROOM * available
         fixes[0] += f" ({'' if fits else 'even '}{b} needs {b_need / gb:.1f} GB)"
-    if remat != "full":
+    if model.remat != "full":
         fixes.append("--remat full")
     raise ConfigError(
         f"this step needs about {need / gb:.1f} GB of host memory ({local_devices} devices x "
@@ -117,14 +64,15 @@ def check(
     )
 
 
-def _smaller_batch(model, rules, mesh_shape, batch_size, step, local_devices, available):
-    """The largest halving of `batch_size` that fits, or else the smallest that still splits
+def _smaller_batch(model: PlanModel, layout: Layout, local_devices: int, available: int):
+    """The largest halving of the batch that fits, or else the smallest that still splits
     over the batch axes and microbatches, with its need; None if no halving splits."""
-    unit = ways(mesh_shape, rules.mesh_axes("batch", "activation")) * step.microbatches
+    unit = layout.batch_ways * layout.microbatches
     found = None
-    b = batch_size // 2
+    b = layout.batch_size // 2
     while b >= unit and b % unit == 0:
-        found = b, local_devices * device_bytes(model, rules, mesh_shape, b, step)
+        smaller = dataclasses.replace(layout, batch_size=b)
+        found = b, local_devices * device_peak(model, smaller, "cpu")["peak"]
         if found[1] <= HEADROOM * available:
             break
         b //= 2

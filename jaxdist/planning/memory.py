@@ -19,38 +19,13 @@ import dataclasses
 
 from flax import nnx
 
+from jaxdist.config import Layout
 from jaxdist.kernels.lookup import routed_table
+from jaxdist.parallel import pipeline
+from jaxdist.planning.inputs import Activation, Inventory, PlanModel
 from jaxdist.rules import AxisRules, local_elements, logical_axes, variables, ways
 
 ADAM_MOMENTS = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Activation:
-    """`count` tensors of this shape, whose dims carry these logical axes."""
-
-    count: int
-    logical: tuple[str | None, ...]
-    shape: tuple[int, ...]
-    dtype_bytes: int
-    # A computation done in chunks (the fused cross-entropy's logits) holds one chunk at a
-    # time: at most this many rows per device over all dims but the last (0: no chunks).
-    chunk_rows: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Inventory:
-    """What a model keeps alive for its backward pass, for one (micro)batch.
-
-    saved_per_layer: saved by each layer under the model's remat policy;
-    working: the extra a layer's backward needs while it runs (with remat, the part of the
-      layer it rebuilds; without, buffers for the gradients of its activations);
-    once: outside the layers (embedding output, final norm, logits).
-    """
-
-    saved_per_layer: tuple[Activation, ...]
-    working: tuple[Activation, ...]
-    once: tuple[Activation, ...]
 
 
 def with_fused_loss(inventory: Inventory, chunk_tokens: int, compute_bytes: int) -> Inventory:
@@ -128,66 +103,59 @@ def _tpu_copies(
     rules: AxisRules,
     mesh_shape: dict[str, int],
     stage_layers: float,
-    compute_bytes: int,
+    model: PlanModel,
 ) -> float:
     """What the TPU compiler counts twice (see `predict`): the fp32 logits chunk and a
     pipeline stage's layers."""
     fp32_logits = [t for t in inventory.once if t.logical[-1:] == ("vocab",)]
     fp32_logits = tuple(t for t in fp32_logits if t.dtype_bytes == 4)
     # The stage's layers: fp32 gradient accumulators and weights in the compute dtype.
-    return tensors_bytes(fp32_logits, rules, mesh_shape) + stage_layers * (4 + compute_bytes)
+    return tensors_bytes(fp32_logits, rules, mesh_shape) + stage_layers * (4 + model.compute_bytes)
 
 
-def predict(
-    abstract_params: nnx.State,
-    rules: AxisRules,
-    mesh_shape: dict[str, int],
-    inventory: Inventory,
-    num_layers: int,
-    batch_size: int,
-    seq_len: int,
-    compute_bytes: int,
-    stash_bytes: float = 0.0,
-    platform: str = "cpu",
-    microbatches: int = 1,
-) -> dict[str, float]:
-    """Bytes per device, by term, and their sum as `peak`.
+def device_peak(model: PlanModel, layout: Layout, platform: str) -> dict[str, float]:
+    """One device's bytes of the step by term, and their sum as `peak`: the one price of a
+    layout's memory, which `plan`, `train --remat auto`, `--compile-only` and the host check
+    all read. `model` is priced at its own remat policy (the layout's, where the caller built
+    it so); `platform` the compiler's ("tpu" adds what its memory analysis counts twice).
 
-    `inventory` describes one microbatch; `num_layers` the layers this device runs. A pipeline
-    stage keeps only its microbatches' inputs (`stash_bytes`: its buffers of them) and rebuilds
-    one microbatch's activations at a time in its backward ticks, and the head's (logits) in
-    its forward ticks, never both at once. It also holds its weights gathered over the batch
-    axes for the whole step, and their gradient accumulators at that size in the stored dtype
+    A pipeline stage keeps only its microbatches' inputs (three buffers: forward inbox,
+    backward inbox and stash, each of the schedule's capacity) and rebuilds one microbatch's
+    activations at a time in its backward ticks, and the head's (logits) in its forward
+    ticks, never both at once. It also holds its weights gathered over the batch axes for the
+    whole step, and their gradient accumulators at that size in the stored dtype
     (jaxdist.parallel.stage_weights).
 
-    On `platform` "tpu", `tpu_copies`: the TPU compiler's memory analysis counts, beyond the
-    buffers of its own assignment, about a second copy of the fp32 logits chunk, and of the
-    state a loop carries and the weights it reads (experiments/tpu_loop_state.py isolates that
-    share): for a pipeline stage, its layers' gradient accumulators and weights, carried
-    through the tick loop. Measured on v5p, not derived: with the preset's remat "dots" the
-    shared weights' accumulators are not counted twice; under remat "none" pipelined layouts
-    come out about a quarter under (README, "Compile for a TPU slice").
+    On "tpu", `tpu_copies`: the TPU compiler's memory analysis counts, beyond the buffers of
+    its own assignment, about a second copy of the fp32 logits chunk, and of the state a loop
+    carries and the weights it reads (experiments/tpu_loop_state.py isolates that share): for
+    a pipeline stage, its layers' gradient accumulators and weights, carried through the tick
+    loop. Measured on v5p, not derived.
     """
-    pipelined = mesh_shape.get("pipeline", 1) > 1
+    mesh_shape = layout.mesh_shape
+    m = layout.microbatches
+    inventory = model.inventory(max(1, layout.micro_rows))
+    if layout.step.loss_chunk_tokens:  # the fused loss, a pipeline's last stage's too
+        inventory = with_fused_loss(inventory, layout.step.loss_chunk_tokens, model.compute_bytes)
     # A routed embedding table (jaxdist.kernels.lookup) is never gathered.
-    tokens_BT = (batch_size // microbatches, seq_len)
-    route = routed_table(abstract_params, rules, mesh_shape, tokens_BT, microbatches)
+    tokens_BT = (layout.micro_rows, layout.seq_len)
+    route = routed_table(model.abstract_params, layout.rules, mesh_shape, tokens_BT, m)
     params, grads, gathered_layer, gathered_other, stage_layers = _weights(
-        abstract_params, rules, mesh_shape, compute_bytes, route is not None
+        model.abstract_params, layout.rules, mesh_shape, model.compute_bytes, route is not None
     )
-    batch = (
-        4 * batch_size * (seq_len + 1) / ways(mesh_shape, rules.mesh_axes("batch", "activation"))
-    )
-    saved = tensors_bytes(inventory.saved_per_layer, rules, mesh_shape)
-    backward = num_layers * saved + tensors_bytes(inventory.working, rules, mesh_shape)
-    once = tensors_bytes(inventory.once, rules, mesh_shape)
+    batch = 4 * layout.batch_size * (layout.seq_len + 1) / layout.batch_ways
+    saved = tensors_bytes(inventory.saved_per_layer, layout.rules, mesh_shape)
+    layers = model.num_layers // layout.stages
+    backward = layers * saved + tensors_bytes(inventory.working, layout.rules, mesh_shape)
+    once = tensors_bytes(inventory.once, layout.rules, mesh_shape)
     # Unpipelined, the loss runs with every layer's residuals held. A pipeline stage runs its
     # head and loss in forward ticks and rebuilds its residuals in backward ticks: the two
     # branches of the tick never hold their buffers at once.
-    activations = (max(backward, once) if pipelined else backward + once) + stash_bytes
+    stash = pipeline_stash(model, layout)
+    activations = (max(backward, once) if layout.stages > 1 else backward + once) + stash
     tpu_copies = 0.0
     if platform == "tpu":
-        tpu_copies = _tpu_copies(inventory, rules, mesh_shape, stage_layers, compute_bytes)
+        tpu_copies = _tpu_copies(inventory, layout.rules, mesh_shape, stage_layers, model)
     out = {
         "params": params,
         "optimizer": ADAM_MOMENTS * params,
@@ -199,6 +167,28 @@ def predict(
     }
     out["peak"] = sum(out.values())
     return out
+
+
+def microbatch_activation(model: PlanModel, layout: Layout) -> float:
+    """One microbatch's [rows, seq, d_model] activation on one device (its share of the rows,
+    and of the sequence where `context` splits it): what a pipeline stage stores and sends."""
+    return pipeline.microbatch_bytes(
+        *(layout.batch_size, layout.microbatches, layout.batch_ways),
+        *(layout.seq_len // layout.seq_ways, model.d_model, model.compute_bytes),
+    )
+
+
+def pipeline_stash(model: PlanModel, layout: Layout) -> float:
+    """A pipeline stage's three buffers (forward inbox, backward inbox, stash), each of the
+    schedule's capacity in microbatch inputs per virtual stage: all m for GPipe, at most p for
+    1F1B; 0 without a pipeline."""
+    if layout.stages == 1:
+        return 0.0
+    step = layout.step
+    schedule = pipeline.make_schedule(
+        step.pipeline_schedule, layout.stages, layout.microbatches, layout.virtual_stages
+    )
+    return 3 * layout.virtual_stages * schedule.capacity * microbatch_activation(model, layout)
 
 
 def xla_peak(stats) -> int:

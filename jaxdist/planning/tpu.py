@@ -8,9 +8,9 @@ collectives and cost analysis are read before a slice is rented. Nothing runs on
 import importlib.util
 import math
 import os
-import re
 
 from jaxdist.errors import ConfigError
+from jaxdist.hardware import cloud_slice
 
 # Chips of a v5p slice form a 3D torus, v5e a 2D one; topology names give the extents.
 _DIMS = {"v5p": 3, "v5e": 2, "v4": 3, "v6e": 2}
@@ -30,44 +30,6 @@ def topology_name(generation: str, chips: int) -> str:
     # 1x2x2, which its host bounds do not divide).
     order = sorted(extents, key=lambda e: (dims == 3 and e == 1, e))
     return f"{generation}:{'x'.join(map(str, order))}"
-
-
-# Google Cloud's accelerator types count TensorCores for v4 and v5p (two per chip) and chips
-# for v5e (v5litepod in the console) and v6e: v5p-16 is 8 chips, v6e-8 is 8.
-_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
-_CLOUD = re.compile(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)")
-_OLD = re.compile(r"tpu-(v4|v5p|v5e|v6e)-(\d+)")
-
-
-def cloud_name(generation: str, chips: int) -> str:
-    """Google Cloud's name of a slice of `chips` chips: 8 v5p chips are v5p-16."""
-    return f"{generation}-{chips * _CORES_PER_CHIP[generation]}"
-
-
-def cloud_slice(name: str) -> tuple[str, int] | None:
-    """(generation, chips) of a Google Cloud accelerator type such as v5p-16 (8 chips); None
-    for a name of another form; a ConfigError for one that cannot be a slice, or for
-    jaxdist's old chip-counting names (tpu-v5p-64), which Google's would contradict."""
-    old = _OLD.fullmatch(name)
-    if old:
-        generation, chips = old[1], int(old[2])
-        raise ConfigError(
-            f"{name}: jaxdist no longer names slices by chips; Google Cloud calls {chips} "
-            f"{generation} chips {cloud_name(generation, chips)}: write that instead"
-        )
-    m = _CLOUD.fullmatch(name)
-    if not m:
-        return None
-    generation = "v5e" if m[1] == "v5litepod" else m[1]
-    count, per_chip = int(m[2]), _CORES_PER_CHIP[generation]
-    chips = count // per_chip
-    if count % per_chip or chips < 1 or chips & (chips - 1):
-        unit = "TensorCores, 2 per chip" if per_chip == 2 else "chips"
-        raise ConfigError(
-            f"{name}: Google Cloud {generation} names count {unit}, and jaxdist plans slices "
-            f"of a power of two chips; e.g. {cloud_name(generation, 8)} is 8 chips"
-        )
-    return generation, chips
 
 
 def parse_target(text: str) -> str:

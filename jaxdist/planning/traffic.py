@@ -16,7 +16,6 @@ Bytes follow one convention for every kind: the full buffer a device reduces or 
 (all-reduce: its input; all-gather: its output; reduce-scatter: its input).
 """
 
-import dataclasses
 import math
 
 from flax import nnx
@@ -24,25 +23,15 @@ from jax.sharding import Mesh
 from rich.console import Console
 from rich.table import Table
 
+from jaxdist.config import Layout
 from jaxdist.kernels.lookup import Route, routed_table
+from jaxdist.parallel import pipeline
 from jaxdist.parallel.collective_matmul import check as collective_matmul_check
 from jaxdist.parallel.collective_matmul import shards_sent
-from jaxdist.planning import hlo
+from jaxdist.planning import hlo, memory
+from jaxdist.planning.inputs import PartialSum, PlanModel
+from jaxdist.planning.layouts import abstract_mesh
 from jaxdist.rules import AxisRules, logical_axes, variables, ways
-
-
-@dataclasses.dataclass(frozen=True)
-class PartialSum:
-    """`count` times per step an activation [shape] with these logical axes is a partial sum
-    over the split of logical axis `over` and must be all-reduced across it."""
-
-    count: int
-    logical: tuple[str, ...]
-    shape: tuple[int, ...]
-    over: str
-    dtype_bytes: int
-    kind: str = "all-reduce"  # or all-to-all: a buffer exchanged across the split of `over`
-
 
 # XLA's TPU compiler streams a stored-split weight through each matmul that uses it instead
 # of gathering it whole ("windowed einsums": loops of collective-permutes inside the dot)
@@ -273,43 +262,53 @@ def _stage_weight(add, mesh: Mesh, var, named, param_axes, moved_axes, compute_b
     add(_label(mesh, rest), "all-reduce", local / ways(mesh.shape, gather) * stored)
 
 
-def report(
-    jitted,
-    mesh: Mesh,
-    rules: AxisRules,
-    batch_size: int,
-    seq_len: int,
-    partial_sums: list[PartialSum],
-    compute_bytes: int,
-    microbatches: int = 1,
-    extra_expected: dict[tuple[str, str], float] | None = None,
-    branch_share: dict[int, tuple[float, ...]] | None = None,
-    collective_matmul: str = "one-way",
-    fused_loss: bool = True,
-) -> dict:
-    """Compiles the step for abstract inputs and puts measured beside expected bytes.
-
-    `extra_expected` adds traffic the caller knows of, keyed (axis label, kind): the pipeline's
-    permutes, for one. `branch_share`: how often each branch of a conditional runs
-    (hlo.collectives), for the pipeline's tick switch.
-    """
-    text = jitted.compile_abstract((batch_size, seq_len + 1)).as_text()
-    measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape), branch_share))
-    platform = mesh.devices.flat[0].platform
-    exp = expected(
-        jitted.abstract_state.params,
-        mesh,
-        rules,
-        partial_sums,
-        compute_bytes,
-        microbatches,
+def layout_bytes(model: PlanModel, layout: Layout, platform: str) -> dict[tuple[str, str], float]:
+    """Collective bytes per step of one layout by (axis label, kind), as `platform`'s compiler
+    emits them: the one price of a layout's traffic, which `plan` and `jaxdist comm` read.
+    `model` at its own remat policy (the weights its backward reruns); a pipeline adds its
+    stages' sends."""
+    out = expected(
+        model.abstract_params,
+        abstract_mesh(layout),
+        layout.rules,
+        model.partial_sums(layout, platform),
+        model.compute_bytes,
+        layout.microbatches,
         platform=platform,
-        tokens_BT=(batch_size // microbatches, seq_len),
-        collective_matmul=collective_matmul,
-        fused_loss=fused_loss,
+        tokens_BT=(layout.micro_rows, layout.seq_len),
+        reruns=model.reruns,
+        collective_matmul=layout.step.collective_matmul,
+        fused_loss=layout.step.loss_chunk_tokens > 0,
     )
-    for key, nbytes in (extra_expected or {}).items():
-        exp[key] = exp.get(key, 0.0) + nbytes
+    if layout.stages > 1:
+        out[("pipeline", "collective-permute")] = pipeline.send_bytes(
+            schedule_of(layout),
+            model.abstract_params,
+            layout.rules,
+            layout.mesh_shape,
+            memory.microbatch_activation(model, layout),
+            model.compute_bytes,
+        )
+    return out
+
+
+def schedule_of(layout: Layout) -> pipeline.Schedule:
+    """The layout's pipeline schedule (a pipelined layout's)."""
+    step = layout.step
+    return pipeline.make_schedule(
+        step.pipeline_schedule, layout.stages, layout.microbatches, layout.virtual_stages
+    )
+
+
+def report(jitted, model: PlanModel, layout: Layout) -> dict:
+    """Compiles the step for abstract inputs and puts measured beside expected bytes (a
+    pipeline's tick branches counted on their own ticks only)."""
+    mesh = jitted.batch_sharding.mesh
+    shape = (layout.batch_size, layout.seq_len + 1)
+    text = jitted.compile_abstract(shape).as_text()
+    share = pipeline.branch_share(schedule_of(layout)) if layout.stages > 1 else None
+    measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape), share))
+    exp = layout_bytes(model, layout, mesh.devices.flat[0].platform)
     rows = []
     for axis, kind in sorted(set(measured) | set(exp)):
         m = measured.get((axis, kind), {"count": 0, "bytes": 0})
@@ -326,9 +325,9 @@ def report(
         )
     return {
         "mesh": dict(mesh.shape),
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "microbatches": microbatches,
+        "batch_size": layout.batch_size,
+        "seq_len": layout.seq_len,
+        "microbatches": layout.microbatches,
         "rows": rows,
     }
 

@@ -1,0 +1,129 @@
+"""`jaxdist train --compile-only`: the step compiled ahead of time (for a target this host does
+not have, or its own devices), its memory beside the one price's prediction and the device, its
+collectives per mesh axis; exit 1 when the program does not fit the target."""
+
+import dataclasses
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from jaxdist.cli.remat_auto import device_memory, order, target_hardware
+from jaxdist.errors import ConfigError
+from jaxdist.planning import aot, fit
+
+
+def compile_only(args, model_cfg, mesh, layout, vocab: tuple[int, int | None]) -> int:
+    """Compiles the step and reports it; with --remat auto and a --target, a policy the
+    compiler refuses (or whose peak does not fit the device) gives way to the next one."""
+    platform = mesh.devices.flat[0].platform
+    # Fake CPU devices hold nothing of a compile: only a target's or an accelerator's memory.
+    memory = device_memory(mesh, args.target) if args.target or platform != "cpu" else None
+    auto = args.remat == "auto" and args.target is not None
+    tried = []
+    while True:
+        tried.append(model_cfg.remat)
+        layout = dataclasses.replace(layout, remat=model_cfg.remat)
+        try:
+            report, refusal = _report(args, model_cfg, mesh, layout, vocab, memory), None
+        except Exception as e:  # XLA's TPU compiler refuses a step that cannot fit the chip
+            if not fit.refused_for_memory(e):
+                raise
+            report, refusal = None, str(e).splitlines()[0][:200]
+        leaner = fit.next_policy(order(), tried[-1])
+        if not auto or leaner is None or (report is not None and report.get("fits", True)):
+            break
+        model_cfg = dataclasses.replace(model_cfg, remat=leaner)
+    if report is None:
+        leaner = "" if auto else ", a leaner --remat (or auto)"
+        raise ConfigError(
+            f"XLA refused the step for lack of memory at every policy tried ({', '.join(tried)}): "
+            f"{refusal}; use a smaller --batch-size{leaner} or a mesh that shards more "
+            "(a context axis splits long rows)"
+        )
+    report["remat"] = {"policy": tried[-1], "tried": tried} if auto else model_cfg.remat
+    if args.json == "-":
+        print(json.dumps(report))
+    else:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        print_report(report, Console(width=100))
+    if report.get("fits", True):
+        return 0
+    print(
+        f"jaxdist: the step does not fit: {report['peak_gib']} GiB per device against "
+        f"{report['usable_gib']} GiB usable of {report['device_gib']}; use a smaller "
+        "--batch-size, --remat full (or auto), more --microbatches, or a mesh that shards more",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _report(args, model_cfg, mesh, layout, vocab, memory) -> dict:
+    from jaxdist.kernels.loss import Vocab
+    from jaxdist.optim import make_optimizer
+    from jaxdist.planning.memory import device_peak
+    from jaxdist.step import build
+    from models.inventory import plan_model
+    from models.presets import model_spec
+
+    # No data read: the batch is abstract (and a target's hosts are not this one).
+    model = model_spec(model_cfg)
+    tx, lr = make_optimizer(args.optim, args.loop.steps)
+    jitted = build(model.init, tx, lr, layout, mesh, args.loop.seed, Vocab(*vocab))
+    report = aot.compile_only(jitted)
+    predicted = device_peak(plan_model(model_cfg), layout, report["platform"])["peak"]
+    report |= aot.memory_fit(report, memory, predicted)
+    if args.target:
+        report |= aot.target_report(target_hardware(args.target), report, model, layout)
+    report |= {"model": model.name, "params": jitted.num_params, "mesh": dict(mesh.shape)}
+    report |= {"batch_size": layout.batch_size, "seq_len": layout.seq_len}
+    return report | {"loss_vocab": vocab[0]}  # the ids the loss may predict
+
+
+def print_report(report: dict, console: Console) -> None:
+    """The short table: memory per device (compiled, predicted, the device's) and the
+    collectives per mesh axis."""
+    gib = 2**30
+    mem = report["per_device_bytes"]
+    title = (
+        f"{report['model']} on {report['device_kind']} x {_devices(report)}, mesh "
+        f"{_mesh(report['mesh'])}, batch {report['batch_size']} x {report['seq_len']}, remat "
+        f"{report['remat']['policy'] if isinstance(report['remat'], dict) else report['remat']}"
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("memory per device", justify="left")
+    table.add_column("GiB", justify="right")
+    table.add_row(
+        "compiled peak (XLA: arguments + outputs + temporaries)",
+        f"{mem['peak_estimate'] / gib:.2f}",
+    )
+    table.add_row(
+        "predicted (the plan's memory model)", f"{report['predicted_peak_bytes'] / gib:.2f}"
+    )
+    if "device_memory_bytes" in report:
+        table.add_row("usable of the device (90%)", f"{report['usable_gib']:.2f}")
+        verdict = "fits" if report["fits"] else "DOES NOT FIT"
+        table.add_row("verdict", verdict)
+    console.print(table)
+    comm = Table(title="collectives per step", title_justify="left")
+    for col in ("axis", "kind", "count", "GB"):
+        comm.add_column(col, justify="left" if col in ("axis", "kind") else "right")
+    for c in report["collectives"]:
+        comm.add_row(c["axis"], c["kind"], str(c["count"]), f"{c['bytes'] / 1e9:.3f}")
+    console.print(comm)
+    for w in report.get("warnings", []):
+        console.print(f"warning: {w}", markup=False, highlight=False)
+
+
+def _devices(report: dict) -> int:
+    n = 1
+    for size in report["mesh"].values():
+        n *= size
+    return n
+
+
+def _mesh(shape: dict) -> str:
+    return ",".join(f"{a}={n}" for a, n in shape.items() if n > 1) or "single"

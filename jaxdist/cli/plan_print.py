@@ -1,0 +1,210 @@
+"""What `jaxdist plan` prints: the ranked layouts in 100 columns (every term with --wide), the
+compiler's word beside them (--verify), and the `jaxdist train` command that runs the choice."""
+
+import dataclasses
+import shlex
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from jaxdist.config import StepConfig
+from jaxdist.planning.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
+from jaxdist.planning.fit import USABLE
+
+# Common's model-size flags (jaxdist.cli.options), as the command line spells them.
+_SIZE_FLAGS = ("style", "layers", "d_model", "heads", "kv_heads", "d_mlp", "vocab")
+
+
+def train_command(args, row: dict, hw) -> str:
+    """`jaxdist train` with every setting the plan assumed for this layout: the model and its
+    sizes, the mesh, the batch and sequence, the step's settings (microbatches always), the
+    remat policy; then how to check it from this host."""
+    argv = ["jaxdist", "train", "--model", args.model]
+    for attr in _SIZE_FLAGS:
+        if getattr(args, attr) is not None:
+            argv += [_flag(attr), str(getattr(args, attr))]
+    argv += ["--mesh", row["layout"], "--batch-size", str(args.batch_size)]
+    argv += ["--seq-len", str(row["seq_len"]), "--microbatches", str(row["microbatches"])]
+    default = StepConfig()
+    for field in dataclasses.fields(StepConfig):
+        name, value = field.name, getattr(args.step, field.name)
+        if name in ("microbatches", "fault_nan_steps") or value == getattr(default, name):
+            continue
+        if isinstance(value, bool):
+            argv.append(_flag(name) if value else _flag("no_" + name))
+        else:
+            argv += [_flag(name), str(value)]
+    for attr in ("compute_dtype", "attention"):
+        if getattr(args, attr) != "auto":
+            argv += [_flag(attr), getattr(args, attr)]
+    argv += ["--remat", row["remat"]]
+    return shlex.join(argv)
+
+
+def check_target(result: dict, hw) -> str | None:
+    """The --target that compiles the plan's choice from this host (a TPU slice, or H100/H200
+    hosts), or None for hardware without one."""
+    devices = result["devices"]
+    if hw.slice_name and devices == hw.devices_per_host:
+        return hw.slice_name
+    if hw.platform == "gpu" and hw.name in ("h100", "h200"):
+        per_host = min(devices, hw.devices_per_host)
+        hosts = devices // per_host
+        return f"{hw.name}:{hosts}x{per_host}" if hosts > 1 else f"{hw.name}:{per_host}"
+    return None
+
+
+def _flag(attr: str) -> str:
+    return "--" + attr.replace("_", "-")
+
+
+def _ms(s: float) -> str:
+    """Milliseconds in three significant digits (whole ones from 1,000)."""
+    ms = s * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
+
+
+def _heading(result: dict, console: Console) -> None:
+    if result.get("slice"):
+        chips = result["devices_per_host"]
+        slices = result["devices"] // chips
+        across = f"; {slices} slices joined by DCN" if slices > 1 else ""
+        console.print(f"{result['slice']}: {chips} chips{across}")
+    if result.get("machine"):
+        per_host = result["devices_per_host"]
+        hosts = -(-result["devices"] // per_host)
+        console.print(
+            f"{result['machine']}: {per_host} {result['hardware'].upper()} per host, {hosts} "
+            f"hosts, {result['between_hosts_bytes_s'] / 1e9:g} GB/s per GPU between them"
+        )
+    console.print(
+        f"{result['model']} on {result['devices']} x {result['hardware']}, batch "
+        f"{result['batch_size']} rows of {result['seq_len']:,} tokens (--seq-len), "
+        f"{USABLE * result['memory_per_device'] / 1e9:.1f} GB usable per device: "
+        f"the {len(result['layouts'])} fastest of {result['considered']} layouts, predicted",
+        highlight=False,
+    )
+
+
+def print_plan(result: dict, console: Console, wide: bool = False) -> None:
+    """The ranked layouts, fastest first, and the naive data=N beside them: per device, the
+    remat policy, microbatches, GB, then the fleet law's terms in ms (compute over N, the
+    pipeline's bubble where any, exposed communication, the straggler's sync, the step) and
+    MFU."""
+    _heading(result, console)
+    rows = [(r["layout"], r) for r in result["layouts"]]
+    naive = result.get("naive")
+    if naive and all(r["layout"] != naive["layout"] for _, r in rows):
+        rows.append((f"{naive['layout']} (naive)", naive))
+    bubbles = wide or any(r["bubble_s"] for _, r in rows)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    columns = ["layout", "remat", "mb", "GB", "comp"] + (["bubl"] if bubbles else [])
+    columns += ["comm", "-ovl"] if wide else ["comm*"]
+    columns += ["sync", "step", "MFU"] + (["tok/s"] if wide else [])
+    for col in columns:
+        text = col in ("layout", "remat")
+        # Nothing is cut: a layout too long for its column folds onto a second line.
+        table.add_column(col, justify="left" if text else "right", overflow="fold")
+    for name, r in rows:
+        cells = [name, r["remat"], str(r["microbatches"])]
+        cells += [f"{r['memory_bytes']['peak'] / 1e9:.3g}" + ("" if r["fits"] else "!")]
+        cells += [_ms(r["compute_s"])] + ([_ms(r["bubble_s"])] if bubbles else [])
+        if wide:
+            cells += [_ms(r["comm_s"]), _ms(r["overlap_s"])]
+        else:
+            cells += [_ms(r["comm_s"] - r["overlap_s"])]
+        cells += [_ms(r["sync_s"]), _ms(r["step_s"]), f"{r['mfu']:.0%}"]
+        cells += [f"{r['tokens_per_s']:,.0f}"] if wide else []
+        table.add_row(*cells)
+    console.print(table)
+    notes = ["mb: microbatches", "ms per step"]
+    if not wide:
+        notes.append("comm*: what compute does not hide (--wide: both apart)")
+    if not all(r["fits"] for _, r in rows):
+        notes.append("GB!: too big for the device")
+    console.print("; ".join(notes), highlight=False)
+    _footer(result, rows, naive, console)
+
+
+def _footer(result: dict, rows, naive, console: Console) -> None:
+    if result["rejected"]:
+        why = ", ".join(f"{k}: {n}" for k, n in result["rejected"].items())
+        console.print(f"rejected before pricing: {why}", highlight=False)
+    if result["too_big"]:
+        console.print(f"{result['too_big']} layouts priced but too big for device memory")
+    best = result["layouts"][0]
+    if naive and not naive["fits"]:
+        console.print(
+            f"naive data parallel ({naive['layout']}) does not fit: "
+            f"{naive['memory_bytes']['peak'] / 1e9:.1f} GB per device; best: {best['layout']}"
+        )
+    elif naive and naive is not best:
+        console.print(
+            f"best {best['layout']} vs naive data parallel {naive['layout']}: "
+            f"{naive['step_s'] / best['step_s']:.2f}x faster per step (predicted)"
+        )
+
+
+def print_command(result: dict, console: Console, target: str | None) -> None:
+    """The command that runs the plan's choice, and how to compile it for the target here."""
+    if result["command"] is None:
+        console.print(
+            "no verified layout fits once compiled: none is recommended; try --verify with "
+            "more layouts, --remat full, or a smaller --batch-size",
+            style="bold red",
+        )
+        return
+    choice = result["layouts"][result["best"]]
+    verified = " (fits once compiled)" if "verify" in choice else ""
+    console.print(f"run the first choice, {choice['layout']}{verified}:", highlight=False)
+    console.print(f"  {result['command']}", markup=False, highlight=False, soft_wrap=True)
+    if target:
+        console.print(
+            f"check it from this host: add --compile-only --target {target}",
+            markup=False,
+            highlight=False,
+        )
+
+
+def print_verify(result: dict, console: Console) -> None:
+    rows = [r for r in result["layouts"] if "verify" in r]
+    table = Table(
+        title="verify: predicted vs compiled (XLA memory analysis, HLO collectives)",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    for col in ("layout", "remat", "GB pred", "GB XLA", "ratio", "fits", "MB pred", "MB HLO"):
+        table.add_column(col, justify="left" if col in ("layout", "remat") else "right")
+    table.add_column("ratio", justify="right")
+    for r in rows:
+        v = r["verify"]
+        table.add_row(
+            r["layout"],
+            r["remat"],
+            f"{v['predicted_peak_bytes'] / 1e9:.2f}",
+            f"{v['xla_peak_bytes'] / 1e9:.2f}",
+            f"{v['memory_ratio']:.3f}" + ("" if v["memory_ok"] else " FLAG"),
+            "yes" if v["fits"] else "NO",
+            f"{v['predicted_collective_bytes'] / 1e6:.1f}",
+            f"{v['hlo_collective_bytes'] / 1e6:.1f}",
+            f"{v['bytes_ratio']:.3f}" + ("" if v["bytes_ok"] else " FLAG"),
+        )
+    console.print(table)
+    for r in rows:
+        if "refused" in r["verify"]:
+            console.print(f"{r['layout']}: XLA refused to compile it: {r['verify']['refused']}")
+    flagged = [
+        r["layout"] for r in rows if not (r["verify"]["memory_ok"] and r["verify"]["bytes_ok"])
+    ]
+    if flagged:
+        console.print(
+            f"[bold red]disagreement beyond {MEMORY_TOLERANCE:.0%} (memory) or "
+            f"{BYTES_TOLERANCE:.0%} (collective bytes) on: {', '.join(flagged)}[/]"
+        )
+    else:
+        console.print(
+            f"every verified layout within {MEMORY_TOLERANCE:.0%} (memory) and "
+            f"{BYTES_TOLERANCE:.0%} (collective bytes)"
+        )
