@@ -41,8 +41,10 @@ class StepConfig:
     at each (off: a row is one causal sequence)"""
     loss_chunk_tokens: int = 2048
     """fused cross-entropy: the sequence is cut into chunks of at most this many tokens per
-    device, whose fp32 logits (tokens x vocab x 4 bytes) are the most held at once (1 GB at
-    Llama 3's 128K vocabulary); 0: the whole logits, as the model returns them"""
+    device, whose fp32 logits (tokens x vocab x 4 bytes) are the most held at once; fewer
+    where those would pass 512 MiB (1024 at Llama 3's 128K vocabulary: 0.5 GB;
+    jaxdist.kernels.fused_loss.chunk_tokens_for); 0: the whole logits, as the model returns
+    them"""
     context_strategy: Literal["all-gather", "ring", "ulysses"] = "all-gather"
     """how attention crosses a sequence split over the `context` mesh axis
     (jaxdist.parallel.context)"""

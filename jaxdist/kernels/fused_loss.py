@@ -18,6 +18,19 @@ from jax.sharding import PartitionSpec
 
 from jaxdist.rules import active, constrain, pin, ways
 
+# The most bytes a chunk's fp32 logits take on a device: at a large vocabulary the chunk holds
+# fewer tokens than `chunk_tokens` asks. The TPU compiler's memory analysis counts this buffer
+# about twice (experiments/README.md), so at Llama 3's 128,256 ids 2048 tokens (1.05 GB) held
+# about 1 GB more than 1024 do (Llama-3-8B, fsdp=8 on v5p-16, 2 rows of 4096 a chip). Up to a
+# 65,536-id vocabulary, 2048 tokens stay within it.
+LOGITS_CHUNK_BYTES = 1 << 29
+
+
+def chunk_tokens_for(vocab: int, chunk_tokens: int) -> int:
+    """The most tokens a device's chunk holds: `chunk_tokens`, fewer where their fp32 logits
+    would pass LOGITS_CHUNK_BYTES (at least 1)."""
+    return max(1, min(chunk_tokens, LOGITS_CHUNK_BYTES // (4 * vocab)))
+
 
 def _chunks(B: int, T: int, chunk_tokens: int) -> tuple[int, int]:
     """The batch's shards (one per device of the batch axes, so each device sums its own
@@ -55,7 +68,7 @@ def _fused_scan(h_BTD, head_DV, targets_BT, vocab_size, chunk_tokens, with_grads
     a reduce-scatter's bytes in the compute dtype)."""
     B, T, D = h_BTD.shape
     V = head_DV.shape[1]
-    S, C = _chunks(B, T, chunk_tokens)
+    S, C = _chunks(B, T, chunk_tokens_for(V, chunk_tokens))
     t = T // C
     # [C, S, B/S, t, ...]: the scan runs over C; S splits over the batch's devices.
     h_CSbtD = h_BTD.reshape(S, B // S, C, t, D).transpose(2, 0, 1, 3, 4)
@@ -132,10 +145,11 @@ def _to_stored_layout(dhead_SDV):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def fused_cross_entropy(h_BTD, head_DV, targets_BT, vocab_size, chunk_tokens):
     """Mean next-token loss of logits_BTV = h_BTD @ head_DV in fp32, computed over chunks of
-    the sequence (at most `chunk_tokens` tokens per device at once), forward and backward in
-    one pass: the whole [B, T, V] logits and their gradient never exist. The backward pass
-    only scales gradients the forward pass made, so no matmul runs twice. Ids >= vocab_size
-    (padding of the model's vocabulary) get no probability."""
+    the sequence (at most `chunk_tokens` tokens per device at once, fewer at a large
+    vocabulary: chunk_tokens_for), forward and backward in one pass: the whole [B, T, V]
+    logits and their gradient never exist. The backward pass only scales gradients the
+    forward pass made, so no matmul runs twice. Ids >= vocab_size (padding of the model's
+    vocabulary) get no probability."""
     return _fused_scan(h_BTD, head_DV, targets_BT, vocab_size, chunk_tokens, False)[0]
 
 

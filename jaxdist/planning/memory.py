@@ -20,6 +20,7 @@ import dataclasses
 from flax import nnx
 
 from jaxdist.config import Layout
+from jaxdist.kernels.fused_loss import chunk_tokens_for
 from jaxdist.kernels.lookup import routed_table
 from jaxdist.parallel import pipeline
 from jaxdist.planning.inputs import Activation, Inventory, PlanModel
@@ -31,12 +32,14 @@ ADAM_MOMENTS = 2
 def with_fused_loss(inventory: Inventory, chunk_tokens: int, compute_bytes: int) -> Inventory:
     """The inventory under the step's fused cross-entropy (jaxdist.kernels.fused_loss): the
     logits the model declares ([..., vocab]) are held one chunk of at most `chunk_tokens` tokens
-    per device at a time, as fp32 logits and their gradient (softmax less the target's one-hot),
-    rounded to the compute dtype for the matmuls that use it."""
+    per device at a time (fewer at a large vocabulary: chunk_tokens_for), as fp32 logits and
+    their gradient (softmax less the target's one-hot), rounded to the compute dtype for the
+    matmuls that use it."""
     once = []
     for t in inventory.once:
         if t.logical[-1:] == ("vocab",):
-            chunk = dataclasses.replace(t, count=1, chunk_rows=chunk_tokens)
+            rows = chunk_tokens_for(t.shape[-1], chunk_tokens)
+            chunk = dataclasses.replace(t, count=1, chunk_rows=rows)
             once += [
                 dataclasses.replace(chunk, dtype_bytes=4),
                 dataclasses.replace(chunk, dtype_bytes=compute_bytes),
