@@ -46,6 +46,9 @@ class Hardware:
     matmul_efficiency: float = 0.5
     matmul_half_width: float = 0.0
     attention_efficiency: float = 0.5
+    # The passes frameworks make over element-wise tensors, as a multiple of the fused count
+    # (jaxdist.planning.compute.ELEMENTWISE_PER_D): work that grows with d, not d^2.
+    elementwise_passes: float = 1.0
     # A Google Cloud slice name (v5p-16) this preset was asked for by; "" otherwise.
     slice_name: str = ""
     # A cloud GPU machine type (a3-highgpu-8g) this preset was asked for by; "" otherwise.
@@ -79,6 +82,7 @@ def _load(table: dict[str, dict]) -> dict[str, Hardware]:
             matmul_efficiency=row["matmul_efficiency"],
             matmul_half_width=row["matmul_half_width"],
             attention_efficiency=row["attention_efficiency"],
+            elementwise_passes=row.get("elementwise_passes", 1.0),
         )
         for name, row in table.items()
         if "chip" not in row

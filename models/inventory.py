@@ -42,7 +42,17 @@ def plan_model(config: TransformerConfig) -> PlanModel:
         or (config.attention == "xla" and config.remat != "none"),
         remat=config.remat,
         reruns=_reruns(config.remat),
+        top_k=config.top_k if config.num_experts else 1,
+        expert_slots=_expert_slots(config),
     )
+
+
+def _expert_slots(c: TransformerConfig) -> float:
+    """Rows each active expert multiplies per routed token (jaxdist.parallel.experts.capacity):
+    every slot of its buffer runs, filled or not."""
+    if not c.num_experts:
+        return 1.0
+    return c.num_experts / c.top_k if c.dropless else c.capacity_factor
 
 
 def _reruns(policy: str) -> frozenset[tuple]:

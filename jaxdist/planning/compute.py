@@ -1,18 +1,21 @@
-"""The compute term of a step, from the work it does and the hardware's calibrated figures.
+"""The compute term of a step, from the shapes of the work it does and the hardware's figures.
 
 One device's share of a step is priced as three kinds of work, each at the rate the hardware
 reaches on it (hardware.toml, where each figure's source is written):
 
-- weight matmuls (projections, MLP, output head): 6 FLOPs per parameter and token, at
-  `matmul_efficiency` of peak for wide matmuls and less for narrow ones, since a matmul whose
-  inner dimension w is small spends more of its time loading tiles than multiplying them:
-  efficiency(w) = matmul_efficiency * w / (w + matmul_half_width), w the model width each
-  device multiplies over (d_model, divided by the tensor axis);
+- weight matmuls, each by its own shape: a weight of K x N (its contracted and produced widths,
+  read from its logical axes; the `tensor` axis splits the one that is not `embed`) runs its
+  forward and two backward GEMMs, 6 FLOPs per weight and token, at
+  `matmul_efficiency * w / (w + matmul_half_width)` of peak, w = min(K, N) on the device: a
+  GEMM whose narrow side is small spends more of its time loading tiles than multiplying them
+  (the GQA model's key and value projection, a tensor-split MLP). Experts multiply every slot
+  of their capacity, filled or not;
 - attention's QK^T and AV (12 L D T per token, forward and backward, the convention of the
   published figures): fused kernels (cuDNN's, splash) skip the blocks the causal mask hides,
   about half, and run at `attention_efficiency` of peak; XLA's own attention computes them all;
 - element-wise work (norms, activations, residual adds, rotary embeddings, the loss's softmax,
-  the optimizer update): memory-bound, so priced as bytes moved at `hbm_bandwidth`.
+  the optimizer update): memory-bound, so priced as bytes moved at `hbm_bandwidth`, the passes
+  a framework makes over each tensor (`elementwise_passes` times the fused count below).
 
 Rematerialization adds the forward FLOPs of what the policy recomputes: a share of each
 layer's weight matmuls (models/remat.py's RECOMPUTE: 0 for dots, the MLP's share for
@@ -28,7 +31,7 @@ from jaxdist.hardware import Hardware
 from jaxdist.rules import logical_axes, variables
 
 # Element-wise traffic per token and layer, forward and backward, in elements of the compute
-# dtype (counted for one pre-norm layer as XLA fuses it): the forward reads and writes about
+# dtype, as XLA fuses it (counted for one pre-norm layer): the forward reads and writes about
 # 12 vectors of d_model (two norms, two residual adds, rotary q and k) and 3 of d_mlp (the
 # activation reads the up and gate outputs and writes their product); the backward about twice
 # that, and remat "dots" reruns the forward's share once more.
@@ -39,20 +42,39 @@ ELEMENTWISE_PER_F = 12
 LOSS_BYTES_PER_VOCAB = 24
 # AdamW per parameter shard: fp32 parameter, two moments and the gradient read, three written.
 OPTIMIZER_BYTES_PER_PARAM_BYTE = 7 / 4
+# The axes a weight's matmul contracts or produces beside `embed`; `layers` and `expert` are
+# batch dims of the stacked weights, not matmul dims.
+_STACKED = ("layers", "expert")
+_MATMUL = {"mlp", "heads", "kv_heads", "qkv", "head_dim"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """A weight a token multiplies: `weights` of them per token (a layer's times the layers; an
+    expert's times the slots a token fills), between `embed` elements and `other` ones."""
+
+    weights: float
+    embed: int
+    other: int
+    in_layers: bool  # rerun by the remat policy's share (the head is not)
+
+    def width(self, tensor_ways: int) -> float:
+        """The GEMM's narrow side on one device: the side that is not `embed` is split over
+        the tensor axis (Megatron: column then row parallel)."""
+        return min(self.embed, self.other / tensor_ways)
 
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """What one layer and the head of a model multiply, per token (from its config)."""
+    """What one token of a model multiplies and moves (from its weights' logical axes)."""
 
     num_layers: int
     d_model: int
     d_mlp: int
     vocab: int
     seq_len: int
-    attention_proj_params: int  # per layer: QKV and output projections
-    mlp_params: int  # per layer, as a token sees them (MoE: its top_k experts)
-    head_params: int  # the output head (tied or not), and any other matmul outside the layers
+    attention_width: int  # heads x head_dim: what QK^T and AV multiply per position
+    matmuls: tuple[Matmul, ...]
     # Share of each layer's forward weight-matmul FLOPs the backward pass reruns, and whether
     # it reruns attention's forward too (full remat; XLA's attention under any remat).
     recompute_matmul: float = 0.0
@@ -65,45 +87,61 @@ class Work:
     @property
     def attention_flops(self) -> float:
         """QK^T and AV per token, forward and backward, without causal halving."""
-        return 12 * self.num_layers * self.d_model * self.seq_len
+        return 12 * self.num_layers * self.attention_width * self.seq_len
 
     @property
     def matmul_flops(self) -> float:
-        layer = self.attention_proj_params + self.mlp_params
-        return 6 * (self.num_layers * layer + self.head_params)
+        return 6 * sum(m.weights for m in self.matmuls)
 
     def recompute_flops(self) -> tuple[float, float]:
         """Extra forward FLOPs per token: (weight matmuls, attention) the policy reruns."""
-        layers = self.num_layers * (self.attention_proj_params + self.mlp_params)
+        layers = sum(m.weights for m in self.matmuls if m.in_layers)
         mm = 2 * layers * self.recompute_matmul
         return mm, self.attention_flops / 3 if self.recompute_attention else 0.0
 
 
 def work_of(model) -> Work:
-    """The Work of a planner.PlanModel, read from its weights' logical axes: the projections
-    are the layer weights over heads, the MLP's what its FLOPs per token leave of the layers'
-    (a MoE token sees only its top_k experts), the head d_model x vocab."""
-    L, D, T = model.num_layers, model.d_model, model.seq_len
-    attention_proj = d_mlp = vocab = 0
+    """The Work of a planner.PlanModel, read from its weights' logical axes: every weight with
+    `embed` and another matmul axis is a matmul (norm scales and biases are not; the embedding
+    table is a lookup, but where it is also the head); experts' per-token share is the slots a
+    token fills of them (top_k of num_experts, times `model.expert_slots`)."""
+    L, D = model.num_layers, model.d_model
+    matmuls, d_mlp, vocab, attention_width = [], 0, 0, D
+    tables = {}
     for var in variables(model.abstract_params):
         logical = logical_axes(var)
-        if "layers" in logical and ({"heads", "kv_heads"} & set(logical)):
-            attention_proj += math.prod(var.shape) // L
+        named = [(n, s) for n, s in zip(logical, var.shape, strict=True) if n is not None]
+        dims = [(n, s) for n, s in named if n not in _STACKED]
+        tables[tuple(n for n, _ in dims)] = var
         if "mlp" in logical:
             d_mlp = var.shape[logical.index("mlp")]
         if "vocab" in logical:
             vocab = var.shape[logical.index("vocab")]
-    matmul_params = (model.flops_per_token - 12 * L * D * T) / 6
-    head = D * vocab
+        if "heads" in logical and "head_dim" in logical and "layers" in logical:
+            heads = var.shape[logical.index("heads")] * var.shape[logical.index("head_dim")]
+            attention_width = heads
+        names = [n for n, _ in dims]
+        others = set(names) - {"embed"}
+        head = names == ["embed", "vocab"]
+        # Weights of embed and matmul axes; not norm scales, biases, position or token tables.
+        if "embed" not in names or not others or not (head or others <= _MATMUL):
+            continue
+        other = math.prod(s for n, s in dims if n != "embed")
+        weights = math.prod(s for _, s in named)
+        if "expert" in logical:
+            experts = var.shape[logical.index("expert")]
+            weights = weights / experts * model.top_k * model.expert_slots
+        matmuls.append(Matmul(weights, D, other, "layers" in logical))
+    if ("embed", "vocab") not in tables and ("vocab", "embed") in tables:  # a tied head
+        matmuls.append(Matmul(D * vocab, D, vocab, False))
     return Work(
         num_layers=L,
         d_model=D,
         d_mlp=d_mlp,
         vocab=vocab,
-        seq_len=T,
-        attention_proj_params=attention_proj,
-        mlp_params=round((matmul_params - head) / L) - attention_proj,
-        head_params=head,
+        seq_len=model.seq_len,
+        attention_width=attention_width,
+        matmuls=tuple(matmuls),
         recompute_matmul=model.recompute_matmul,
         recompute_attention=model.recompute_attention,
     )
@@ -133,9 +171,11 @@ def seconds(
         flops = (work.matmul_flops + work.attention_flops + mm_extra + att_extra) * tokens
         t = flops / tensor_ways / (hw.peak_flops * override)
         return {"matmul": t, "attention": 0.0, "elementwise": 0.0, "total": t}
-    width = work.d_model / tensor_ways
-    matmul = (work.matmul_flops + mm_extra) * tokens / tensor_ways
-    matmul /= hw.peak_flops * matmul_efficiency(hw, width)
+    matmul = 0.0
+    for m in work.matmuls:
+        passes = 6 + (2 * work.recompute_matmul if m.in_layers else 0)
+        rate = hw.peak_flops * matmul_efficiency(hw, m.width(tensor_ways))
+        matmul += passes * m.weights * tokens / tensor_ways / rate
     # Fused kernels skip the masked half; XLA's attention (CPU) computes every block.
     causal = 1.0 if hw.platform == "cpu" else 0.5
     attention = (work.attention_flops + att_extra) * causal * tokens / tensor_ways
@@ -145,6 +185,7 @@ def seconds(
         per_layer = ELEMENTWISE_PER_D * work.d_model + ELEMENTWISE_PER_F * work.d_mlp
         moved = work.num_layers * per_layer * compute_bytes / tensor_ways
         moved += LOSS_BYTES_PER_VOCAB * work.vocab / tensor_ways
+        moved *= hw.elementwise_passes
         elementwise = (moved * tokens + OPTIMIZER_BYTES_PER_PARAM_BYTE * param_bytes) / (
             hw.hbm_bandwidth
         )

@@ -76,6 +76,11 @@ class PlanModel:
     # The logical axes of the layer weights whose forward matmul the policy reruns in the
     # backward (the TPU compiler then gathers them once there: planning.traffic).
     reruns: frozenset[tuple] = frozenset()
+    # MoE: each token's top_k experts, and the rows each multiplies per routed token: every
+    # slot of the [E, C] buffers runs, filled or not, so the capacity factor (E / top_k where
+    # dropless: capacity = tokens); 1 for dense models.
+    top_k: int = 1
+    expert_slots: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,15 +47,17 @@ def _axis_time(kind: str, nbytes: float, label: str, sizes: dict[str, int], hw) 
 
 
 def _comm_seconds(
-    expected: dict, layout: Layout, model: PlanModel, hw
+    expected: dict, issued: dict, layout: Layout, model: PlanModel, hw
 ) -> tuple[float, float, dict]:
     """(exposed seconds, seconds that may hide behind compute, each axis and kind's bytes and
     seconds) of the expected traffic, on the links its groups span."""
     exposed = hidden_candidates = 0.0
     by_axis = {}
-    # One collective per layer and microbatch: each pays the latency term.
-    messages = max(1, model.num_layers * layout.microbatches // layout.stages)
+    # One collective per layer and microbatch, each paying the latency term, but where the
+    # traffic says how many a key issues (the lookup's, once per microbatch).
+    per_layer = max(1, model.num_layers * layout.microbatches // layout.stages)
     for (label, kind), nbytes in expected.items():
+        messages = issued.get((label, kind), per_layer)
         t = _axis_time(kind, nbytes / messages, label, layout.mesh_shape, hw) * messages
         by_axis[f"{label} {kind}"] = {"bytes": nbytes, "seconds": t}
         if kind in OVERLAPPABLE or (kind == "all-reduce" and not _is_activation(label, layout)):
@@ -74,7 +76,8 @@ def _is_activation(label: str, layout: Layout) -> bool:
 def evaluate(layout: Layout, model: PlanModel, hw: Hardware, efficiency: float | None = None):
     """Predicted memory and step time of one layout, `model` at the layout's remat policy."""
     mem = memory.device_peak(model, layout, hw.platform)
-    expected = traffic.layout_bytes(model, layout, hw.platform)
+    issued: dict = {}
+    expected = traffic.layout_bytes(model, layout, hw.platform, issued)
     tokens = layout.batch_size * layout.seq_len
     tensor = layout.mesh_shape.get("tensor", 1)
     priced = compute.seconds(
@@ -91,7 +94,7 @@ def evaluate(layout: Layout, model: PlanModel, hw: Hardware, efficiency: float |
     # (p-1)/m for GPipe and 1F1B, (p-1)/(vm) interleaved.
     idle = traffic.schedule_of(layout).bubble() if layout.stages > 1 else 0.0
     bubble = compute_s * idle / (1 - idle)
-    exposed, hidden_candidates, by_axis = _comm_seconds(expected, layout, model, hw)
+    exposed, hidden_candidates, by_axis = _comm_seconds(expected, issued, layout, model, hw)
     t_comm = exposed + hidden_candidates
     t_overlap = min(compute_s, hw.overlap * hidden_candidates)
     n = layout.devices

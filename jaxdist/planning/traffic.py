@@ -75,18 +75,27 @@ def expected(
     reruns: frozenset[tuple] = frozenset(),
     collective_matmul: str = "one-way",
     fused_loss: bool = True,
+    messages: dict | None = None,
 ) -> dict[tuple[str, str], float]:
     """Analytic bytes per step, keyed like hlo.summarize: (axis label, kind), as `platform`'s
-    compiler emits them. `tokens_BT`: a microbatch's rows and sequence length. `reruns`: the
-    logical axes of the layer weights whose forward matmul the backward reruns (the remat
-    policy's). `collective_matmul`: the TPU's streamed rings, one-way or two-way.
-    `fused_loss`: the step's loss is jaxdist.kernels.fused_loss (loss_chunk_tokens > 0)."""
+    compiler emits them; `messages`, where given, gets how many collectives a key issues a
+    step where that is not one per layer and microbatch. `tokens_BT`: a microbatch's rows and
+    sequence length. `reruns`: the logical axes of the layer weights whose forward matmul the
+    backward reruns (the remat policy's). `collective_matmul`: the TPU's streamed rings,
+    one-way or two-way. `fused_loss`: the step's loss is jaxdist.kernels.fused_loss
+    (loss_chunk_tokens > 0)."""
     collective_matmul_check(collective_matmul)
     out: dict[tuple[str, str], float] = {}
+    # Collectives issued per step, by key, where every source of the key says how many it
+    # issues (the embedding lookup's, once per microbatch); None: one per layer and microbatch.
+    counts: dict[tuple[str, str], float | None] = {}
 
-    def add(label: str, kind: str, nbytes: float) -> None:
+    def add(label: str, kind: str, nbytes: float, issued: float | None = None) -> None:
         if label:
-            out[(label, kind)] = out.get((label, kind), 0.0) + nbytes
+            key = (label, kind)
+            out[key] = out.get(key, 0.0) + nbytes
+            before = counts.get(key, 0.0)
+            counts[key] = None if issued is None or before is None else before + issued
 
     batch_axes = rules.mesh_axes("batch", "activation")
     seq_axes = rules.mesh_axes("seq", "activation")
@@ -138,6 +147,8 @@ def expected(
         size = math.prod(ps.shape) / ways(mesh.shape, spec_axes) * ps.dtype_bytes
         add(_label(mesh, over), ps.kind, ps.count * size)
     # Not modelled: scalar reductions (loss, norms), a few bytes that show as unexpected rows.
+    if messages is not None:
+        messages.update({k: n for k, n in counts.items() if n})
     return out
 
 
@@ -241,9 +252,12 @@ def _routed_lookup(add, mesh: Mesh, route: Route, row_bytes: float, microbatches
     token axes."""
     n = ways(mesh.shape, route.split)
     label = _label(mesh, route.split)
-    add(label, "all-gather", microbatches * n * route.tokens * 4)
-    add(label, "all-to-all", 2 * microbatches * route.tokens * row_bytes)
-    add(_label(mesh, route.summed), "all-reduce", microbatches * route.rows * row_bytes / n)
+    # Once per microbatch (the ids, the gradient's slice), twice for the rows (forward and
+    # backward): not once per layer.
+    m = microbatches
+    add(label, "all-gather", m * n * route.tokens * 4, m)
+    add(label, "all-to-all", 2 * m * route.tokens * row_bytes, 2 * m)
+    add(_label(mesh, route.summed), "all-reduce", m * route.rows * row_bytes / n, m)
 
 
 def _stage_weight(add, mesh: Mesh, var, named, param_axes, moved_axes, compute_bytes) -> None:
@@ -262,11 +276,13 @@ def _stage_weight(add, mesh: Mesh, var, named, param_axes, moved_axes, compute_b
     add(_label(mesh, rest), "all-reduce", local / ways(mesh.shape, gather) * stored)
 
 
-def layout_bytes(model: PlanModel, layout: Layout, platform: str) -> dict[tuple[str, str], float]:
+def layout_bytes(
+    model: PlanModel, layout: Layout, platform: str, messages: dict | None = None
+) -> dict[tuple[str, str], float]:
     """Collective bytes per step of one layout by (axis label, kind), as `platform`'s compiler
     emits them: the one price of a layout's traffic, which `plan` and `jaxdist comm` read.
     `model` at its own remat policy (the weights its backward reruns); a pipeline adds its
-    stages' sends."""
+    stages' sends; `messages`: see `expected`."""
     out = expected(
         model.abstract_params,
         abstract_mesh(layout),
@@ -279,6 +295,7 @@ def layout_bytes(model: PlanModel, layout: Layout, platform: str) -> dict[tuple[
         reruns=model.reruns,
         collective_matmul=layout.step.collective_matmul,
         fused_loss=layout.step.loss_chunk_tokens > 0,
+        messages=messages,
     )
     if layout.stages > 1:
         out[("pipeline", "collective-permute")] = pipeline.send_bytes(
