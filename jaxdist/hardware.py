@@ -171,6 +171,19 @@ def cloud_slice(name: str) -> tuple[str, int] | None:
     return generation, chips
 
 
+# The share of a device's memory one program may hold. A TPU's figure in hardware.toml is
+# already what its compiler makes available. On GPUs, what jaxdist lets XLA's allocator take
+# (XLA_PYTHON_CLIENT_MEM_FRACTION, set by jaxdist.mesh.setup_devices where the user has not):
+# the CUDA context, NCCL's buffers and cuDNN's handles live beside it. Fake CPU devices share
+# the host with the runtime, the data and Python itself.
+PROGRAM_SHARE = {"tpu": 1.0, "gpu": 0.9, "cpu": 0.9}
+
+
+def budget(memory_bytes: float, platform: str) -> float:
+    """Bytes one program may hold on a device of `memory_bytes` of this platform."""
+    return PROGRAM_SHARE.get(platform, 0.9) * memory_bytes
+
+
 def lookup(device: jax.Device) -> Hardware | None:
     """The preset of a real device, from the kind JAX reports; None where none matches."""
     kind = device.device_kind

@@ -13,6 +13,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from jaxdist.errors import ConfigError
+from jaxdist.hardware import PROGRAM_SHARE
 
 # Outermost first: slow links (pipeline stages across racks, data across hosts) outside,
 # fast links (tensor) innermost; context (K/V exchanged every layer) and expert all-to-all
@@ -99,6 +100,11 @@ def setup_devices(spec: str) -> None:
     started = jax._src.xla_bridge.backends_are_initialized()  # noqa: SLF001 - no public query
     if spec == "auto":
         if not started:
+            # On GPUs XLA's allocator takes this share of each device (JAX's default is 0.75):
+            # the share the planner, --remat auto and --compile-only call a program's budget
+            # (jaxdist.hardware.PROGRAM_SHARE), so what they say fits, fits. A user's own
+            # setting wins.
+            os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(PROGRAM_SHARE["gpu"]))
             # Only the CPU backend reads this, so it is harmless where accelerators exist.
             jax.config.update("jax_num_cpu_devices", 8)
             if not os.environ.get("JAX_PLATFORMS") and not _accelerator_present():

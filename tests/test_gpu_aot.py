@@ -182,7 +182,9 @@ def test_preset_compiles_for_gpu_with_fused_attention_in_memory(
     assert wide == [], wide
     assert (k["dots_not_16bit"] > 0) == model.startswith("moe")
     assert k["host_transfers"] == 0
-    assert r["fits"] and r["per_device_bytes"]["peak_estimate"] < r["chip_memory_bytes"]
+    # XLA's GPU target config's memory (84.9 GB on an H100), 90% of it a program's budget.
+    budget = 0.9 * r["device_memory_bytes"]
+    assert r["fits"] and r["per_device_bytes"]["peak_estimate"] <= budget
     assert [w for w in r["warnings"] if "32-bit operands" not in w] == []
     peer = PEER_PEAK_GIB.get((model, batch))
     if peer and target == "h200:1":

@@ -103,21 +103,24 @@ def test_remat_auto_takes_a_leaner_policy_when_the_batch_grows():
 
 def test_choose_takes_the_fastest_policy_that_fits():
     peaks = {"none": 90e9, "dots": 40e9, "full": 20e9}
-    # 50 GB device: 45 GB usable (the one rule, jaxdist.planning.fit.fits).
-    choice = fit.choose(("none", "dots", "full"), peaks.__getitem__, 50e9)
+    # 50 GB TPU: 45 GB usable for a predicted peak (the one rule, jaxdist.planning.fit.fits).
+    choice = fit.choose(("none", "dots", "full"), peaks.__getitem__, 50e9, "tpu")
     assert choice.policy == "dots" and choice.fits and list(choice.predicted) == ["none", "dots"]
     assert fit.next_policy(("none", "dots", "full"), choice.policy) == "full"
     assert fit.next_policy(("none", "dots", "full"), "full") is None
     assert fit.next_policy(("none", "dots", "full"), "offload") is None
-    assert fit.choose(("none", "dots", "full"), peaks.__getitem__, 101e9).policy == "none"
+    assert fit.choose(("none", "dots", "full"), peaks.__getitem__, 101e9, "tpu").policy == "none"
 
 
 def test_choose_gives_the_leanest_marked_not_fitting_where_none_fits():
     peaks = {"none": 90e9, "full": 60e9}
-    choice = fit.choose(("none", "full"), peaks.__getitem__, 40e9)
+    choice = fit.choose(("none", "full"), peaks.__getitem__, 40e9, "tpu")
     assert choice.policy == "full" and not choice.fits
-    # The rule: 90% of the device, predicted or compiled alike.
-    assert fit.fits(0.9 * 62e9, 62e9) and not fit.fits(0.9 * 62e9 + 1, 62e9)
+    # The rule: a program's budget on the device (a TPU's whole figure, 90% of a GPU's),
+    # less the memory model's 10% where the peak is predicted rather than compiled.
+    assert fit.fits(62e9, 62e9, "tpu", predicted=False) and not fit.fits(62e9, 62e9, "gpu", False)
+    assert fit.fits(0.9 * 62e9, 62e9, "tpu") and not fit.fits(0.9 * 62e9 + 1, 62e9, "tpu")
+    assert fit.fits(0.81 * 62e9, 62e9, "gpu") and not fit.fits(0.82 * 62e9, 62e9, "gpu")
 
 
 def test_xla_refusals_for_memory_are_recognised():

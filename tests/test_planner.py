@@ -16,6 +16,7 @@ from jaxdist.planning.tpu import parse_target, topology_name
 from meshes.presets import STANDARD_RULES
 from models.inventory import plan_model
 from models.presets import get_model_config
+from tests.extras import needs_gpu_aot, needs_tpu
 from tests.helpers import cli
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -368,3 +369,38 @@ def test_planner_agrees_with_the_tpu_compiler_on_a_pipelined_1b(tmp_path):
         assert v["platform"] == "tpu" and v["predicted_peak_bytes"] == row["memory_bytes"]["peak"]
         assert v["memory_ok"] and v["bytes_ok"], (row["layout"], v)
     assert row["memory_bytes"]["tpu_copies"] > 0
+
+
+PLAN_AND_TRAIN = [
+    pytest.param(
+        "v5p-16", ["--hardware", "v5p-16"], "v5p-16", 256, marks=[pytest.mark.slow, needs_tpu]
+    ),
+    pytest.param(
+        "h100:8", ["--hardware", "h100", "--devices", "8"], "h100:8", 128,
+        marks=[pytest.mark.slow, needs_gpu_aot],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, hardware, target, batch", PLAN_AND_TRAIN)
+def test_plan_and_compile_only_choose_one_policy_at_one_predicted_peak(
+    tmp_path, name, hardware, target, batch
+):
+    """One price (jaxdist.planning.memory.device_peak) and one chooser: `plan --mesh` and
+    `train --compile-only --target` of the same layout take the same remat policy (here not
+    the fastest: `none` does not fit at this batch) at the same predicted peak, and the
+    compiler holds that peak within 10% and the program fits."""
+    step = ["--model", "1b", "--mesh", "fsdp=8", "--batch-size", str(batch), "--seq-len", "2048"]
+    out = tmp_path / "plan.json"
+    assert main(["plan", *step, *hardware, "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["layouts"][0]
+    assert row["remat"] == "dots", row["remat"]  # none is predicted too big at this batch
+    r = cli("train", *step, "--compile-only", "--target", target, "--json", "-", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["remat"] == {"policy": row["remat"], "tried": [row["remat"]]}
+    assert report["predicted_peak_bytes"] == pytest.approx(row["memory_bytes"]["peak"], rel=1e-9)
+    assert abs(report["memory_ratio"] - 1) <= 0.10, report["memory_ratio"]
+    assert report["fits"]
+    # The plan prints the command that runs its choice, with every setting it assumed.
+    assert row["microbatches"] == 1 and "--remat dots" in json.loads(out.read_text())["command"]

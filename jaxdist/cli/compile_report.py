@@ -104,7 +104,7 @@ def print_report(report: dict, console: Console) -> None:
         "predicted (the plan's memory model)", f"{report['predicted_peak_bytes'] / gib:.2f}"
     )
     if "device_memory_bytes" in report:
-        table.add_row("usable of the device (90%)", f"{report['usable_gib']:.2f}")
+        table.add_row("a program may hold on the device", f"{report['usable_gib']:.2f}")
         verdict = "fits" if report["fits"] else "DOES NOT FIT"
         table.add_row("verdict", verdict)
     console.print(table)

@@ -10,7 +10,6 @@ from rich.table import Table
 
 from jaxdist.config import StepConfig
 from jaxdist.planning.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
-from jaxdist.planning.fit import USABLE
 
 # Common's model-size flags (jaxdist.cli.options), as the command line spells them.
 _SIZE_FLAGS = ("style", "layers", "d_model", "heads", "kv_heads", "d_mlp", "vocab")
@@ -81,7 +80,7 @@ def _heading(result: dict, console: Console) -> None:
     console.print(
         f"{result['model']} on {result['devices']} x {result['hardware']}, batch "
         f"{result['batch_size']} rows of {result['seq_len']:,} tokens (--seq-len), "
-        f"{USABLE * result['memory_per_device'] / 1e9:.1f} GB usable per device: "
+        f"{result['usable_per_device'] / 1e9:.1f} GB usable per device: "
         f"the {len(result['layouts'])} fastest of {result['considered']} layouts, predicted",
         highlight=False,
     )

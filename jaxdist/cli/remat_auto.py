@@ -50,7 +50,7 @@ def choose(model_cfg, layout, memory_bytes: float, platform: str) -> fit.RematCh
         model = plan_model(dataclasses.replace(model_cfg, remat=policy))
         return device_peak(model, dataclasses.replace(layout, remat=policy), platform)["peak"]
 
-    return fit.choose(order(), peak_of, memory_bytes)
+    return fit.choose(order(), peak_of, memory_bytes, platform)
 
 
 def resolve(model_cfg, layout, mesh, target: str | None, platform: str):

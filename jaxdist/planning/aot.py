@@ -83,6 +83,7 @@ def compile_only(jitted: JittedStep) -> dict:
 
 
 def memory_fit(report: dict, memory_bytes: float | None, predicted_peak: float) -> dict:
+    platform = report["platform"]
     """The compiled peak beside the one price's prediction and, where the device's memory is
     known, whether the program fits it (jaxdist.planning.fit: the same rule as the plan's)."""
     peak = report["per_device_bytes"]["peak_estimate"]
@@ -95,8 +96,8 @@ def memory_fit(report: dict, memory_bytes: float | None, predicted_peak: float) 
         out |= {
             "device_memory_bytes": memory_bytes,
             "device_gib": round(memory_bytes / 2**30, 2),
-            "usable_gib": round(fit.usable(memory_bytes) / 2**30, 2),
-            "fits": fit.fits(peak, memory_bytes),
+            "usable_gib": round(fit.usable(memory_bytes, platform, predicted=False) / 2**30, 2),
+            "fits": fit.fits(peak, memory_bytes, platform, predicted=False),
         }
     return out
 
@@ -116,7 +117,8 @@ def target_report(hardware: str, report: dict, model: ModelSpec, layout: Layout)
         out["attention_kernel"] = kernels.attention_kernel(
             report["kernels"], report["platform"], attention
         )
-        out["warnings"] = kernels.warnings(report | out, fit.usable(hw.memory_bytes))
+        usable = fit.usable(hw.memory_bytes, hw.platform, predicted=False)
+        out["warnings"] = kernels.warnings(report | out, usable)
     return out
 
 
@@ -134,7 +136,7 @@ def verify(row: dict, model: ModelSpec, layout: Layout, devices: list) -> dict:
             raise
         return _refused(row, str(e), devices, time.perf_counter() - t0)
     mem = exe.memory_analysis()
-    peak = xla_peak(mem)
+    peak, memory = xla_peak(mem), get_hardware(row["hardware"]).memory_bytes
     share = branch_share(schedule_of(layout)) if layout.stages > 1 else None
     measured = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape), share))
     hlo_bytes = sum(v["bytes"] for v in measured.values())
@@ -154,7 +156,7 @@ def verify(row: dict, model: ModelSpec, layout: Layout, devices: list) -> dict:
         "bytes_ratio": bytes_ratio,
         "memory_ok": abs(mem_ratio - 1) <= MEMORY_TOLERANCE,
         "bytes_ok": abs(bytes_ratio - 1) <= BYTES_TOLERANCE,
-        "fits": fit.fits(peak, get_hardware(row["hardware"]).memory_bytes),
+        "fits": fit.fits(peak, memory, devices[0].platform, predicted=False),
     }
 
 

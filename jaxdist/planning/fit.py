@@ -8,7 +8,8 @@ preset's `dots` left a Llama-2-7B at 4 rows per v5p chip where full remat fits 4
 small model would pay full remat's extra forward for nothing.
 
 `choose` walks the policies from fastest to leanest (the model family's order) and takes the
-first whose predicted peak (jaxdist.planning.memory.device_peak) `fits`. `plan`, `train
+first whose predicted peak (jaxdist.planning.memory.device_peak) `fits`: the device's budget
+for one program, less the memory model's margin of error. `plan`, `train
 --remat auto` and `train --compile-only` all choose here. Where the step is compiled for a
 target, the caller confirms the choice with the compiler and moves on to the next policy when
 XLA refuses it or its peak does not fit (`next_policy`).
@@ -17,32 +18,35 @@ XLA refuses it or its peak does not fit (`next_policy`).
 import dataclasses
 from collections.abc import Callable, Sequence
 
-# The share of a device's memory a step may take: XLA's allocator, the runtime, the
-# collectives' buffers and the prediction's own error (within 10% of the compilers') need the
-# rest. The same share holds a predicted peak and a compiled one.
-USABLE = 0.9
+from jaxdist.hardware import budget
+
+# The memory model is held within 10% of the compilers (tests/test_planner.py): a predicted
+# peak leaves that room, a compiled one (XLA's own figure) needs none.
+PREDICTION_MARGIN = 0.9
 
 
-def usable(memory_bytes: float) -> float:
-    """Bytes of a device of `memory_bytes` a step may take."""
-    return USABLE * memory_bytes
+def usable(memory_bytes: float, platform: str, predicted: bool = True) -> float:
+    """The most a step's peak may be to fit: the device's budget, less the prediction's margin
+    where the peak is predicted rather than compiled."""
+    return budget(memory_bytes, platform) * (PREDICTION_MARGIN if predicted else 1.0)
 
 
-def fits(peak_bytes: float, memory_bytes: float) -> bool:
-    """Whether a step of this per-device peak (predicted or compiled) fits the device."""
-    return peak_bytes <= usable(memory_bytes)
+def fits(peak_bytes: float, memory_bytes: float, platform: str, predicted: bool = True) -> bool:
+    """The one rule: whether a step of this per-device peak fits the device."""
+    return peak_bytes <= usable(memory_bytes, platform, predicted)
 
 
 @dataclasses.dataclass(frozen=True)
 class RematChoice:
     policy: str
     memory_bytes: float  # the device's
+    platform: str
     predicted: dict[str, float]  # policy -> predicted peak per device, for each one tried
     by: str = "planner"  # or "compiler", when XLA refused the planner's choice
 
     @property
     def fits(self) -> bool:
-        return fits(self.predicted[self.policy], self.memory_bytes)
+        return fits(self.predicted[self.policy], self.memory_bytes, self.platform)
 
     def line(self) -> str:
         """One line for the run's output: what was chosen and why."""
@@ -50,21 +54,21 @@ class RematChoice:
         tried = ", ".join(f"{p} {b / gb:.1f} GB" for p, b in self.predicted.items())
         return (
             f"remat auto: {self.policy} (chosen by the {self.by}; predicted per device: "
-            f"{tried}; {usable(self.memory_bytes) / gb:.1f} GB usable)"
+            f"{tried}; {usable(self.memory_bytes, self.platform) / gb:.1f} GB usable)"
         )
 
 
 def choose(
-    order: Sequence[str], peak_of: Callable[[str], float], memory_bytes: float
+    order: Sequence[str], peak_of: Callable[[str], float], memory_bytes: float, platform: str
 ) -> RematChoice:
     """The first policy of `order` (fastest first) whose predicted peak fits a device of
-    `memory_bytes`; the leanest, not fitting (`.fits` False), where none does."""
+    `memory_bytes` on `platform`; the leanest, not fitting (`.fits` False), where none does."""
     predicted: dict[str, float] = {}
     for policy in order:
         predicted[policy] = peak_of(policy)
-        if fits(predicted[policy], memory_bytes):
+        if fits(predicted[policy], memory_bytes, platform):
             break
-    return RematChoice(policy, memory_bytes, predicted)
+    return RematChoice(policy, memory_bytes, platform, predicted)
 
 
 def next_policy(order: Sequence[str], policy: str) -> str | None:

@@ -12,11 +12,9 @@ import os
 
 from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
+from jaxdist.planning.fit import fits, usable
 from jaxdist.planning.inputs import PlanModel
 from jaxdist.planning.memory import device_peak
-
-# The compiler, the runtime, the data and Python itself need some of what is available too.
-HEADROOM = 0.9
 
 
 def available_bytes() -> int | None:
@@ -45,20 +43,21 @@ def check(
     need = local_devices * device_peak(model, layout, "cpu")["peak"]
     if available is None:
         available = available_bytes()
-    if available is None or need <= HEADROOM * available:
+    if available is None or fits(need, available, "cpu"):
         return need
     fixes = ["a smaller --batch-size"]
     smaller = _smaller_batch(model, layout, local_devices, available)
     if smaller:
         b, b_need = smaller
-        fits = b_need <= HEADROOM * available
-        fixes[0] += f" ({'' if fits else 'even '}{b} needs {b_need / gb:.1f} GB)"
+        ok = fits(b_need, available, "cpu")
+        fixes[0] += f" ({'' if ok else 'even '}{b} needs {b_need / gb:.1f} GB)"
     if model.remat != "full":
         fixes.append("--remat full")
     raise ConfigError(
         f"this step needs about {need / gb:.1f} GB of host memory ({local_devices} devices x "
         f"{need / local_devices / gb:.2f} GB, the planner's memory model) but "
-        f"{available / gb:.1f} GB is available ({HEADROOM:.0%} of it for the step); fake CPU "
+        f"{available / gb:.1f} GB is available ({usable(available, 'cpu') / gb:.1f} GB of it for "
+        "the step: jaxdist.planning.fit); fake CPU "
         "devices share the host's memory: use "
         f"{', '.join(fixes)}, or a smaller --model"
     )
@@ -73,7 +72,7 @@ def _smaller_batch(model: PlanModel, layout: Layout, local_devices: int, availab
     while b >= unit and b % unit == 0:
         smaller = dataclasses.replace(layout, batch_size=b)
         found = b, local_devices * device_peak(model, smaller, "cpu")["peak"]
-        if found[1] <= HEADROOM * available:
+        if fits(found[1], available, "cpu"):
             break
         b //= 2
     return found

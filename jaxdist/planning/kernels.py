@@ -134,7 +134,7 @@ def warnings(report: dict, memory_bytes: float) -> list[str]:
     peak = report["per_device_bytes"]["peak_estimate"]
     if peak > memory_bytes:
         out.append(
-            f"peak {peak / 2**30:.1f} GiB per device is over the card's "
-            f"{memory_bytes / 2**30:.1f} GiB"
+            f"peak {peak / 2**30:.1f} GiB per device is over the "
+            f"{memory_bytes / 2**30:.1f} GiB a program may hold on the device"
         )
     return out

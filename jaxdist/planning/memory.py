@@ -16,6 +16,7 @@ Terms, per device:
 """
 
 import dataclasses
+from typing import NamedTuple
 
 from flax import nnx
 
@@ -62,18 +63,28 @@ def tensors_bytes(
     return total
 
 
+class _Weights(NamedTuple):
+    """Bytes per device of the weights' terms, and the elements a pipeline stage holds."""
+
+    params: float
+    gradients: float
+    gathered_layer: float  # one scanned layer's weights gathered
+    gathered_other: float  # the other weights gathered
+    stage_layers: float  # elements of a pipeline stage's layers, as its ticks read them
+    stage_other: float  # elements of the other weights a stage holds gathered (table, head)
+
+
 def _weights(
     abstract_params: nnx.State,
     rules: AxisRules,
     mesh_shape: dict[str, int],
     compute_bytes: int,
     routed: bool,
-) -> tuple[float, float, float, float, float]:
-    """Bytes per device of (parameters, their gradients, one scanned layer's weights gathered,
-    the other weights gathered, a pipeline stage's layers as its ticks read them). `routed`:
-    the embedding table is looked up where it is stored."""
+) -> _Weights:
+    """The weights' memory on one device. `routed`: the embedding table is looked up where it
+    is stored."""
     pipelined = mesh_shape.get("pipeline", 1) > 1
-    params = grads = gathered_layer = gathered_other = stage_layers = 0.0
+    params = grads = gathered_layer = gathered_other = stage_layers = stage_other = 0.0
     for var in variables(abstract_params):
         logical = logical_axes(var)
         local = local_elements(var.shape, logical, rules, mesh_shape, "param")
@@ -94,26 +105,23 @@ def _weights(
                 stage = used / (mesh_shape["pipeline"] if "layers" in logical else 1)
                 gathered_other += stage
                 grads += 4 * stage / compute_bytes - 4 * local
+                if "layers" not in logical:
+                    stage_other += stage / compute_bytes
             elif "layers" in logical:
                 gathered_layer += used / var.shape[logical.index("layers")]
             else:
                 gathered_other += used
-    return params, grads, gathered_layer, gathered_other, stage_layers
+    return _Weights(params, grads, gathered_layer, gathered_other, stage_layers, stage_other)
 
 
-def _tpu_copies(
-    inventory: Inventory,
-    rules: AxisRules,
-    mesh_shape: dict[str, int],
-    stage_layers: float,
-    model: PlanModel,
-) -> float:
-    """What the TPU compiler counts twice (see `predict`): the fp32 logits chunk and a
-    pipeline stage's layers."""
+def _tpu_copies(inventory: Inventory, layout: Layout, weights: _Weights, model: PlanModel) -> float:
+    """What the TPU compiler counts twice (see `device_peak`): the fp32 logits chunk, and the
+    weights a pipeline stage carries through its tick loop (its layers and the table and head
+    it holds gathered), as fp32 gradient accumulators and in the compute dtype."""
     fp32_logits = [t for t in inventory.once if t.logical[-1:] == ("vocab",)]
     fp32_logits = tuple(t for t in fp32_logits if t.dtype_bytes == 4)
-    # The stage's layers: fp32 gradient accumulators and weights in the compute dtype.
-    return tensors_bytes(fp32_logits, rules, mesh_shape) + stage_layers * (4 + model.compute_bytes)
+    carried = (weights.stage_layers + weights.stage_other) * (4 + model.compute_bytes)
+    return tensors_bytes(fp32_logits, layout.rules, layout.mesh_shape) + carried
 
 
 def device_peak(model: PlanModel, layout: Layout, platform: str) -> dict[str, float]:
@@ -132,8 +140,8 @@ def device_peak(model: PlanModel, layout: Layout, platform: str) -> dict[str, fl
     On "tpu", `tpu_copies`: the TPU compiler's memory analysis counts, beyond the buffers of
     its own assignment, about a second copy of the fp32 logits chunk, and of the state a loop
     carries and the weights it reads (experiments/tpu_loop_state.py isolates that share): for
-    a pipeline stage, its layers' gradient accumulators and weights, carried through the tick
-    loop. Measured on v5p, not derived.
+    a pipeline stage, its weights (its layers, and the table and head it holds gathered) and
+    their gradient accumulators, carried through the tick loop. Measured on v5p, not derived.
     """
     mesh_shape = layout.mesh_shape
     m = layout.microbatches
@@ -143,7 +151,7 @@ def device_peak(model: PlanModel, layout: Layout, platform: str) -> dict[str, fl
     # A routed embedding table (jaxdist.kernels.lookup) is never gathered.
     tokens_BT = (layout.micro_rows, layout.seq_len)
     route = routed_table(model.abstract_params, layout.rules, mesh_shape, tokens_BT, m)
-    params, grads, gathered_layer, gathered_other, stage_layers = _weights(
+    w = _weights(
         model.abstract_params, layout.rules, mesh_shape, model.compute_bytes, route is not None
     )
     batch = 4 * layout.batch_size * (layout.seq_len + 1) / layout.batch_ways
@@ -156,15 +164,16 @@ def device_peak(model: PlanModel, layout: Layout, platform: str) -> dict[str, fl
     # branches of the tick never hold their buffers at once.
     stash = pipeline_stash(model, layout)
     activations = (max(backward, once) if layout.stages > 1 else backward + once) + stash
-    tpu_copies = 0.0
-    if platform == "tpu":
-        tpu_copies = _tpu_copies(inventory, layout.rules, mesh_shape, stage_layers, model)
+    tpu_copies = _tpu_copies(inventory, layout, w, model) if platform == "tpu" else 0.0
+    # A stage's backward tick gives its layers' gradients for a microbatch whole, stacked in
+    # the compute dtype, before they join the fp32 accumulators.
+    stage_grads = w.stage_layers * model.compute_bytes
     out = {
-        "params": params,
-        "optimizer": ADAM_MOMENTS * params,
+        "params": w.params,
+        "optimizer": ADAM_MOMENTS * w.params,
         "batch": batch,
-        "gradients": grads,
-        "gathered_weights": 2 * gathered_layer + gathered_other,
+        "gradients": w.gradients + stage_grads,
+        "gathered_weights": 2 * w.gathered_layer + w.gathered_other,
         "activations": activations,
         "tpu_copies": tpu_copies,
     }

@@ -109,7 +109,7 @@ def evaluate(layout: Layout, model: PlanModel, hw: Hardware, efficiency: float |
         "microbatches": layout.microbatches,
         "seq_len": layout.seq_len,
         "memory_bytes": mem,
-        "fits": fit.fits(mem["peak"], hw.memory_bytes),
+        "fits": fit.fits(mem["peak"], hw.memory_bytes, hw.platform),
         "compute_s": compute_s,
         "compute_by_kind": priced,
         "bubble_s": bubble,
@@ -146,7 +146,7 @@ def price(
     def peak_of(policy: str) -> float:
         return memory.device_peak(by_policy[policy], layout(policy), hw.platform)["peak"]
 
-    choice = fit.choose(list(by_policy), peak_of, hw.memory_bytes)
+    choice = fit.choose(list(by_policy), peak_of, hw.memory_bytes, hw.platform)
     return evaluate(layout(choice.policy), by_policy[choice.policy], hw, cfg.compute_efficiency)
 
 
@@ -172,11 +172,12 @@ def plan(models: PlanModel | Sequence[PlanModel], rules: AxisRules, cfg: PlanCon
     if not fitting:
         best = min(rows, key=lambda r: r["memory_bytes"]["peak"])
         need = best["memory_bytes"]["peak"]
-        more = math.ceil(cfg.devices * need / fit.usable(hw.memory_bytes))
+        usable = fit.usable(hw.memory_bytes, hw.platform)
+        more = math.ceil(cfg.devices * need / usable)
         raise ConfigError(
             f"{model.name} fits no layout of {cfg.devices} {hw.name} devices: the leanest, "
             f"{best['layout']}, needs {need / 1e9:.1f} GB per device of "
-            f"{fit.usable(hw.memory_bytes) / 1e9:.1f} GB usable; try --remat full, a "
+            f"{usable / 1e9:.1f} GB usable; try --remat full, a "
             f"smaller --batch-size, or about {more} devices"
         )
     fitting.sort(key=lambda r: r["step_s"])
@@ -199,6 +200,7 @@ def _heading(model: PlanModel, cfg: PlanConfig, hw) -> dict:
         "batch_size": cfg.batch_size,
         "seq_len": model.seq_len,
         "memory_per_device": hw.memory_bytes,
+        "usable_per_device": fit.usable(hw.memory_bytes, hw.platform),
     }
 
 
