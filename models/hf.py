@@ -53,10 +53,13 @@ def open_model(spec: str) -> HFModel:
     config, vocab = config_from_hf(hf, f"hf:{path.name}", str(path))
     prefix = ""
     if config.style == "gpt2":
-        from jaxdist.hf.safetensors_io import SafetensorsDir
+        from jaxdist.hf.safetensors_io import INDEX, SINGLE, SafetensorsDir
 
-        names = SafetensorsDir(path).tensors
-        prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
+        # GPT-2's weights come with or without a "transformer." prefix; a directory of
+        # config.json alone (to plan or compile its architecture) has none to read.
+        if (path / INDEX).is_file() or (path / SINGLE).is_file():
+            names = SafetensorsDir(path).tensors
+            prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
     return HFModel(path, hf, architecture(hf, str(path)), config, vocab, prefix)
 
 

@@ -232,3 +232,43 @@ def test_remat_full_is_priced_as_a_second_forward(tmp_path):
     assert compute["dots"] / compute["none"] == pytest.approx((2_949_120 + attention) / 2_949_120)
     extra = 2 * 393_216 + attention
     assert compute["full"] / compute["none"] == pytest.approx((2_949_120 + extra) / 2_949_120)
+
+
+def test_a_plan_a_person_can_act_on(tmp_path, capsys, monkeypatch):
+    """A GPT-2 config.json alone is planned (no weights needed for an architecture); the plan
+    says the sequence length it priced, fits 100 columns with nothing cut, and prints (and
+    --json holds) the exact train command of its first choice, microbatches and remat
+    included, which parses as `jaxdist train` takes it."""
+    import shlex
+    import shutil
+
+    from jaxdist.cli import cmd_train
+    from jaxdist.cli.main import COMMANDS
+
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    shutil.copy("tests/fixtures/hf/gpt2/config.json", model / "config.json")
+    monkeypatch.setenv("COLUMNS", "100")
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", f"hf:{model}", "--hardware", "v5p-16", "--batch-size", "64"]
+    assert main([*args, "--axes", "pipeline,fsdp", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    best = result["layouts"][0]
+    assert all(len(line) <= 100 for line in printed.splitlines() if "jaxdist train" not in line)
+    assert "…" not in printed  # rich's ellipsis: no cell was cut
+    for row in result["layouts"]:
+        assert row["layout"] in printed
+    assert f"rows of {result['seq_len']:,} tokens (--seq-len)" in printed
+    command = result["command"]
+    assert command in printed and command.startswith("jaxdist train --model hf:")
+    argv = shlex.split(command)[1:]
+    for flag, value in (("--mesh", best["layout"]), ("--remat", best["remat"])):
+        assert argv[argv.index(flag) + 1] == value
+    assert argv[argv.index("--microbatches") + 1] == str(best["microbatches"])
+    assert argv[argv.index("--seq-len") + 1] == str(result["seq_len"])
+    import tyro
+
+    parsed = tyro.cli(COMMANDS["train"][0], args=argv[1:])
+    assert isinstance(parsed, cmd_train.Train) and parsed.step.microbatches == best["microbatches"]
+    assert "check it from this host: add --compile-only --target v5p-16" in printed

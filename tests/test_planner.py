@@ -404,3 +404,34 @@ def test_plan_and_compile_only_choose_one_policy_at_one_predicted_peak(
     assert report["fits"]
     # The plan prints the command that runs its choice, with every setting it assumed.
     assert row["microbatches"] == 1 and "--remat dots" in json.loads(out.read_text())["command"]
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_compile_only_exits_non_zero_when_the_program_does_not_fit(tmp_path):
+    """A step the TPU compiler accepts but whose peak is over what the chip gives a program:
+    a short table on stdout, the verdict on stderr, exit 1 (a script can tell)."""
+    step = ["--model", "tiny-llama", "--mesh", "fsdp=8", "--batch-size", "32768"]
+    r = cli("train", *step, "--seq-len", "2048", "--remat", "full", "--compile-only",
+            "--target", "v5p-16", "--json", str(tmp_path / "r.json"))  # fmt: skip
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert r.returncode == 1 and not report["fits"], r.stderr[-2000:]
+    assert report["per_device_bytes"]["peak_estimate"] > report["device_memory_bytes"]
+    assert "DOES NOT FIT" in r.stdout and "collectives per step" in r.stdout
+    assert "the step does not fit" in r.stderr
+
+
+def test_verify_recommends_the_first_layout_that_fits_once_compiled(monkeypatch):
+    """`--verify K`: a layout the compiler refuses or that does not fit is never the choice."""
+    from jaxdist.cli import cmd_plan
+    from jaxdist.planning import aot
+
+    verdicts = iter([False, True, True])
+    monkeypatch.setattr(aot, "verify", lambda *a: {"fits": next(verdicts)})
+    args = cmd_plan.Plan(model="tiny", hardware="cpu", devices=8, batch_size=16, verify=3)
+    result = plan(_model("tiny", "float32"), STANDARD_RULES, PlanConfig(8, "cpu", 16))
+    cmd_plan._verify(args, get_model_config("tiny", compute_dtype="float32"), result, [])
+    assert result["best"] == 1
+    verdicts = iter([False, False, False])
+    cmd_plan._verify(args, get_model_config("tiny", compute_dtype="float32"), result, [])
+    assert result["best"] is None
