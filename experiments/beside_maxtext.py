@@ -17,6 +17,9 @@ collective-permute x 1. jaxdist compiles each policy twice: with its one-way rin
 default) and with XLA's two-way rings, as MaxText compiles them (`--collective-matmul two-way`).
 About 32 minutes on 2 cores (each MaxText compile takes 2-3).
 
+A GQA model with a 128K vocabulary, the policy table alone (`--model llama3-8b --seq 4096 --rows
+2 --policies-only`, about 20 minutes; `llama2-7b` likewise).
+
 Long context (`--context 4 --seq 32768 --fraction-rows 0.25`): the sequence split over 4
 chips, fsdp over 2, both programs' all-gather strategy; one policy pair, about 5 minutes.
 """
@@ -33,7 +36,7 @@ import tempfile
 from jaxdist.planning import hlo
 
 # MaxText's model and the same model as a Hugging Face config for jaxdist (models/configs).
-MODELS = {"llama2-7b": "llama2-7b"}
+MODELS = {"llama2-7b": "llama2-7b", "llama3-8b": "llama3-8b"}
 # (MaxText remat_policy, jaxdist --remat) that keep the same things, row by row.
 POLICIES = [
     ("full", "full"),
@@ -135,6 +138,9 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--many-rows", type=int, default=47, help="rows per chip to check both at")
     p.add_argument("--search", action="store_true", help="search each program's most rows")
+    p.add_argument(
+        "--policies-only", action="store_true", help="the policy table alone (no auto, no rows)"
+    )
     p.add_argument("--json", default="experiments/results/beside_maxtext.json")
     p.add_argument(
         "--context",
@@ -164,6 +170,9 @@ def main() -> int:
             | dict(maxtext_collectives=_kinds(mt_coll), jaxdist_collectives=_kinds(our_coll))
         )
         print(json.dumps(out["policies"][-1]), flush=True)
+    if a.policies_only:
+        pathlib.Path(a.json).write_text(json.dumps(out, indent=1))
+        return 0
     auto_gb, _, auto_policy = jaxdist(a.model, "auto", a.rows, a.seq)
     out["auto"] = {"policy": auto_policy, "gb": auto_gb}
     # Rows per chip at each program's default (MaxText: full; jaxdist: auto), at --many-rows
