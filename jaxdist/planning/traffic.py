@@ -70,6 +70,23 @@ def _label(mesh: Mesh, axes) -> str:
     return "+".join(a for a in mesh.axis_names if a in axes and mesh.shape[a] > 1)
 
 
+class _Tally:
+    """Bytes per step by (axis label, kind), and how many collectives each key issues where
+    every source of it says so (the embedding lookup's, once per microbatch); None: one per
+    layer and microbatch."""
+
+    def __init__(self):
+        self.bytes: dict[tuple[str, str], float] = {}
+        self.counts: dict[tuple[str, str], float | None] = {}
+
+    def add(self, label: str, kind: str, nbytes: float, issued: float | None = None) -> None:
+        if label:
+            key = (label, kind)
+            self.bytes[key] = self.bytes.get(key, 0.0) + nbytes
+            before = self.counts.get(key, 0.0)
+            self.counts[key] = None if issued is None or before is None else before + issued
+
+
 def expected(
     abstract_params: nnx.State,
     mesh: Mesh,
@@ -92,17 +109,8 @@ def expected(
     one-way or two-way. `fused_loss`: the step's loss is jaxdist.kernels.fused_loss
     (loss_chunk_tokens > 0)."""
     collective_matmul_check(collective_matmul)
-    out: dict[tuple[str, str], float] = {}
-    # Collectives issued per step, by key, where every source of the key says how many it
-    # issues (the embedding lookup's, once per microbatch); None: one per layer and microbatch.
-    counts: dict[tuple[str, str], float | None] = {}
-
-    def add(label: str, kind: str, nbytes: float, issued: float | None = None) -> None:
-        if label:
-            key = (label, kind)
-            out[key] = out.get(key, 0.0) + nbytes
-            before = counts.get(key, 0.0)
-            counts[key] = None if issued is None or before is None else before + issued
+    tally = _Tally()
+    add = tally.add
 
     batch_axes = rules.mesh_axes("batch", "activation")
     seq_axes = rules.mesh_axes("seq", "activation")
@@ -147,16 +155,22 @@ def expected(
         add(_label(mesh, gather), "all-gather", uses * compute_size)
         axes = (gather, act_axes, set(batch_axes), set(seq_axes))
         _gradient(add, mesh, logical, axes, compute_size, microbatches, platform)
+    _activations(add, mesh, rules, partial_sums)
+    # Not modelled: scalar reductions (loss, norms), a few bytes that show as unexpected rows.
+    if messages is not None:
+        messages.update({k: n for k, n in tally.counts.items() if n})
+    return tally.bytes
+
+
+def _activations(add, mesh: Mesh, rules: AxisRules, partial_sums: list[PartialSum]) -> None:
+    """The model's activation traffic: each partial sum reduced (or buffer exchanged) across
+    the split of its `over` axis."""
     for ps in partial_sums:
         over = rules.mesh_axes(ps.over, "activation")
         named = [n for n in ps.logical if n is not None]
         spec_axes = {a for n in named for a in rules.mesh_axes(n, "activation")}
         size = math.prod(ps.shape) / ways(mesh.shape, spec_axes) * ps.dtype_bytes
         add(_label(mesh, over), ps.kind, ps.count * size)
-    # Not modelled: scalar reductions (loss, norms), a few bytes that show as unexpected rows.
-    if messages is not None:
-        messages.update({k: n for k, n in counts.items() if n})
-    return out
 
 
 def _passes(named, rerun: bool, tensor_split: bool) -> tuple[int, int]:
