@@ -3,8 +3,8 @@
 Stages of a step as they appear in `_loop`: (1) distribute work: the mesh layout, and each
 batch placed by the rules (`Attempt.place`); (2) compute and (4) synchronize: the jitted
 `train_step`; (3) move tensors: the collectives XLA compiled into it; (5) checkpoint and
-recover: async saves on an interval (`Attempt.save`), resume from the newest good checkpoint,
-preemption and non-finite steps.
+recover: async saves to each checkpoint tier when it is due (`Tiers.save_if_due`), resume from
+the newest good checkpoint, preemption and non-finite steps.
 
 `fit` checks everything and takes the run directory; one attempt at the run is then
 `open_attempt` (the record, the first state, the logs), `_loop` (the steps) and
@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from jaxdist.attempt import Attempt, close_attempt, open_attempt
+from jaxdist.attempt import Attempt, Run, close_attempt, open_attempt
 from jaxdist.checkpoint.lock import RunLock
 from jaxdist.checkpoint.preemption import PreemptionSignal
 from jaxdist.checkpoint.recovery import apply_nonfinite_policy
@@ -84,16 +84,13 @@ def fit(
         done = finished_step(run_dir, config.loop.steps)
         if done is not None:
             return _finished(run_dir, done, console)
-        prepared = jitted, batches, held_out
-        attempt, state = open_attempt(
-            model, mesh, rules, config, prepared, run_dir, console, record, init_state
-        )
+        run = Run(model, mesh, rules, config, jitted, batches, held_out, run_dir, console)
+        attempt, state = open_attempt(run, record, init_state)
         # From here, SIGTERM or Ctrl-C stops the run at the next step boundary, saved; a second
         # Ctrl-C ends it at once, the save in flight abandoned (end_now), also while the last
         # save commits in close_attempt.
-        stop = PreemptionSignal(
-            attempt.checkpointer.end_now, config.loop.term_grace, attempt.newest_checkpoint
-        )
+        tiers = attempt.tiers
+        stop = PreemptionSignal(tiers.checkpointer.end_now, config.loop.term_grace, tiers.newest)
         with stop as signal_flag:
             try:
                 return close_attempt(attempt, _loop(attempt, state, signal_flag))
@@ -179,11 +176,12 @@ def _progress(console: Console) -> Progress:
 def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] | None:
     """Steps a.start..steps-1, then the last evaluation; returns (step, signal) when a signal
     stopped the run after that step (saved), None when it ran to its end."""
-    loop, jitted, console = a.config.loop, a.jitted, a.console
-    eval_every = a.config.eval.eval_every or 0
+    run = a.run
+    loop, jitted, console = run.config.loop, run.jitted, run.console
+    eval_every = run.config.eval.eval_every or 0
     progress = _progress(console)
     preempted = None
-    pending: tuple[int, dict] | None = None
+    pending: tuple[int, dict, dict] | None = None
     a.ledger.mark("startup")
     with progress, a.watchdog:
         task = progress.add_task("compiling", total=loop.steps, completed=a.start)
@@ -201,20 +199,20 @@ def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] |
                 progress.update(task, completed=s, description=f"loss {rec['loss']:.3f}")
                 if not rec["finite"]:
                     rolled = apply_nonfinite_policy(
-                        loop.nonfinite, rec["step"], a.checkpointer, jitted, a.shapes, console
-                    )
+                        loop.nonfinite, rec["step"], a.tiers.checkpointer, jitted,
+                        a.tiers.shapes, console,
+                    )  # fmt: skip
                     if rolled is not None:  # drop the step in flight; resume past the bad batch
                         state, s, pending = rolled, rec["step"] + 1, None
                         continue
-            pending = (s, metrics)
-            a.count_mixture(s)
-            if a.held_out is not None and eval_every and (s + 1) % eval_every == 0:
+            # Step s's record carries the mixture's proportions up to and with its rows.
+            pending = (s, metrics, a.mixture.count(s))
+            if run.held_out is not None and eval_every and (s + 1) % eval_every == 0:
                 a.evaluate(state, s)
+            # Stage 5: each tier saves when it is due; the persistent one also saves the last
+            # step and the step a signal stops the run after.
             stop = signal_flag.stop_at(s)
-            if stop or a.due("persistent", s) or s == loop.steps - 1:
-                a.save(state, s)
-            elif a.local is not None and a.due("local", s):
-                a.save_local(state, s)
+            a.tiers.save_if_due(s, state, last=s == loop.steps - 1, stopping=stop)
             if stop:
                 preempted = (s, signal_flag.received)
                 break
@@ -224,9 +222,9 @@ def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] |
             if not rec["finite"]:
                 policy = "skip" if loop.nonfinite == "rollback" else loop.nonfinite
                 apply_nonfinite_policy(
-                    policy, rec["step"], a.checkpointer, jitted, a.shapes, console
+                    policy, rec["step"], a.tiers.checkpointer, jitted, a.tiers.shapes, console
                 )
         last_eval = eval_every and loop.steps % eval_every == 0
-        if a.held_out is not None and not preempted and not last_eval and a.start < loop.steps:
+        if run.held_out is not None and not preempted and not last_eval and a.start < loop.steps:
             a.evaluate(state, loop.steps - 1)
     return preempted

@@ -119,7 +119,7 @@ class Interval:
 
     def choose(self, step_time_s: float | None) -> dict | None:
         """For auto: the interval from the save costs measured and the step time, once both
-        are known (the first save, at the first step, comes before any step time is: the loop
+        are known (the first save, at the first step, comes before any step time is: Tiers
         asks again each step until it is); its inputs, to log."""
         if self.fixed is not None or not step_time_s or not self.blocked_s:
             return None

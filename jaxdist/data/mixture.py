@@ -69,3 +69,23 @@ class Draw:
             return np.zeros(self.batch_size, np.int64)
         u = np.random.default_rng([self.seed, step, _STREAM]).random(self.batch_size)
         return np.searchsorted(self.cumulative, u, side="right")
+
+
+class Tally:
+    """Rows drawn per source from step 0 (a resumed attempt counts the steps before its start
+    again): the realised proportions the loop logs with each step's record."""
+
+    def __init__(self, draw: Draw, names: list[str], start: int):
+        self.draw, self.names = draw, names
+        self.rows = np.zeros(len(names), np.int64)
+        for s in range(start) if len(names) > 1 else ():
+            self.rows += np.bincount(draw.sources(s), minlength=len(names))
+
+    def count(self, step: int) -> dict:
+        """Counts step's rows; the fields its record carries: the shares so far, under
+        "mixture" (none for a single source)."""
+        if len(self.names) < 2:
+            return {}
+        self.rows += np.bincount(self.draw.sources(step), minlength=len(self.rows))
+        shares = (self.rows / self.rows.sum()).tolist()
+        return {"mixture": dict(zip(self.names, shares, strict=True))}

@@ -15,7 +15,8 @@ class StepTimer:
     """Times each step from one finished step to the next, logs it, and feeds the watchdog.
 
     Step s's interval ends when its scalars arrive, which blocks only until s is done: s+1 is
-    already queued. Time the loop spent blocked in a save is excluded (`exclude`)."""
+    already queued. Time the loop spent between steps (a save, an evaluation) is excluded
+    (`exclude`)."""
 
     def __init__(self, model, data, loop, start, capture, watchdog, log, console, ledger):
         self.model, self.loop, self.start, self.ledger = model, loop, start, ledger
@@ -24,11 +25,13 @@ class StepTimer:
         self.peak = hardware.peak_flops(jax.devices()[0], loop.peak_tflops)
         self.step_times: list[float] = []  # steady-state steps only
         self.records: list[dict] = []
-        self.extra: dict = {}  # logged with each record (the mixture's realised proportions)
         self._t_prev = time.perf_counter()
 
     def exclude(self, seconds: float) -> None:
+        """Work between steps (a save, an evaluation) took `seconds`: not the next step's time,
+        and not a stall (the watchdog is told)."""
         self._t_prev += seconds
+        self.watchdog.alive()
 
     def p50(self) -> float | None:
         return float(np.median(self.step_times)) if self.step_times else None
@@ -42,7 +45,9 @@ class StepTimer:
             self.peak,
         )
 
-    def finish(self, s: int, metrics: dict) -> dict:
+    def finish(self, s: int, metrics: dict, extra: dict | None = None) -> dict:
+        """Step s's record, logged every log_every steps; `extra` joins it (the mixture's
+        realised proportions)."""
         values = {k: float(local_value(v)) for k, v in metrics.items()}
         now = time.perf_counter()
         dt, self._t_prev = now - self._t_prev, now
@@ -58,7 +63,7 @@ class StepTimer:
             "finite": bool(values["finite"]),
             "step_time_s": dt,
             **self.throughput(dt),
-            **self.extra,
+            **(extra or {}),
         }
         self.records.append(rec)
         # The recent median: bounded work per step, and it follows a run whose speed drifts.

@@ -1,0 +1,166 @@
+"""The checkpoint tiers of one attempt and when each saves (stage 5).
+
+A tier is a store the loop saves the train state to (`Tier`): the persistent one (Orbax, the
+run directory: jaxdist.checkpoint.store) and, with --local-checkpoint-dir, the node-local one
+(jaxdist.checkpoint.local). `Tiers` owns both and their intervals (jaxdist.checkpoint.interval)
+and decides after each step which of them is due: the loop makes one call, `save_if_due`, as
+torchtitan's checkpointer does (`save(curr_step, last_step)`).
+"""
+
+import hashlib
+import pathlib
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import jax
+from rich.console import Console
+
+from jaxdist.checkpoint.interval import CheckpointConfig, Interval
+from jaxdist.checkpoint.local import LocalTier
+from jaxdist.checkpoint.resume import rerun_hint
+from jaxdist.checkpoint.store import Checkpointer
+from jaxdist.cluster.faults import Faults
+from jaxdist.metrics.goodput import Ledger
+from jaxdist.metrics.records import MetricsLog
+from jaxdist.metrics.steptimer import StepTimer
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A checkpoint store: `save` starts a save of `state` after `step` with its JSON `meta`
+    and returns the seconds the caller was blocked (the rest runs in the background); `steps`
+    are those committed, oldest first; `close` waits for the save in flight, then frees the
+    store's threads. How a tier restores is its own (the tiers differ in what they prove)."""
+
+    def save(self, step: int, state, meta: dict) -> float: ...
+
+    def steps(self) -> list[int]: ...
+
+    def read_meta(self, step: int) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+def open_stores(
+    config: CheckpointConfig, run_dir: pathlib.Path, faults: Faults
+) -> tuple[Checkpointer, LocalTier | None]:
+    """The persistent store and the local tier (None without --local-checkpoint-dir), opened
+    before the restore, which reads both."""
+    checkpointer = Checkpointer(run_dir / "checkpoints", config.keep, rerun_hint(run_dir), faults)
+    if config.local_dir is None:
+        return checkpointer, None
+    # A folder per run: runs sharing a node's disk never prune each other's checkpoints.
+    run = str(run_dir.resolve())
+    key = f"{run_dir.resolve().name}-{hashlib.sha1(run.encode()).hexdigest()[:8]}"
+    return checkpointer, LocalTier(pathlib.Path(config.local_dir) / key, keep=2)
+
+
+def close_stores(checkpointer: Checkpointer, local: LocalTier | None) -> None:
+    """Waits for the saves in flight to commit (the persistent one raises if it failed)."""
+    checkpointer.close()
+    if local is not None:
+        local.close()
+
+
+class _Scheduled(NamedTuple):
+    name: str  # as metrics.jsonl records it: "persistent" or "local"
+    store: Tier
+    interval: Interval
+
+
+class Tiers:
+    """Both checkpoint tiers of an attempt, their intervals, and the saves they made.
+
+    `save_if_due` saves to at most one tier after a step: the persistent one when its interval
+    is due, at the last step and when a signal stops the run; else the local one when its
+    interval is due. The loop's time blocked in a save is kept out of the step's time
+    (`StepTimer.exclude`) and counted as checkpoint time (the goodput ledger); each save and
+    each interval chosen is logged to metrics.jsonl."""
+
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        local: LocalTier | None,
+        config: CheckpointConfig,
+        meta: dict,
+        timer: StepTimer,
+        ledger: Ledger,
+        log: MetricsLog | None,
+        console: Console,
+    ):
+        self.checkpointer, self.local, self.meta = checkpointer, local, meta
+        self.timer, self.ledger, self.log, self.console = timer, ledger, log, console
+        n = jax.device_count()
+        self._persistent = _Scheduled("persistent", checkpointer, Interval(config, n))
+        self._local = None
+        if local is not None:
+            self._local = _Scheduled("local", local, Interval(config, n, tier="local"))
+        self.saves: list[float] = []  # the persistent tier's blocked seconds, for summary.json
+
+    @property
+    def shapes(self) -> dict[str, list[int]]:
+        """The parameter shapes every checkpoint of this run is checked against on restore."""
+        return self.meta["param_shapes"]
+
+    def resume(self, step: int, past: list[dict]) -> None:
+        """A resumed attempt does not save at once to learn the save cost: the earlier attempts
+        measured it (`past`: their records), and each interval is chosen from theirs once
+        steps are timed."""
+        for tier in self._scheduled():
+            tier.interval.resume(step, past, tier.name)
+
+    def save_if_due(self, step: int, state, *, last: bool, stopping: bool) -> float:
+        """Saves after `step` to the tier that is due, if one is; the seconds the loop was
+        blocked (0.0: no save). `last`: the run's last step; `stopping`: a signal stops the run
+        after this step. Both save to the persistent tier."""
+        if stopping or self._due(self._persistent, step) or last:
+            return self._save(self._persistent, step, state)
+        if self._local is not None and self._due(self._local, step):
+            return self._save(self._local, step, state)
+        return 0.0
+
+    def newest(self) -> str:
+        """The newest committed checkpoint, in words; from a directory listing alone, so that
+        a thread may ask while the loop is stuck (Orbax's own lists may be locked)."""
+        directory = self.checkpointer.directory
+        steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+        return f"checkpoint {steps[-1]}, the newest committed," if steps else "no checkpoint"
+
+    def close(self) -> None:
+        """Commits the last saves (the attempt's end)."""
+        with self.ledger.part("checkpoint"):
+            close_stores(self.checkpointer, self.local)
+
+    def _scheduled(self) -> list[_Scheduled]:
+        return [self._persistent] + ([self._local] if self._local is not None else [])
+
+    def _due(self, tier: _Scheduled, step: int) -> bool:
+        """Whether tier's save is due after step; an auto interval not yet chosen (the first
+        save came before any step time) is chosen as soon as the step time is known."""
+        interval = tier.interval
+        if interval.steps is None and interval.last_saved is not None:
+            self._log_interval(tier.name, step, interval.choose(self.timer.p50()))
+        return interval.due(step)
+
+    def _save(self, tier: _Scheduled, step: int, state) -> float:
+        # Wait for the step itself first: that wait is step time; the rest is the save's.
+        jax.block_until_ready(state)
+        with self.ledger.part("checkpoint"):
+            blocked = tier.store.save(step, state, self.meta)
+        if tier is self._persistent:
+            self.saves.append(blocked)
+        self.timer.exclude(blocked)  # the device idles while the loop is blocked: reported apart
+        if self.log:  # per save, so a run that is killed still leaves its save costs behind
+            self.log.write({"event": "save", "tier": tier.name, "step": step, "blocked_s": blocked})
+        self._log_interval(tier.name, step, tier.interval.observe(step, blocked, self.timer.p50()))
+        return blocked
+
+    def _log_interval(self, tier: str, step: int, chosen: dict | None) -> None:
+        if chosen and self.log:
+            self.log.write({"event": "checkpoint_interval", "tier": tier, "step": step, **chosen})
+            self.console.print(
+                f"{tier} checkpoint interval (Young-Daly): every {chosen['interval_steps']} "
+                f"steps = {chosen['interval_s']:.1f} s, from save cost "
+                f"{chosen['save_blocked_s'] * 1e3:.0f} ms and MTBF "
+                f"{chosen['mtbf_system_s'] / 3600:.1f} h",
+                highlight=False,
+            )

@@ -1,0 +1,119 @@
+"""When the checkpoint tiers save (jaxdist.checkpoint.tiers), decided by `Tiers` alone: stores
+that record what they are given stand in for Orbax and the local disk, so each case runs in
+milliseconds; the real stores are checked against the `Tier` protocol they share."""
+
+import io
+
+import jax.numpy as jnp
+from rich.console import Console
+
+from jaxdist.checkpoint.interval import CheckpointConfig
+from jaxdist.checkpoint.local import LocalTier
+from jaxdist.checkpoint.store import Checkpointer
+from jaxdist.checkpoint.tiers import Tier, Tiers
+from jaxdist.metrics.goodput import Ledger
+
+
+class Store:
+    def __init__(self, blocked_s: float):
+        self.blocked_s, self.saved, self.closed = blocked_s, [], False
+
+    def save(self, step, state, meta):
+        self.saved.append(step)
+        return self.blocked_s
+
+    def steps(self):
+        return list(self.saved)
+
+    def read_meta(self, step):
+        return {}
+
+    def close(self):
+        self.closed = True
+
+
+class Timer:
+    def __init__(self):
+        self.step_time_s, self.excluded = None, []
+
+    def p50(self):
+        return self.step_time_s
+
+    def exclude(self, seconds):
+        self.excluded.append(seconds)
+
+
+class Log:
+    def __init__(self):
+        self.records = []
+
+    def write(self, record):
+        self.records.append(record)
+
+    def __iter__(self):
+        return iter(self.records)
+
+
+def _tiers(config: CheckpointConfig, local: bool = True):
+    persistent, near = Store(0.5), Store(0.25) if local else None
+    timer, log = Timer(), Log()
+    meta = {"param_shapes": {}}
+    console = Console(file=io.StringIO())
+    tiers = Tiers(persistent, near, config, meta, timer, Ledger(), log, console)
+    return tiers, persistent, near, timer, log
+
+
+def _run(tiers, steps: int, stop_at: int | None = None) -> None:
+    for s in range(steps):
+        tiers.save_if_due(s, jnp.zeros(()), last=s == steps - 1, stopping=s == stop_at)
+        if s == stop_at:
+            return
+
+
+def test_the_real_stores_are_tiers(tmp_path):
+    checkpointer, local = Checkpointer(tmp_path / "p"), LocalTier(tmp_path / "l")
+    try:
+        assert isinstance(checkpointer, Tier) and isinstance(local, Tier)
+    finally:
+        checkpointer.close()
+        local.close()
+
+
+def test_fixed_intervals_one_tier_a_step_the_persistent_first():
+    config = CheckpointConfig(every="4", local_dir="unused", local_every="2")
+    tiers, persistent, local, timer, log = _tiers(config)
+    _run(tiers, 10)
+    # The local tier counts from its own last save; a step the persistent tier saves is not
+    # saved locally as well. The last step is always saved, to the persistent tier.
+    assert persistent.saved == [3, 7, 9] and local.saved == [1, 4, 6, 8]
+    assert tiers.saves == [0.5] * 3 and sorted(timer.excluded) == [0.25] * 4 + [0.5] * 3
+    saves = [(r["tier"], r["step"], r["blocked_s"]) for r in log if r["event"] == "save"]
+    assert saves[:2] == [("local", 1, 0.25), ("persistent", 3, 0.5)]
+    assert not any(r["event"] == "checkpoint_interval" for r in log)  # fixed: nothing chosen
+
+
+def test_a_signal_saves_to_the_persistent_tier_at_once():
+    tiers, persistent, local, _, _ = _tiers(CheckpointConfig(every="100", local_dir="x"))
+    _run(tiers, 50, stop_at=5)
+    assert persistent.saved == [5] and local.saved == [0]  # local auto: saves once to learn
+
+
+def test_an_auto_interval_is_chosen_once_the_step_time_is_known():
+    config = CheckpointConfig(every="auto", mtbf_hours_per_device=0.001)
+    tiers, persistent, _, timer, log = _tiers(config, local=False)
+    _run(tiers, 3)  # step 0 saves to learn the cost; no step time yet: nothing chosen
+    assert persistent.saved == [0, 2] and not [r for r in log if r["event"] != "save"]
+    timer.step_time_s = 0.1
+    tiers.save_if_due(3, jnp.zeros(()), last=False, stopping=False)
+    chosen = [r for r in log if r["event"] == "checkpoint_interval"]
+    assert chosen and chosen[0]["tier"] == "persistent" and chosen[0]["step"] == 3
+
+
+def test_a_resumed_attempt_takes_the_logged_costs_and_does_not_save_at_once():
+    config = CheckpointConfig(every="auto", local_dir="x")
+    tiers, persistent, local, timer, log = _tiers(config)
+    past = [{"event": "save", "tier": "persistent", "step": 7, "blocked_s": 0.5}]
+    tiers.resume(7, past)
+    tiers.save_if_due(8, jnp.zeros(()), last=False, stopping=False)
+    # The persistent tier knows its cost (no save to learn it); the local one logged none.
+    assert persistent.saved == [] and local.saved == [8]
