@@ -21,6 +21,7 @@ same 2(vm+p-1) ticks with p-s-1 fewer inputs held.
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -98,6 +99,10 @@ def _orders(kind: str, p: int, m: int, v: int) -> list[list[tuple[int, int, int]
     return orders
 
 
+# A schedule is a pure function of its four numbers, simulated tick by tick (milliseconds): the
+# planner asks for the same one for each term of each layout, so it is simulated once. Its
+# arrays are read-only.
+@functools.lru_cache(maxsize=512)
 def make_schedule(kind: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """Simulates the schedule tick by tick; with v virtual stages a microbatch runs through
     chunks 0..pv-1, chunk c on stage c % p (as its virtual stage c // p)."""
@@ -136,6 +141,8 @@ def make_schedule(kind: str, stages: int, microbatches: int, virtual_stages: int
         capacity = _live_max(ops_a, mbs_a, chunks_a, v)
     else:
         capacity = p if kind == "1f1b" else m
+    for a in (ops_a, mbs_a, chunks_a):
+        a.setflags(write=False)
     return Schedule(ops_a, mbs_a, chunks_a, capacity, v)
 
 

@@ -73,9 +73,16 @@ def _is_activation(label: str, layout: Layout) -> bool:
     return not set(label.split("+")) <= set(layout.batch_axes)
 
 
-def evaluate(layout: Layout, model: PlanModel, hw: Hardware, efficiency: float | None = None):
-    """Predicted memory and step time of one layout, `model` at the layout's remat policy."""
-    mem = memory.device_peak(model, layout, hw.platform)
+def evaluate(
+    layout: Layout,
+    model: PlanModel,
+    hw: Hardware,
+    efficiency: float | None = None,
+    mem: dict | None = None,
+):
+    """Predicted memory and step time of one layout, `model` at the layout's remat policy
+    (`mem`: its memory, where the caller priced it already)."""
+    mem = mem or memory.device_peak(model, layout, hw.platform)
     issued: dict = {}
     expected = traffic.layout_bytes(model, layout, hw.platform, issued)
     tokens = layout.batch_size * layout.seq_len
@@ -123,7 +130,6 @@ def evaluate(layout: Layout, model: PlanModel, hw: Hardware, efficiency: float |
         "comm_bytes": sum(expected.values()),
         "by_axis": by_axis,
         "expected": {f"{label}|{kind}": b for (label, kind), b in expected.items()},
-        "step": layout.step,
     }
 
 
@@ -143,11 +149,15 @@ def price(
     def layout(policy: str) -> Layout:
         return layouts.layout_of(sizes, rules, cfg, seq_len, policy)
 
+    priced = {}
+
     def peak_of(policy: str) -> float:
-        return memory.device_peak(by_policy[policy], layout(policy), hw.platform)["peak"]
+        priced[policy] = memory.device_peak(by_policy[policy], layout(policy), hw.platform)
+        return priced[policy]["peak"]
 
     choice = fit.choose(list(by_policy), peak_of, hw.memory_bytes, hw.platform)
-    return evaluate(layout(choice.policy), by_policy[choice.policy], hw, cfg.compute_efficiency)
+    best = by_policy[choice.policy]
+    return evaluate(layout(choice.policy), best, hw, cfg.compute_efficiency, priced[choice.policy])
 
 
 def plan(models: PlanModel | Sequence[PlanModel], rules: AxisRules, cfg: PlanConfig) -> dict:
