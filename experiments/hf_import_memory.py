@@ -89,7 +89,7 @@ def measure(directory: str, mesh_spec: str) -> dict:
     from models.hf import load, open_model
     from models.transformer import Transformer
 
-    model = open_model(f"hf:{directory}")
+    model = open_model(pathlib.Path(directory))
     mesh = build_mesh(parse_mesh(mesh_spec))
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(model.config, nnx.Rngs(0))))
     shardings = dict(

@@ -17,9 +17,12 @@ memory); one that has not is called for its logits. Optional, for pipeline paral
 """
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from flax import nnx
+
+if TYPE_CHECKING:
+    from jaxdist.inference.generate import Decoder
 
 
 class ModelSpec(NamedTuple):
@@ -29,6 +32,12 @@ class ModelSpec(NamedTuple):
     vocab_size: int
     flops_per_token: float  # training FLOPs per token, for MFU
     config: Any = None  # a dataclass, recorded in the run directory
+    # For generation (jaxdist/inference/generate.py): compute dtype -> the model run with a KV
+    # cache. None: the model has no decoder.
+    decoder: Callable[[str], "Decoder"] | None = None
+    # The sizes the tensor mesh axis splits, each a multiple of its ways: generation takes the
+    # widest tensor axis they allow (jaxdist/hf/generation.py). (): none.
+    tensor_dims: tuple[int, ...] = ()
 
 
 class Stages(NamedTuple):

@@ -9,6 +9,8 @@ is laid out by logical axes like every activation: rows over the batch axes, kv 
 tensor axis.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -28,6 +30,13 @@ def check(c: TransformerConfig) -> None:
         # Dispatch's capacity is sized for training batches: one token's experts could overflow
         # it. Dense runs every expert; decoding reads all their weights either way.
         raise ConfigError("generation with mixture-of-experts layers needs moe_impl dense")
+
+
+def generating(c: TransformerConfig, compute_dtype: str) -> TransformerConfig:
+    """`c` as generation computes it: in `compute_dtype`, MoE layers dense (every token reaches
+    its experts, as in transformers)."""
+    moe_impl = "dense" if c.num_experts else c.moe_impl
+    return dataclasses.replace(c, compute_dtype=compute_dtype, moe_impl=moe_impl)
 
 
 def decoder(c: TransformerConfig) -> Decoder:

@@ -5,6 +5,7 @@ our stacked, fused parameters a device's shard at a time (models/hf_pieces.py ma
 Legend: as models/transformer.py.
 """
 
+import dataclasses
 import math
 import pathlib
 from typing import NamedTuple
@@ -12,7 +13,8 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxdist.errors import ConfigError
-from models.hf_config import (  # noqa: F401 (the family's and the tests' names for them)
+from jaxdist.model import ModelSpec
+from models.hf_config import (  # noqa: F401 (the adapter's and the tests' names for them)
     SUPPORTED,
     architecture,
     config_from_hf,
@@ -20,6 +22,7 @@ from models.hf_config import (  # noqa: F401 (the family's and the tests' names 
     read_config,
 )
 from models.hf_pieces import Piece, export_pieces, hf_tensor, layered, pieces  # noqa: F401
+from models.presets import model_spec
 from models.transformer import TransformerConfig, _param_shapes
 
 # Non-weights that some saved checkpoints carry: attention-mask and RoPE buffers.
@@ -28,7 +31,7 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 class HFModel(NamedTuple):
     """A local Hugging Face model directory, read: its config.json as ours and what export
-    and generation need to give it back."""
+    and generation need to give it back (jaxdist.hf.adapter.OpenedModel)."""
 
     path: pathlib.Path
     hf_config: dict
@@ -36,6 +39,10 @@ class HFModel(NamedTuple):
     config: TransformerConfig
     vocab_size: int  # the model's own, before padding
     prefix: str  # GPT-2 checkpoints come with "transformer." or without
+
+    @property
+    def spec(self) -> ModelSpec:
+        return model_spec(self.config)
 
     def record(self) -> dict:
         return {
@@ -45,10 +52,26 @@ class HFModel(NamedTuple):
             "config": self.hf_config,
         }
 
+    def check_weights(self) -> None:
+        from jaxdist.hf.safetensors_io import SafetensorsDir
 
-def open_model(spec: str) -> HFModel:
-    """`hf:PATH` (or PATH): the model directory's config, read and checked (no weights yet)."""
-    path = pathlib.Path(spec.removeprefix("hf:"))
+        check_weights(self, SafetensorsDir(self.path).tensors)
+
+    def with_seq_len(self, seq_len: int) -> "HFModel":
+        # GPT-2 learned a position embedding for each of its n_positions, and no more; Llama's
+        # RoPE positions are computed, for any length its scaling allows (TransformerConfig).
+        learned = self.hf_config["n_positions"] if self.config.style == "gpt2" else None
+        if learned is not None and seq_len > learned:
+            raise ConfigError(
+                f"hf:{self.path} has learned positions for {learned} tokens only, fewer than "
+                f"{seq_len}"
+            )
+        return self._replace(config=dataclasses.replace(self.config, seq_len=seq_len))
+
+
+def open_model(path: pathlib.Path) -> HFModel:
+    """The model directory's config, read and checked (no weights yet)."""
+    path = pathlib.Path(path)
     hf = read_config(path)
     config, vocab = config_from_hf(hf, f"hf:{path.name}", str(path))
     prefix = ""

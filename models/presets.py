@@ -10,7 +10,9 @@ import pathlib
 
 from jaxdist.data import padded_vocab
 from jaxdist.errors import ConfigError
+from jaxdist.hf.source import hf_dir
 from jaxdist.model import ModelSpec
+from models import decode
 from models.transformer import Transformer, TransformerConfig
 
 BYTE_VOCAB = 256  # the embedded default corpus is read as bytes
@@ -72,12 +74,14 @@ PRESETS |= _published()
 
 def get_model_config(name: str, **overrides) -> TransformerConfig:
     """A preset with overrides, or `custom`: every size given in `overrides`; or hf:PATH, a
-    local Hugging Face model directory's architecture (its config.json; models/hf.py)."""
-    if name.startswith("hf:"):
-        from models.hf import open_model
+    local Hugging Face model directory's architecture (its config.json; models/hf_config.py)."""
+    path = hf_dir(name)
+    if path is not None:
+        from models.hf_config import config_from_hf, read_config
 
         try:
-            return dataclasses.replace(open_model(name).config, **overrides)
+            config, _ = config_from_hf(read_config(path), f"hf:{path.name}", str(path))
+            return dataclasses.replace(config, **overrides)
         except ValueError as e:
             raise ConfigError(f"--model {name}: {e}") from None
     if name == "custom":
@@ -111,7 +115,7 @@ def from_record(fields: dict) -> TransformerConfig:
 
 
 def model_spec(config: TransformerConfig) -> ModelSpec:
-    """What the training loop needs of this model."""
+    """What the training loop, generation and export need of this model."""
     return ModelSpec(
         name=config.name,
         init=lambda rngs: Transformer(config, rngs),
@@ -119,4 +123,7 @@ def model_spec(config: TransformerConfig) -> ModelSpec:
         vocab_size=config.vocab_size,
         flops_per_token=config.flops_per_token(),
         config=config,
+        decoder=lambda compute_dtype: decode.decoder(decode.generating(config, compute_dtype)),
+        # What the tensor axis splits (meshes/presets.py): kv heads (so heads), MLP, vocabulary.
+        tensor_dims=(config.num_kv_heads, config.d_mlp, config.vocab_size),
     )

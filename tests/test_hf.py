@@ -35,7 +35,7 @@ from jaxdist.inference.generate import SampleConfig, pick
 from jaxdist.rules import activation_rules, state_shardings
 from meshes.presets import STANDARD_RULES
 from models import hf
-from models.hf_family import FAMILY
+from models.hf_adapter import ADAPTER
 from models.transformer import Transformer
 from tests.helpers import mesh_for
 
@@ -52,7 +52,7 @@ def reference(name: str) -> dict[str, np.ndarray]:
 def load_on(name_or_path, layout: str):
     """A fixture model read into `layout`'s sharded arrays: (model, mesh, params dict)."""
     path = FIX / name_or_path if isinstance(name_or_path, str) else name_or_path
-    model = hf.open_model(f"hf:{path}")
+    model = hf.open_model(path)
     mesh = mesh_for(layout)
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(model.config, nnx.Rngs(0))))
     shardings = state_shardings(abstract, STANDARD_RULES, mesh)
@@ -110,17 +110,18 @@ def _source(name: str, layout: str = "data=2,fsdp=2,tensor=2"):
     model, mesh, params = load_on(name, layout)
     stops = eos_ids(model.hf_config, model.path)
     src = Source(
-        config=FAMILY.computing(model.config, "float32"),
+        spec=model.spec,
         params=params,
         mesh=mesh,
         rules=STANDARD_RULES,
+        compute_dtype="float32",
         vocab_size=model.vocab_size,
         eos_id=stops[0],
         tokenizer=model.path / "tokenizer.json",
         hf_config=model.hf_config,
         source_dir=model.path,
         dtype="float32",
-        family=FAMILY,
+        adapter=ADAPTER,
         eos_ids=stops,
     )
     return model, src
@@ -240,7 +241,7 @@ def test_unsupported_architecture_is_named(tmp_path):
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2MoeForCausalLM"]}))
     with pytest.raises(ConfigError, match="'Qwen2MoeForCausalLM' is not supported; supported: Ll"):
-        hf.open_model(f"hf:{d}")
+        hf.open_model(d)
 
 
 def test_missing_weight_files(tmp_path):
@@ -248,14 +249,14 @@ def test_missing_weight_files(tmp_path):
     (d / "model.safetensors").unlink()
     # config.json alone is an architecture (plan, compile, train from scratch), as for Llama;
     # its weights are asked for only where they are read.
-    assert hf.open_model(f"hf:{d}").config.style == "gpt2"
+    assert hf.open_model(d).config.style == "gpt2"
     with pytest.raises(ConfigError, match="holds no weights"):
         SafetensorsDir(d)
     (d / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors"}})
     )
     with pytest.raises(ConfigError, match="model-00001-of-00002.safetensors.*missing"):
-        hf.open_model(f"hf:{d}")
+        hf.open_model(d)
 
 
 def test_weight_shape_disagreeing_with_config(tmp_path):
@@ -283,7 +284,7 @@ def test_missing_and_unknown_weights(tmp_path):
 def test_run_dir_without_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="holds no checkpoint"):
-        check(str(tmp_path), FAMILY)
+        check(str(tmp_path), ADAPTER)
 
 
 def test_prompt_longer_than_context(capsys):
@@ -347,5 +348,5 @@ def test_models_without_a_hugging_face_form_are_refused():
 
 
 def test_generation_mesh_splits_kv_heads_then_data():
-    assert generation_mesh(check(f"hf:{FIX / 'llama-gqa'}", FAMILY), "cpu:8") == "data=4,tensor=2"
-    assert generation_mesh(check(f"hf:{FIX / 'gpt2'}", FAMILY), "cpu:8") == "data=2,tensor=4"
+    assert generation_mesh(check(f"hf:{FIX / 'llama-gqa'}", ADAPTER), "cpu:8") == "data=4,tensor=2"
+    assert generation_mesh(check(f"hf:{FIX / 'gpt2'}", ADAPTER), "cpu:8") == "data=2,tensor=4"

@@ -23,7 +23,7 @@ import pytest
 from jaxdist.cli.main import main
 from jaxdist.hf.source import check, load
 from meshes.presets import STANDARD_RULES
-from models.hf_family import FAMILY
+from models.hf_adapter import ADAPTER
 from tests.extras import TORCH_REFERENCE_MISSING, TORCH_REFERENCE_VAR, torch_reference
 from tests.helpers import losses, mesh_for
 from tests.test_hf import FIX, logits_of
@@ -78,12 +78,12 @@ def _fine_tune_args(name: str, tmp: pathlib.Path) -> list[str]:
 
 def _run_source(run: pathlib.Path, step: int | None = None):
     """The run's parameters on MESH, loaded as generate and export-hf load them."""
-    return load(check(str(run), FAMILY), mesh_for(MESH), STANDARD_RULES, "float32", step)
+    return load(check(str(run), ADAPTER), mesh_for(MESH), STANDARD_RULES, "float32", step)
 
 
 def _our_logits(run: pathlib.Path, ids: np.ndarray, vocab: int) -> np.ndarray:
     src = _run_source(run)
-    return logits_of(src.config, src.mesh, src.params, ids)[..., :vocab]
+    return logits_of(src.spec.config, src.mesh, src.params, ids)[..., :vocab]
 
 
 @pytest.fixture(scope="module")
@@ -369,11 +369,12 @@ def test_transformers_loads_each_architecture_export(transformers_exports, key):
     from tests.test_hf import _source
 
     model, src = _source(key.removesuffix("-base"))
-    ours = logits_of(src.config, src.mesh, src.params, transformers_exports.ids[key])[..., :300]
+    config = src.spec.config
+    ours = logits_of(config, src.mesh, src.params, transformers_exports.ids[key])[..., :300]
     chosen, theirs = transformers_exports.result(key)
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
     base = model.architecture if key.endswith("-base") else None
-    assert chosen == hf_architecture(src.config, base)
+    assert chosen == hf_architecture(config, base)
     assert chosen == model.architecture or key == "mistral"  # a window-less Mistral is a Llama
 
 

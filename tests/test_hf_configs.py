@@ -78,9 +78,9 @@ def test_dynamic_rope_only_within_its_original_context():
 
 def test_sliding_window_only_where_it_covers_the_context(tmp_path):
     d = pathlib.Path(shutil.copytree(FIX / "mistral", tmp_path / "mistral"))
-    assert hf.open_model(f"hf:{d}").config.seq_len == 64  # window 64 = the context: accepted
+    assert hf.open_model(d).config.seq_len == 64  # window 64 = the context: accepted
     (d / "config.json").write_text(json.dumps({**_config("mistral"), "sliding_window": 32}))
-    assert hf.open_model(f"hf:{d}").config.seq_len == 32  # the longest full attention equals
+    assert hf.open_model(d).config.seq_len == 32  # the longest full attention equals
     assert get_model_config(f"hf:{d}", seq_len=16).seq_len == 16
     with pytest.raises(ConfigError, match="sliding-window attention is not supported.*32 tokens"):
         get_model_config(f"hf:{d}", seq_len=64)
@@ -93,7 +93,7 @@ def test_sliding_window_only_where_it_covers_the_context(tmp_path):
 
 def test_each_architecture_as_ours():
     def of(name):
-        return hf.open_model(f"hf:{FIX / name}").config
+        return hf.open_model(FIX / name).config
 
     qwen2, qwen3, mixtral, qmoe = of("qwen2"), of("qwen3"), of("mixtral"), of("qwen3-moe")
     assert (qwen2.attention_bias, qwen2.out_bias, qwen2.tie_embeddings) == (True, False, True)
@@ -137,7 +137,7 @@ def test_mixtral_dispatch_without_drops_equals_transformers():
 def test_head_dim_follows_the_width_unless_set():
     tiny = get_model_config("tiny-llama", d_model=256)
     assert (tiny.head_dim, tiny.head_dim_override) == (64, 0)  # 256 / 4, not the preset's 32
-    qwen3 = hf.open_model(f"hf:{FIX / 'qwen3'}").config
+    qwen3 = hf.open_model(FIX / "qwen3").config
     padding = (384 - 300) * 32 * 2  # the padded vocabulary's rows, embedding and head
     assert qwen3.num_params() == sum(v.size for v in _weights("qwen3").values()) + padding
 
@@ -149,7 +149,7 @@ def _weights(name: str) -> dict:
 
 
 def test_a_recorded_config_loads_back():
-    c = hf.open_model(f"hf:{FIX / 'llama31'}").config
+    c = hf.open_model(FIX / "llama31").config
     recorded = json.loads(json.dumps(dataclasses.asdict(c)))  # as a run's config.json holds it
     assert from_record(recorded) == c and hash(from_record(recorded)) == hash(c)
     older = {k: v for k, v in recorded.items() if k not in ("rope_scaling", "qk_norm")}

@@ -1,6 +1,6 @@
 """`jaxdist export-hf` and `jaxdist generate`: Hugging Face models out, and text out of a model
 (a run's checkpoint or hf:PATH). The work is the library's (jaxdist/hf/: source, export,
-generation); this wires the transformer's family (models/hf_family.py) and the mesh into it.
+generation); this wires the transformer's adapter (models/hf_adapter.py) and the mesh into it.
 """
 
 import dataclasses
@@ -12,8 +12,8 @@ import tyro
 
 from jaxdist.cli.options import DEFAULT_CACHE, MESH_HELP, Common, setup
 from jaxdist.errors import ConfigError
-from jaxdist.hf.source import Checked, check, load
-from models.hf_family import FAMILY
+from jaxdist.hf.source import Checked, check, hf_dir, load
+from models.hf_adapter import ADAPTER
 
 GENERATE_MESH_HELP = MESH_HELP.partition("; auto:")[0] + (
     "; auto: the kv heads over as many devices as divide them (tensor), the rest data (FSDP "
@@ -74,9 +74,9 @@ def export_hf(args: ExportHF) -> int:
         raise ConfigError(f"--shard-size-mb {args.shard_size_mb} must be at least 1")
     if pathlib.Path(args.out_dir).exists():
         raise ConfigError(f"{args.out_dir} exists; export-hf writes a new directory, pass another")
-    if args.run_dir.startswith("hf:"):
+    if hf_dir(args.run_dir) is not None:
         raise ConfigError("export-hf exports a run directory; hf:PATH already is a HF model")
-    checked = check(args.run_dir, FAMILY)  # before any device starts
+    checked = check(args.run_dir, ADAPTER)  # before any device starts
     src = _load(checked, args.mesh, args.devices, args.compile_cache, args.step)
     files = export(src, pathlib.Path(args.out_dir), args.dtype, args.shard_size_mb << 20)
     import jax
@@ -95,8 +95,8 @@ def generate(args: Generate) -> int:
     sample.validate()
     if not args.prompt:
         raise ConfigError('pass the text to continue with --prompt "..."')
-    check_prompt(args.source, FAMILY, args.prompt)  # hf:PATH: before anything is loaded
-    checked = check(args.source, FAMILY)  # before any device starts
+    checked = check(args.source, ADAPTER)  # before any device starts
+    check_prompt(checked, args.prompt)  # hf:PATH: before anything is loaded
     mesh = args.mesh if args.mesh != "auto" else generation_mesh(checked, args.devices)
     check_unsplit(STANDARD_RULES, get_mesh_preset(mesh).mesh.sizes())
     src = _load(checked, mesh, args.devices, args.compile_cache)

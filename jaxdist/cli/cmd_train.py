@@ -9,6 +9,7 @@ from jaxdist.checkpoint.interval import CheckpointConfig
 from jaxdist.cli.options import Common, check_host_memory, setup
 from jaxdist.cluster.join import DistributedConfig
 from jaxdist.config import EvalConfig, LoopConfig
+from jaxdist.hf.source import hf_dir
 from jaxdist.optim import OptimConfig
 
 
@@ -54,10 +55,9 @@ def run(args: Train) -> int:
     args.eval.validate()
     init = None
     if args.init_from:
-        from jaxdist.hf.init_from import init_from
-        from models.hf_family import FAMILY
+        from jaxdist.cli.pretrained import init_from
 
-        args, init = init_from(FAMILY, args)
+        args, init = init_from(args)
     mesh, layout, model_cfg, args = setup(
         args,
         profiling=bool(args.loop.profile or args.loop.watch_comm),
@@ -75,11 +75,13 @@ def run(args: Train) -> int:
     # The data decides the vocabulary (setup gave the model the data's; the preset's is for
     # bytes or GPT-2's tokens); a pretrained architecture keeps its own, checked here.
     vocab_size, eos_id = data_vocab(args.data)
-    if args.model.startswith("hf:"):
-        from jaxdist.hf.init_from import hf_vocab
-        from models.hf_family import FAMILY
+    hf_path = hf_dir(args.model)
+    if hf_path is not None:
+        from jaxdist.hf.init_from import check_data
+        from models.hf_adapter import ADAPTER
 
-        hf_vocab(FAMILY, args.model, args.data, vocab_size, init is not None)
+        hf_model = init or ADAPTER.open(hf_path)
+        check_data(hf_model, args.data, vocab_size, pretrained=init is not None)
     model = model_spec(model_cfg)
     if args.compile_only:
         from jaxdist.cli.compile_report import compile_only
@@ -94,10 +96,10 @@ def run(args: Train) -> int:
     if init is not None:  # the run's record names the weights it started from
         from jaxdist.hf.init_from import initial_state
         from jaxdist.hf.safetensors_io import SafetensorsDir
-        from models.hf_family import FAMILY
+        from models.hf_adapter import ADAPTER
 
         record["init_from"] = {**init.record(), "dtype": SafetensorsDir(init.path).dtype()}
-        first = initial_state(FAMILY, init, args.optim, args.loop.steps)
+        first = initial_state(ADAPTER, init, args.optim, args.loop.steps)
     loop.fit(model, mesh, layout.rules, config, record=record, init_state=first)
     return 0
 
@@ -105,8 +107,9 @@ def run(args: Train) -> int:
 def _own_vocab(name: str, model) -> int:
     """The vocabulary a model's own tokens use: a Hugging Face architecture's (before our
     padding to a multiple of 128), else the model's."""
-    if name.startswith("hf:"):
-        from models.hf_family import FAMILY
+    hf_path = hf_dir(name)
+    if hf_path is not None:
+        from models.hf_adapter import ADAPTER
 
-        return FAMILY.open(name).vocab_size
+        return ADAPTER.open(hf_path).vocab_size
     return model.vocab_size

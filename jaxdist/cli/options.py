@@ -12,6 +12,7 @@ import tyro
 from jaxdist import hardware
 from jaxdist.config import StepConfig
 from jaxdist.errors import ConfigError
+from jaxdist.hf.source import hf_dir
 from jaxdist.rules import ways
 from meshes.presets import PRESETS as MESH_PRESETS
 from models.presets import PRESETS as MODEL_PRESETS
@@ -90,7 +91,7 @@ class Common:
                     "llama --layers 24 --d-model 1024 --heads 16 --kv-heads 8 --d-mlp 4096 "
                     "--seq-len 2048 --vocab 32000"
                 )
-        elif self.model not in MODEL_PRESETS and not self.model.startswith("hf:"):
+        elif self.model not in MODEL_PRESETS and hf_dir(self.model) is None:
             raise ConfigError(
                 f"unknown model {self.model!r}; choose one of: {', '.join(MODEL_PRESETS)}, "
                 "custom, or hf:PATH"
@@ -195,7 +196,7 @@ def setup(
 def _with_data(args: Common, model_cfg, data: str | None):
     """The model with the data's vocabulary (jaxdist.data.batches.data_vocab), but for a
     pretrained architecture (`hf:`), which keeps its own."""
-    if data is None or args.model.startswith("hf:"):
+    if data is None or hf_dir(args.model) is not None:
         return model_cfg
     from jaxdist.data.batches import data_vocab
     from models.presets import with_data_vocab

@@ -44,7 +44,7 @@ def export(
         raise ConfigError(f"{out_dir} exists; export-hf writes a new directory, pass another")
     dtype = dtype or src.dtype
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
-    tensors = {t.name: t for t in src.family.export_tensors(src.config, src.vocab_size)}
+    tensors = {t.name: t for t in src.adapter.to_hf(src.spec.config, src.vocab_size)}
     plan = [Planned(t.name, t.shape, np_dtype) for t in tensors.values()]
     last: dict = {}
 
@@ -81,7 +81,9 @@ def export(
 def _write_beside(src: Source, directory: pathlib.Path, dtype: str) -> None:
     """What goes beside the weights: config.json, generation_config.json (the source's, else
     EOS and BOS), and the tokenizer with the source's own files for it."""
-    config = src.family.export_config(src.config, src.vocab_size, src.hf_config, dtype, src.eos_id)
+    config = src.adapter.hf_config(
+        src.spec.config, src.vocab_size, src.hf_config, dtype, src.eos_id
+    )
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen_src = src.source_dir / "generation_config.json" if src.source_dir else None
     if gen_src is not None and gen_src.is_file():

@@ -1,13 +1,12 @@
 """Text from a model (a Source, jaxdist/hf/source.py): the prompt of a Hugging Face model
 checked before anything is loaded, the mesh generation runs on when none is given, the
-tokenizer, and the family's decoder run by jaxdist/inference/generate.py."""
+tokenizer, and the model's decoder (its ModelSpec's) run by jaxdist/inference/generate.py."""
 
 from typing import NamedTuple
 
 import numpy as np
 
 from jaxdist.errors import ConfigError
-from jaxdist.hf.family import ModelFamily
 from jaxdist.hf.source import TOKENIZER, Checked, Source
 from jaxdist.inference.generate import Generated, SampleConfig
 
@@ -18,20 +17,21 @@ class Text(NamedTuple):
     text: str  # the new ids decoded, EOS left out
 
 
-def check_prompt(source: str, family: ModelFamily, prompt: str) -> None:
+def check_prompt(checked: Checked, prompt: str) -> None:
     """hf:PATH: its tokenizer is there and the prompt fits its context, before anything is
     loaded (a run's tokenizer is known once its record is read, at load)."""
-    if not source.startswith("hf:"):
+    if checked.model is None:
         return
     from jaxdist.data.tokenizer import load
     from jaxdist.inference.generate import check_prompt as fits
 
-    model = family.open(source)
-    tok_path = model.path / TOKENIZER
+    tok_path = checked.model.path / TOKENIZER
     if not tok_path.is_file():
-        raise ConfigError(f"{model.path} has no {TOKENIZER}; generation needs its tokenizer")
+        raise ConfigError(
+            f"{checked.model.path} has no {TOKENIZER}; generation needs its tokenizer"
+        )
     ids = load(tok_path).encode(prompt).tolist()
-    fits(ids, family.model_spec(model.config).seq_len)
+    fits(ids, checked.spec.seq_len)
 
 
 def generation_mesh(checked: Checked, devices: str) -> str:
@@ -41,7 +41,7 @@ def generation_mesh(checked: Checked, devices: str) -> str:
 
     from jaxdist.mesh import setup_devices
 
-    dims = checked.family.tensor_dims(checked.config)
+    dims = checked.spec.tensor_dims or (1,)  # none: no tensor parallelism
     setup_devices(devices)
     n = jax.device_count()
     t = max(d for d in range(1, n + 1) if n % d == 0 and all(x % d == 0 for x in dims))
@@ -59,7 +59,9 @@ def tokenizer(src: Source):
 def run_generation(src: Source, prompt_ids: list[int], sample: SampleConfig) -> Generated:
     from jaxdist.inference.generate import generate
 
-    decoder = src.family.decoder(src.config)
+    if src.spec.decoder is None:
+        raise ConfigError(f"{src.spec.name} has no decoder (ModelSpec.decoder): it cannot generate")
+    decoder = src.spec.decoder(src.compute_dtype)
     return generate(
         decoder, src.params, src.rules, src.mesh, prompt_ids, sample, src.vocab_size, src.stop_ids()
     )

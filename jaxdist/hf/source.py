@@ -3,7 +3,8 @@
 one; with the vocabulary, EOS and tokenizer that go with it.
 
 `check` finds everything a user can get wrong before any device starts; `load` then puts the
-checked source on a mesh. What is model-specific comes from a ModelFamily (jaxdist/hf/family.py).
+checked source on a mesh. What is model-specific comes from an HFAdapter (jaxdist/hf/adapter.py)
+and the model's ModelSpec. `hf_dir` alone decides which model names are Hugging Face directories.
 """
 
 import json
@@ -11,25 +12,34 @@ import pathlib
 from typing import Any, NamedTuple
 
 from jaxdist.errors import ConfigError
-from jaxdist.hf.family import ModelFamily, OpenedModel
+from jaxdist.hf.adapter import HFAdapter, OpenedModel
+from jaxdist.model import ModelSpec
 
 TOKENIZER = "tokenizer.json"
+_HF = "hf:"
+
+
+def hf_dir(name: str) -> pathlib.Path | None:
+    """PATH of a model named hf:PATH, a local Hugging Face model directory; None for any other
+    name (a preset, custom, a run directory)."""
+    return pathlib.Path(name.removeprefix(_HF)) if name.startswith(_HF) else None
 
 
 class Source(NamedTuple):
-    """A model ready to use: its config, parameters on the mesh, and its vocabulary."""
+    """A model ready to use: its spec, parameters on the mesh, and its vocabulary."""
 
-    config: Any  # the family's config, as this platform computes it
+    spec: ModelSpec
     params: dict  # name -> global jax array
     mesh: Any
     rules: Any
+    compute_dtype: str  # what generation computes in on this platform
     vocab_size: int  # the real vocabulary (ids past it are padding)
     eos_id: int | None  # the EOS (a run's documents' separator; export's config.json)
     tokenizer: pathlib.Path | None  # tokenizer.json; None: UTF-8 bytes
     hf_config: dict | None  # the Hugging Face config the model came from
     source_dir: pathlib.Path | None  # the Hugging Face directory it came from
     dtype: str  # the source weights' dtype
-    family: ModelFamily
+    adapter: HFAdapter
     eos_ids: tuple[int, ...] = ()  # the other ids that end generation (a model's EOS list)
 
     def stop_ids(self) -> tuple[int, ...]:
@@ -42,9 +52,9 @@ class Checked(NamedTuple):
     """A source found usable, nothing loaded yet."""
 
     source: str  # RUN_DIR or hf:PATH
-    family: ModelFamily
-    config: Any  # the family's config of the model
-    model: OpenedModel | None  # hf:PATH, opened
+    adapter: HFAdapter
+    spec: ModelSpec
+    model: OpenedModel | None  # hf:PATH, opened, its weights checked
     record: dict | None  # RUN_DIR's config.json
 
 
@@ -85,14 +95,13 @@ def eos_id(hf: dict, directory: pathlib.Path | None) -> int | None:
     return next(iter(eos_ids(hf, directory)), None)
 
 
-def check(source: str, family: ModelFamily) -> Checked:
+def check(source: str, adapter: HFAdapter) -> Checked:
     """What can be wrong with the source, found before any device starts."""
-    if source.startswith("hf:"):
-        from jaxdist.hf.safetensors_io import SafetensorsDir
-
-        model = family.open(source)
-        family.check_weights(model, SafetensorsDir(model.path).tensors)
-        return Checked(source, family, model.config, model, None)
+    path = hf_dir(source)
+    if path is not None:
+        model = adapter.open(path)
+        model.check_weights()
+        return Checked(source, adapter, model.spec, model, None)
     run_dir = pathlib.Path(source)
     record = read_record(run_dir)
     steps = [p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
@@ -100,71 +109,70 @@ def check(source: str, family: ModelFamily) -> Checked:
         raise ConfigError(
             f"{run_dir} holds no checkpoint; train it first (jaxdist train --run-dir {run_dir})"
         )
-    return Checked(source, family, family.from_record(record.get("model", {})), None, record)
+    return Checked(source, adapter, adapter.from_record(record.get("model", {})), None, record)
 
 
 def load(checked: Checked, mesh, rules, compute_dtype: str, step: int | None = None) -> Source:
     """The checked source's parameters on `mesh` as `rules` lay them out; a run's checkpoint of
-    `step` (default: the newest good one)."""
-    family = checked.family
-    config = family.computing(checked.config, compute_dtype)
-    model = checked.model
+    `step` (default: the newest good one); generation computes in `compute_dtype`."""
+    adapter, spec, model = checked.adapter, checked.spec, checked.model
     if model is not None:
         from jaxdist.hf.safetensors_io import SafetensorsDir
 
-        params = family.load(model, _targets(family, config, mesh, rules))
+        params = adapter.from_hf(model, _targets(spec, mesh, rules))
         tok = model.path / TOKENIZER
         stops = eos_ids(model.hf_config, model.path)
         return Source(
-            config,
+            spec,
             params,
             mesh,
             rules,
+            compute_dtype,
             model.vocab_size,
             stops[0] if stops else None,
             tok if tok.is_file() else None,
             model.hf_config,
             model.path,
             SafetensorsDir(model.path).dtype(),
-            family,
+            adapter,
             stops,
         )
-    run_dir, record, spec = pathlib.Path(checked.source), checked.record, family.model_spec(config)
+    run_dir, record = pathlib.Path(checked.source), checked.record
     params = _restore_params(run_dir, record, spec, mesh, rules, step)
     init = record.get("init_from") or {}
     data = record.get("data_source") or {}
     vocab = data.get("vocab_size") or init.get("vocab_size") or spec.vocab_size
-    hf_dir = pathlib.Path(init["path"]) if init else None
+    init_dir = pathlib.Path(init["path"]) if init else None
     # The data's document separator, and whatever ends the source model's generation.
     stops = (data["eos_id"],) if data.get("eos_id") is not None else ()
     if init:
-        stops = tuple(dict.fromkeys(stops + eos_ids(init.get("config", {}), hf_dir)))
+        stops = tuple(dict.fromkeys(stops + eos_ids(init.get("config", {}), init_dir)))
     eos = stops[0] if stops else None
     return Source(
-        config,
+        spec,
         params,
         mesh,
         rules,
+        compute_dtype,
         min(vocab, init.get("vocab_size", vocab)),
         eos,
-        _run_tokenizer(record, hf_dir),
+        _run_tokenizer(record, init_dir),
         init.get("config"),
-        hf_dir,
+        init_dir,
         init.get("dtype", "float32"),
-        family,
+        adapter,
         stops,
     )
 
 
-def _targets(family: ModelFamily, config, mesh, rules) -> dict:
+def _targets(spec: ModelSpec, mesh, rules) -> dict:
     """name -> ShapeDtypeStruct with the sharding `rules` give the parameter on `mesh`."""
     import jax
     from flax import nnx
 
     from jaxdist.rules import state_shardings
 
-    init = family.model_spec(config).init
-    abstract = nnx.state(nnx.eval_shape(lambda: init(nnx.Rngs(0))))
+    abstract = nnx.state(nnx.eval_shape(lambda: spec.init(nnx.Rngs(0))))
     shardings = state_shardings(abstract, rules, mesh)
     flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
     by_path = dict(jax.tree_util.tree_flatten_with_path(shardings)[0])
@@ -174,12 +182,12 @@ def _targets(family: ModelFamily, config, mesh, rules) -> dict:
     }
 
 
-def _run_tokenizer(record: dict, hf_dir: pathlib.Path | None) -> pathlib.Path | None:
+def _run_tokenizer(record: dict, init_dir: pathlib.Path | None) -> pathlib.Path | None:
     data_path = (record.get("data") or {}).get("path")
     if data_path and (pathlib.Path(data_path) / TOKENIZER).is_file():
         return pathlib.Path(data_path) / TOKENIZER
-    if hf_dir is not None and (hf_dir / TOKENIZER).is_file():
-        return hf_dir / TOKENIZER
+    if init_dir is not None and (init_dir / TOKENIZER).is_file():
+        return init_dir / TOKENIZER
     return None
 
 
