@@ -166,8 +166,9 @@ def device_peak(model: PlanModel, layout: Layout, platform: str) -> dict[str, fl
     activations = (max(backward, once) if layout.stages > 1 else backward + once) + stash
     tpu_copies = _tpu_copies(inventory, layout, w, model) if platform == "tpu" else 0.0
     # A stage's backward tick gives its layers' gradients for a microbatch whole, stacked in
-    # the compute dtype, before they join the fp32 accumulators.
-    stage_grads = w.stage_layers * model.compute_bytes
+    # a 16-bit compute dtype, before they are cast into the fp32 accumulators (in fp32 they
+    # join them in place: no such buffer in XLA:CPU's assignment).
+    stage_grads = w.stage_layers * model.compute_bytes if model.compute_bytes < 4 else 0.0
     out = {
         "params": w.params,
         "optimizer": ADAM_MOMENTS * w.params,
