@@ -97,13 +97,16 @@ class EvalConfig:
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
     steps: int = 300
+    """steps the run trains to (a resumed run continues to it)"""
     log_every: int = 10
+    """steps between logged records (metrics.jsonl, TensorBoard, the console)"""
     run_dir: str | None = None
     """directory for config.json, metrics.jsonl, summary.json, checkpoints (none: a new
     runs/<time>); pass the same one again to resume"""
     peak_tflops: float | None = None
     """peak TFLOP/s per device for MFU, where the device kind is not known"""
     seed: int = 0
+    """seeds the model's initial weights and the data's order"""
     nonfinite: NonFinitePolicy = "skip"
     """on a NaN/Inf loss or gradient: skip the update, roll back to the last checkpoint and
     skip past the batch, or stop"""
@@ -113,6 +116,7 @@ class LoopConfig:
     """warn when exposed communication or sync passes this fraction of a step (profiles a
     few steps every --watch-every steps)"""
     watch_every: int = 100
+    """steps between --watch-comm's profiles"""
     hardware: str = "auto"
     """cost-model preset for profile reports (jaxdist.hardware); auto: the devices' own"""
     slow_step_factor: float = 10.0

@@ -18,6 +18,7 @@ class OptimConfig:
     learning_rate: Annotated[float, tyro.conf.arg(aliases=("--lr",))] = 3e-3
     """peak learning rate, reached after the warmup"""
     warmup_steps: int = 20
+    """steps of linear warmup from zero to the peak learning rate"""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """the learning rate's shape after the warmup"""
     decay_steps: int = 0
@@ -25,7 +26,9 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     """the learning rate decays to this share of its peak"""
     b1: float = 0.9
+    """AdamW's first-moment decay"""
     b2: float = 0.95
+    """AdamW's second-moment decay"""
     eps: float = 1e-8
     """Adam's epsilon"""
     weight_decay: float = 0.1

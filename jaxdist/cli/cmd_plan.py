@@ -52,6 +52,7 @@ class Plan(Common):
     compute_efficiency: float | None = None
     """one flat share of peak for every FLOP instead of the hardware's calibrated figures"""
     top: int = 10
+    """layouts shown, fastest first"""
     verify: int = 0
     """compile the top K layouts ahead of time (for TPU hardware a TPU topology, for H100/H200
     the GPU compiler (jaxdist[gpu-aot]), else fake CPU devices) and set XLA's memory and

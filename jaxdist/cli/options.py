@@ -41,11 +41,17 @@ class Common:
     """model family: gpt2 (LayerNorm, GELU, learned positions) or llama (RMSNorm, SwiGLU,
     RoPE); these size flags override a preset's, and define --model custom"""
     layers: int | None = None
+    """transformer layers"""
     d_model: int | None = None
+    """model width"""
     heads: int | None = None
+    """attention heads"""
     kv_heads: int | None = None
+    """key and value heads (grouped-query attention; default: --heads)"""
     d_mlp: int | None = None
+    """the MLP's hidden width"""
     seq_len: int | None = None
+    """tokens per row (the model's context; a Hugging Face model's may be shortened)"""
     vocab: int | None = None
     """vocabulary (tokenized data replaces it with its own, padded to a multiple of 128)"""
     mesh: Annotated[str, tyro.conf.arg(help=MESH_HELP)] = "auto"

@@ -45,7 +45,9 @@ class DistributedConfig:
     coordinator: str | None = None
     """HOST:PORT of process 0, for a multi-process run (else Slurm/MPI/K8s are detected)"""
     num_processes: int | None = None
+    """processes in the run (with --coordinator)"""
     process_id: int | None = None
+    """this process's index, 0 to N-1 (with --coordinator)"""
     heartbeat_timeout_s: Annotated[int, tyro.conf.arg(aliases=("--heartbeat-timeout",))] = 100
     """seconds of silence after which a peer process is declared dead"""
 
