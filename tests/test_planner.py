@@ -406,7 +406,28 @@ def test_plan_and_compile_only_choose_one_policy_at_one_predicted_peak(
     assert row["microbatches"] == 1 and "--remat dots" in json.loads(out.read_text())["command"]
 
 
-@pytest.mark.slow
+def test_a_compile_that_does_not_fit_prints_its_table_and_exits_1(capsys):
+    """The verdict on a report that does not fit (the compile itself: the study below): the
+    short table on stdout, one line on stderr, exit 1; a report that fits exits 0."""
+    from jaxdist.cli.compile_report import finish
+
+    report = {
+        "model": "m", "device_kind": "TPU v5p", "mesh": {"fsdp": 8}, "batch_size": 8,
+        "seq_len": 64, "remat": "full", "per_device_bytes": {"peak_estimate": 110e9},
+        "predicted_peak_bytes": 100e9, "device_memory_bytes": 102.8e9, "peak_gib": 102.4,
+        "usable_gib": 95.73, "device_gib": 95.73, "fits": False,
+        "collectives": [{"axis": "fsdp", "kind": "all-gather", "count": 3, "bytes": 2e9}],
+    }  # fmt: skip
+    assert finish(report, None) == 1
+    out, err = capsys.readouterr()
+    assert "DOES NOT FIT" in out and "collectives per step" in out and "2.000" in out
+    assert "the step does not fit: 102.4 GiB per device against 95.73 GiB" in err
+    assert all(len(line) <= 100 for line in out.splitlines())
+    assert finish(report | {"fits": True}, None) == 0
+
+
+# The same through a real compile for a TPU (about 30 s on CI's two cores): -m experiment.
+@pytest.mark.experiment
 @needs_tpu
 def test_compile_only_exits_non_zero_when_the_program_does_not_fit(tmp_path):
     """A step the TPU compiler accepts but whose peak is over what the chip gives a program:

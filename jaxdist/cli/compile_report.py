@@ -43,11 +43,17 @@ def compile_only(args, model_cfg, mesh, layout, vocab: tuple[int, int | None]) -
             "(a context axis splits long rows)"
         )
     report["remat"] = {"policy": tried[-1], "tried": tried} if auto else model_cfg.remat
-    if args.json == "-":
+    return finish(report, args.json)
+
+
+def finish(report: dict, json_path: str | None) -> int:
+    """The report as JSON (`json_path` "-": on stdout, else to that file) or the short table,
+    then the verdict: 0 where the program fits (or the device's memory is unknown), 1 not."""
+    if json_path == "-":
         print(json.dumps(report))
     else:
-        if args.json:
-            with open(args.json, "w") as f:
+        if json_path:
+            with open(json_path, "w") as f:
                 json.dump(report, f, indent=1)
         print_report(report, Console(width=100))
     if report.get("fits", True):
