@@ -9,7 +9,8 @@ The five stages of a step, and where each lives:
   3. move tensors      -> the collectives XLA inserts from the shardings; planning/traffic and
                           profiling/ read them back out of the program and the trace
   4. sync the update   -> step (the optimizer update on sharded state), optim
-  5. checkpoint        -> checkpoint/ (Orbax store, resume, Young-Daly interval, recovery)
+  5. checkpoint        -> checkpoint/ (tiers: the Orbax store and the node-local one, each
+                          saving when its Young-Daly interval is due; resume, recovery)
 Around them: metrics/ (what a run records), profiling/, cluster/, hf/, inference/, cli/.
 
 The loop that runs them is jaxdist.fit (jaxdist.train.fit). From a script (see

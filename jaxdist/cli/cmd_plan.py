@@ -193,7 +193,7 @@ def run(args: Plan) -> int:
     if args.verify:
         _verify(args, model_cfg, result, _targets(generation, gpu_target, devices))
     best = result["layouts"][result["best"]] if result["best"] is not None else None
-    result["command"] = train_command(args, best, hw) if best else None
+    result["command"] = train_command(args, best) if best else None
     result["check_target"] = check_target(result, hw) if best else None
     print_plan(result, console, args.wide)
     if args.verify:

@@ -15,10 +15,11 @@ from jaxdist.planning.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
 _SIZE_FLAGS = ("style", "layers", "d_model", "heads", "kv_heads", "d_mlp", "vocab")
 
 
-def train_command(args, row: dict, hw) -> str:
+def train_command(args, row: dict) -> str:
     """`jaxdist train` with every setting the plan assumed for this layout: the model and its
-    sizes, the mesh, the batch and sequence, the step's settings (microbatches always), the
-    remat policy; then how to check it from this host."""
+    sizes, the mesh, the batch and sequence, the step's settings (microbatches always, the
+    rest where not train's defaults), the dtype, kernel and MoE settings given, the remat
+    policy."""
     argv = ["jaxdist", "train", "--model", args.model]
     for attr in _SIZE_FLAGS:
         if getattr(args, attr) is not None:
@@ -37,6 +38,10 @@ def train_command(args, row: dict, hw) -> str:
     for attr in ("compute_dtype", "attention"):
         if getattr(args, attr) != "auto":
             argv += [_flag(attr), getattr(args, attr)]
+    if args.capacity_factor is not None:
+        argv += ["--capacity-factor", str(args.capacity_factor)]
+    if args.dropless:
+        argv.append("--dropless")
     argv += ["--remat", row["remat"]]
     return shlex.join(argv)
 
@@ -59,7 +64,7 @@ def _flag(attr: str) -> str:
 
 
 def _ms(s: float) -> str:
-    """Milliseconds in three significant digits (whole ones from 1,000)."""
+    """Milliseconds in three significant digits (whole ones from 100)."""
     ms = s * 1e3
     return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
 

@@ -42,7 +42,6 @@ class RematChoice:
     memory_bytes: float  # the device's
     platform: str
     predicted: dict[str, float]  # policy -> predicted peak per device, for each one tried
-    by: str = "planner"  # or "compiler", when XLA refused the planner's choice
 
     @property
     def fits(self) -> bool:
@@ -53,7 +52,7 @@ class RematChoice:
         gb = 1e9
         tried = ", ".join(f"{p} {b / gb:.1f} GB" for p, b in self.predicted.items())
         return (
-            f"remat auto: {self.policy} (chosen by the {self.by}; predicted per device: "
+            f"remat auto: {self.policy} (predicted per device: "
             f"{tried}; {usable(self.memory_bytes, self.platform) / gb:.1f} GB usable)"
         )
 
