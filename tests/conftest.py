@@ -9,8 +9,13 @@ import os
 import shutil
 import tempfile
 
-_SCRATCH = tempfile.mkdtemp(prefix="jaxdist-tests-")
-atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
+# One directory for the whole session: pytest-xdist's workers start after the controller has
+# imported this file, so they inherit it and share its caches (a program one worker compiled,
+# the other loads); the process that made it removes it.
+_SCRATCH = os.environ.get("JAXDIST_TEST_SCRATCH")
+if _SCRATCH is None:
+    _SCRATCH = os.environ["JAXDIST_TEST_SCRATCH"] = tempfile.mkdtemp(prefix="jaxdist-tests-")
+    atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
 # The CLI's persistent XLA compile cache (jaxdist/cli/options.py DEFAULT_CACHE), shared by the
 # session's subprocesses; matplotlib's font cache and config (breakdown.png); anything else
 # that follows the XDG base directories.
