@@ -93,7 +93,10 @@ class Attempt:
         run = self.run
         with self.ledger.part("eval"):
             loss = evaluate(
-                run.jitted, state.params, run.held_out, range(run.config.eval.eval_batches)
+                run.jitted,
+                run.jitted.weights(state),
+                run.held_out,
+                range(run.config.eval.eval_batches),
             )
         seconds = time.perf_counter() - t0
         self.timer.exclude(seconds)

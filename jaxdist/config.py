@@ -76,6 +76,67 @@ class StepConfig:
             )
 
 
+SyncDtype = Literal["float32", "bfloat16", "float8", "int8"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncConfig:
+    """How the groups of a `replica` mesh axis meet (DiLoCo, jaxdist.parallel.replica): each
+    trains alone on its block of every batch, and every `sync_every` steps an outer Nesterov
+    step moves the shared weights by the groups' mean change."""
+
+    sync_every: int = 32
+    """H: inner steps between two outer steps (of each fragment)"""
+    outer_lr: float = 0.7
+    """the outer Nesterov step's learning rate"""
+    outer_momentum: float = 0.9
+    """the outer step's Nesterov momentum (torch.optim.SGD(nesterov=True)); 0: plain SGD"""
+    sync_fragments: int = 1
+    """F: the layers in F strided groups (layer l in group l % F), one synced every H/F steps
+    in turn (Streaming DiLoCo); the other weights go with group 0"""
+    sync_delay: int = 0
+    """T: inner steps a fragment's exchange overlaps before it is applied (0: at once); the
+    groups then mix the new weights with what they learnt meanwhile (--sync-mix)"""
+    sync_mix: float = 0.5
+    """with --sync-delay: the share of the outer weights in each group's new weights"""
+    sync_dtype: SyncDtype = "float32"
+    """the type the exchange travels in: float32 and bfloat16 send the weights, the 8-bit
+    types the change since the last outer step with a float32 scale per row (each group then
+    keeps the outer weights: 4 bytes a parameter more); summed in float32"""
+
+    def validate(self, replicas: int, layers: int | None = None) -> None:
+        H, F, T = self.sync_every, self.sync_fragments, self.sync_delay
+        if H < 1:
+            raise ConfigError(f"--sync-every {H} must be at least 1 (steps between outer steps)")
+        if F < 1 or H % F:
+            raise ConfigError(
+                f"--sync-fragments {F} must divide --sync-every {H}: each fragment's turn is "
+                "H/F steps"
+            )
+        if layers is not None and layers % F:
+            raise ConfigError(
+                f"--sync-fragments {F} does not divide the model's {layers} layers; use a "
+                f"divisor of {layers}"
+            )
+        if not 0 <= T < H // F:
+            raise ConfigError(
+                f"--sync-delay {T} must be shorter than a fragment's turn (H/F = {H // F} "
+                f"steps): 0 to {H // F - 1}"
+            )
+        if not 0 < self.outer_lr:
+            raise ConfigError(f"--outer-lr {self.outer_lr} must be > 0")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"--outer-momentum {self.outer_momentum} must be in [0, 1)")
+        if not 0 < self.sync_mix <= 1:
+            raise ConfigError(f"--sync-mix {self.sync_mix} must be in (0, 1]")
+        if self.sync_dtype not in ("float32", "bfloat16", "float8", "int8"):
+            raise ConfigError(
+                f"--sync-dtype {self.sync_dtype!r}: choose float32, bfloat16, float8 or int8"
+            )
+        if replicas < 1:
+            raise ConfigError(f"replica={replicas} must be at least 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     eval_every: int | None = None
@@ -193,6 +254,8 @@ class RunConfig:
     loop: LoopConfig = LoopConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
+    sync: SyncConfig | None = None
+    """with a `replica` mesh axis: how its groups meet (None: no groups)"""
 
     def validate(self) -> None:
         self.optim.validate()
@@ -220,6 +283,10 @@ class Layout:
     """global rows per step (0: not known here, as in generation)"""
     seq_len: int = 0
     """tokens per row (0: not known here)"""
+    sync: SyncConfig | None = None
+    """the replica groups' outer step (DiLoCo); None: every step reduces every gradient"""
+    in_group: bool = False
+    """traced as one replica group's step (mapped over the `replica` axis)"""
 
     @classmethod
     def on(cls, mesh, rules: AxisRules, step: StepConfig = StepConfig(), **fields) -> "Layout":
@@ -233,6 +300,11 @@ class Layout:
     @property
     def devices(self) -> int:
         return math.prod(n for _, n in self.sizes)
+
+    @property
+    def replicas(self) -> int:
+        """M: groups that train alone between outer steps (the `replica` axis)."""
+        return self.mesh_shape.get("replica", 1)
 
     @property
     def stages(self) -> int:
@@ -282,6 +354,14 @@ class Layout:
 
     def batch_problem(self) -> str | None:
         """Why the batch cannot be split into its microbatches over the batch axes, or None."""
+        if self.sync is not None and not self.in_group:
+            M = self.replicas
+            if self.batch_size % M:
+                return (
+                    f"batch size {self.batch_size} does not split into the {M} replica groups' "
+                    f"blocks; use a multiple of {M}"
+                )
+            return self.group().batch_problem()
         m, n = self.step.microbatches, self.batch_ways
         if self.batch_size % m:
             return f"batch size {self.batch_size} is not divisible by {m} microbatches"
@@ -292,3 +372,8 @@ class Layout:
                 f"{'x'.join(self.batch_axes)}; use a batch size that is a multiple of {n * m}"
             )
         return None
+
+    def group(self) -> "Layout":
+        """The layout one replica group steps under: its block of the batch, the groups'
+        axis left to the caller (jaxdist.parallel.replica maps the step over it)."""
+        return dataclasses.replace(self, batch_size=self.batch_size // self.replicas, in_group=True)

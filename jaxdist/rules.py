@@ -165,10 +165,14 @@ def state_shardings(state: nnx.State, rules: AxisRules, mesh: Mesh) -> nnx.State
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=is_variable)
 
 
-def batch_sharding(rules: AxisRules, mesh: Mesh) -> NamedSharding:
-    """Where a [batch, seq + 1] token batch lives: split over the activation `batch` axes. The
+def batch_sharding(rules: AxisRules, mesh: Mesh, groups: bool = False) -> NamedSharding:
+    """Where a [batch, seq + 1] token batch lives: split over the activation `batch` axes
+    (with replica `groups`, over `replica` first: group r's rows are the r-th block). The
     sequence is split (context parallelism) only once inputs and targets are cut from it."""
-    return NamedSharding(mesh, rules.spec(("batch", None), "activation", "token batch"))
+    spec = rules.spec(("batch", None), "activation", "token batch")
+    if groups:
+        spec = PartitionSpec(("replica", *as_tuple(spec[0])), *spec[1:])
+    return NamedSharding(mesh, spec)
 
 
 def batch_ways(sharding: NamedSharding) -> int:

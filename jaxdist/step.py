@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdist.config import Layout, StepConfig
 from jaxdist.errors import ConfigError
 from jaxdist.kernels.loss import Vocab, model_loss, stage_loss
-from jaxdist.parallel import collective_matmul, context, pipeline
+from jaxdist.parallel import collective_matmul, context, pipeline, replica
 from jaxdist.rules import (
     AxisRules,
     activation_rules,
@@ -30,8 +30,9 @@ from jaxdist.rules import (
 
 class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: the number of updates applied so far
-    params: nnx.State
+    params: nnx.State  # with replica groups: each group's own, [M, ...]
     opt_state: Any
+    outer: Any = None  # with replica groups: their outer state (jaxdist.parallel.replica)
 
 
 def forward_loss(model, tokens_BT1, vocab: Vocab, document_mask: bool, chunk_tokens: int = 0):
@@ -106,7 +107,7 @@ def _update(
     params = jax.tree.map(keep, params, state.params)
     opt_state = jax.tree.map(keep, opt_state, state.opt_state)
     # state.step counts batches consumed (the data position), skipped or not.
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
     count = optax.tree_utils.tree_get_all_with_path(state.opt_state, "count")[0][1]
     metrics = {**extra, "grad_norm": grad_norm, "finite": finite, "lr": lr_schedule(count)}
     return new_state, metrics
@@ -169,6 +170,9 @@ class JittedStep(NamedTuple):
     num_params: int
     eval_fn: Callable[[nnx.State, jax.Array], jax.Array]
     layout: Layout
+    weights: Callable[[TrainState], nnx.State] = lambda state: state.params  # noqa: E731
+    """the model's weights in a state, laid out as `eval_fn` takes them (with replica
+    groups: the outer weights, as of the last outer step)"""
 
     def compile_abstract(self, batch_shape: tuple[int, int] | None = None) -> jax.stages.Compiled:
         """The step compiled ahead of time for abstract state and batch ([B, T+1] tokens; the
@@ -221,17 +225,13 @@ def _state_sharding(
     return TrainState(step=replicated, params=param_sharding, opt_state=opt_sharding), abstract_opt
 
 
-def _abstract_state(abstract_params, abstract_opt, sharding: TrainState) -> TrainState:
+def _abstract_state(shapes: TrainState, sharding: TrainState) -> TrainState:
     """Shapes, dtypes and shardings of the train state, nothing allocated."""
 
     def placed(a, s):
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
 
-    return TrainState(
-        jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.step),
-        jax.tree.map(placed, abstract_params, sharding.params),
-        jax.tree.map(placed, abstract_opt, sharding.opt_state),
-    )
+    return jax.tree.map(placed, shapes, sharding)
 
 
 def _pipeline_schedule(
@@ -267,6 +267,7 @@ def build(
     config, rules = layout.step, layout.rules
     config.validate()
     rules.validate(mesh.axis_names)
+    replica.check(layout)
     if layout.mesh_shape != dict(mesh.shape):
         raise ConfigError(f"a layout for mesh {layout.mesh_shape} built on mesh {dict(mesh.shape)}")
     if layout.seq_len:
@@ -274,26 +275,38 @@ def build(
     problem = layout.batch_problem()
     if problem:
         raise ConfigError(problem)
-    tokens_sharding = batch_sharding(rules, mesh)
+    tokens_sharding = batch_sharding(rules, mesh, layout.replicas > 1 and layout.sync is not None)
     abstract_model = nnx.eval_shape(lambda: init_model(nnx.Rngs(seed)))
     _check_documents(abstract_model, layout, vocab)
     graphdef, abstract_params = nnx.split(abstract_model)
     state_sharding, abstract_opt = _state_sharding(tx, abstract_params, rules, mesh)
     replicated = state_sharding.step
+    param_sharding = state_sharding.params
+    schedule = _pipeline_schedule(mesh, config, abstract_params)
+    step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab)
+    groups = layout.sync is not None
 
     def init() -> TrainState:
         params = nnx.state(init_model(nnx.Rngs(seed)))
+        if groups:
+            return TrainState(jnp.zeros((), jnp.int32), *replica.first_state(
+                params, tx.init(params), layout.replicas
+            ))  # fmt: skip
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
+    weights = JittedStep._field_defaults["weights"]
+    if groups:
+        where = replica.leaves(abstract_params, param_sharding, mesh, layout.sync.sync_fragments)
+        state_sharding = replica.sharding(state_sharding, where, layout.sync, mesh)
+        step = _grouped_step(step, layout, mesh, where)
+        weights = jax.jit(lambda state: state.outer.params, out_shardings=param_sharding)
     init_fn = jax.jit(init, out_shardings=state_sharding)
-    schedule = _pipeline_schedule(mesh, config, abstract_params)
-    step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab)
     # Held-out loss: the whole batch at once, no microbatches (the lookup weighs them).
     whole = dataclasses.replace(layout, step=dataclasses.replace(config, microbatches=1))
 
-    def traced_step(state, batch):
+    def traced_step(state, batch, act=None):
         with activation_rules(layout, mesh):
-            return step(state, batch)
+            return step(state, batch, act) if groups else step(state, batch)
 
     def eval_loss(params: nnx.State, tokens_BT1: jax.Array) -> jax.Array:
         with activation_rules(whole, mesh):
@@ -304,7 +317,7 @@ def build(
 
     eval_fn = jax.jit(
         eval_loss,
-        in_shardings=(state_sharding.params, tokens_sharding),
+        in_shardings=(param_sharding, tokens_sharding),
         out_shardings=replicated,
     )
     step_fn = jax.jit(
@@ -312,13 +325,28 @@ def build(
         in_shardings=(state_sharding, tokens_sharding),
         out_shardings=(state_sharding, replicated),
         donate_argnums=0,
+        static_argnums=2,
         compiler_options=collective_matmul.compiler_options(
             mesh.devices.flat[0].platform, config.collective_matmul
         ),
     )
-    abstract_state = _abstract_state(abstract_params, abstract_opt, state_sharding)
+    abstract_state = _abstract_state(jax.eval_shape(init), state_sharding)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
     return JittedStep(
         *(step_fn, init_fn, state_sharding, tokens_sharding, abstract_state, num_params),
-        *(eval_fn, layout),
+        *(eval_fn, layout, weights),
     )
+
+
+def _grouped_step(step, layout: Layout, mesh: Mesh, where):
+    """The step of replica groups: each group's own step, and the outer step's parts that
+    `act` (replica.action) asks for around it."""
+    inner = replica.grouped(step, layout, mesh)
+
+    def grouped_step(state: TrainState, tokens_BT1: jax.Array, act: replica.Action | None):
+        act = act or replica.Action()
+        return replica.outer_step(
+            state, act, where, layout.sync, mesh, lambda s: inner(s, tokens_BT1)
+        )
+
+    return grouped_step

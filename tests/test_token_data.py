@@ -260,7 +260,7 @@ def test_resume_on_other_data_is_refused_before_compiling(tmp_path, eval_runs, m
 
     monkeypatch.setattr("jaxdist.train.build", build)
     other = make_data(tmp_path, "other", random_docs(300, 9))
-    with pytest.raises(ConfigError, match="another model or data stream.*fingerprint"):
+    with pytest.raises(ConfigError, match="another model, data stream.*fingerprint"):
         _run(other, run, EvalConfig(eval_every=0), steps=8)
 
 

@@ -48,6 +48,9 @@ FIXED = (
     "data_source.fingerprint",  # the data itself, wherever it lies (data.path may move)
     "data_source.tokenizer",
     "data_source.sources",
+    # Replica groups: their number and rounds decide what each group's state is.
+    "mesh.replica",
+    "sync.sync_every",
 )
 # Bookkeeping, not configuration: never reported as changed.
 _UNREPORTED = ("versions", "cli", "loop.run_dir", "data_source.eos_id", "rules")
@@ -102,10 +105,11 @@ def compare_with_checkpoint(run_dir: pathlib.Path, record: dict) -> list[str]:
     ]
     if fixed:
         raise ConfigError(
-            f"{run_dir} holds a checkpoint (step {step}) of another model or data stream: "
-            f"{'; '.join(fixed)}. These decide what the model is and which batch each step "
-            "reads, so the run cannot resume with them changed: use a new --run-dir for a new "
-            "run, or give the old values to resume this one"
+            f"{run_dir} holds a checkpoint (step {step}) of another model, data stream or "
+            f"replica groups: {'; '.join(fixed)}. These decide what the model is, which batch "
+            "each step reads and what each group holds, so the run cannot resume with them "
+            "changed: use a new --run-dir for a new run, or give the old values to resume "
+            "this one"
         )
     return [
         f"{k} {old.get(k)!r} -> {new.get(k)!r}"

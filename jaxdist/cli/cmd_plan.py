@@ -17,7 +17,7 @@ from jaxdist.cli.plan_print import (
     train_command,
 )
 from jaxdist.errors import ConfigError
-from jaxdist.mesh import MESH_AXES
+from jaxdist.mesh import SEARCHED_AXES
 
 PLAN_HARDWARE_HELP = (
     f"hardware preset ({', '.join(hardware_table.PRESETS)}), or a Google Cloud TPU slice as "
@@ -46,7 +46,7 @@ class Plan(Common):
     """TPU multi-slice: this many --hardware slices (a Google Cloud name such as v5p-128),
     joined by DCN"""
     batch_size: Annotated[int, tyro.conf.arg(help="global batch in rows")] = 512
-    axes: str = ",".join(MESH_AXES)
+    axes: str = ",".join(SEARCHED_AXES)
     """mesh axes the planner may use (context splits the sequence: it ranks first only where
     rows are too few or too long)"""
     compute_efficiency: float | None = None

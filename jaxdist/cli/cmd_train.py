@@ -90,7 +90,9 @@ def run(args: Train) -> int:
             vocab_size = _own_vocab(args.model, model)
         return compile_only(args, model_cfg, mesh, layout, (vocab_size, eos_id))
     data = DataConfig(path=args.data, batch_size=args.batch_size, seed=args.loop.seed)
-    config = RunConfig(args.optim, data, args.step, args.loop, args.checkpoint, args.eval)
+    config = RunConfig(
+        args.optim, data, args.step, args.loop, args.checkpoint, args.eval, layout.sync
+    )
     record = {"cli": dataclasses.asdict(args)}
     first = None
     if init is not None:  # the run's record names the weights it started from

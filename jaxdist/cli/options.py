@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 import tyro
 
 from jaxdist import hardware
-from jaxdist.config import StepConfig
+from jaxdist.config import StepConfig, SyncConfig
 from jaxdist.errors import ConfigError
 from jaxdist.hf.source import hf_dir
 from jaxdist.rules import ways
@@ -60,6 +60,7 @@ class Common:
     batch_size: int | None = None
     """global batch in rows; default 16, or one row per device of the batch axes if more"""
     step: tyro.conf.OmitArgPrefixes[StepConfig] = StepConfig()
+    sync: tyro.conf.OmitArgPrefixes[SyncConfig] = SyncConfig()
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto: bfloat16 on GPU/TPU, float32 on CPU; parameters stay float32"""
     remat: Literal[("auto", "preset", *REMAT_POLICIES)] = "auto"  # type: ignore[valid-type]
@@ -102,6 +103,25 @@ class Common:
                 f"unknown model {self.model!r}; choose one of: {', '.join(MODEL_PRESETS)}, "
                 "custom, or hf:PATH"
             )
+
+    def sync_config(self) -> SyncConfig | None:
+        """The replica groups' sync settings where --mesh names a `replica` axis; None
+        without one (and then no sync flag may be given)."""
+        named = any(p.strip().startswith("replica=") for p in self.mesh.split(","))
+        if named:
+            return self.sync
+        changed = [
+            _flag(f.name)
+            for f in dataclasses.fields(SyncConfig)
+            if getattr(self.sync, f.name) != f.default
+        ]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(changed)} set(s) how replica groups meet, and --mesh {self.mesh} "
+                "has none: add replica=M to --mesh (e.g. --mesh replica=2,fsdp=4), or drop "
+                "the flag"
+            )
+        return None
 
     def model_overrides(self) -> dict:
         """The style and size flags given, as TransformerConfig fields (a custom model's
@@ -185,12 +205,14 @@ def setup(
     platform, target_devices = _target_devices(target, gpu_target)
     model_cfg = _with_data(args, model_config(args, platform), data)
     mesh, rules = _mesh(args.mesh, platform, gpu_target, target_devices)
+    sync = args.sync_config()
     if args.batch_size is None:
         batch_ways = ways(mesh.shape, rules.mesh_axes("batch", "activation"))
-        batch_size = max(16, batch_ways * args.step.microbatches)
+        groups = mesh.shape.get("replica", 1) if sync else 1
+        batch_size = max(16, groups * batch_ways * args.step.microbatches)
         args = dataclasses.replace(args, batch_size=batch_size)
     layout = Layout.on(
-        mesh, rules, args.step, batch_size=args.batch_size, seq_len=model_cfg.seq_len
+        mesh, rules, args.step, batch_size=args.batch_size, seq_len=model_cfg.seq_len, sync=sync
     )
     if args.remat == "auto":
         from jaxdist.cli.remat_auto import resolve

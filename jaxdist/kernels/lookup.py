@@ -57,7 +57,9 @@ def lookup(
     rules, mesh = active()
     here = entered()
     # Inside a pipeline's shard_map (manual axes) the stages look up in the gathered table.
-    inside = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    # So do replica groups: jax 0.11 cannot map a shard_map's transpose over them (vmap with
+    # spmd_axis_name), and the partitioner's own gather and scatter-add serve.
+    inside = bool(jax.sharding.get_abstract_mesh().manual_axes) or active_layout().in_group
     route = None
     if not (tied or inside):
         shapes = (table_VD.shape, ids_BT.shape)
@@ -88,6 +90,8 @@ def _scattered(shape_VD, ids_BT, g_BTD, logical) -> jax.Array:
     # Inside the pipeline's shard_map its manual axes are already per device, summed by that
     # shard_map's own transpose.
     token_axes, tokens = _token_split(rules, mesh.shape, manual)
+    if active_layout().in_group:
+        token_axes = set()
     used = [_only(e, set(mesh.axis_names) - manual) for e in rules.spec(logical, "activation")]
     if not token_axes:
         g_VD = constrain(jnp.zeros(shape_VD, g_BTD.dtype), logical).at[ids_BT].add(g_BTD)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from flax import nnx
 
 from jaxdist.config import Layout, StepConfig
-from jaxdist.mesh import MESH_AXES
+from jaxdist.mesh import SEARCHED_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ class PlanConfig:
     # The axes searched: all of them by default. A context split pays K/V traffic every layer,
     # priced here, so it ranks first only where it pays: rows too few to split over the
     # devices, or too long for their activations to fit.
-    axes: tuple[str, ...] = MESH_AXES
+    axes: tuple[str, ...] = SEARCHED_AXES
     compute_efficiency: float | None = None  # None: the hardware's calibrated rates
     max_layouts: int = 10
     mesh: tuple[tuple[str, int], ...] = ()  # price this one layout instead of enumerating

@@ -1,0 +1,381 @@
+"""Replica groups that train alone and meet every H steps: DiLoCo (arXiv:2311.08105) and its
+streaming form (arXiv:2501.18512), over the `replica` mesh axis.
+
+Stage 4, synchronize the update, moved: a step of M groups reduces its gradients inside each
+group only (the inner step: `grouped`, the plain step mapped over the groups), and every H
+steps the outer step moves the shared weights by the groups' mean change (`outer_step`). The
+overhead moves from communication (a gradient all-reduce over the slow axis every step) into
+computation (H inner steps each group spends on its own, slightly worse, gradient) and memory
+(the outer state). What each group holds and sends:
+
+- inner weights and optimizer state: its own, `[M, ...]` split over `replica` (one group's
+  per device: what data parallelism holds, 12 bytes a parameter with Adam);
+- float32 / bfloat16 sync: the outer weights and Nesterov momentum split over `replica` too
+  (each device 1/M of them: (12 + 8/M) / 12 of data parallelism's state). The outer step is a
+  reduce of the groups' weights onto their owner (`_up`: an all-to-all of the weights in the
+  sync type, summed in float32), the update on the owner, an all-gather back (`_down`);
+- 8-bit sync: the change since the last outer step is what travels, and forming it needs the
+  outer weights where each group trains: every group keeps them (4 bytes a parameter), the
+  momentum stays split. Up: the change in 8 bits with a float32 scale per row; down: the
+  outer update, also in 8 bits, which every group (owners too) adds to its copy, so the copies
+  stay equal.
+
+Fragments (`--sync-fragments F`): layer l belongs to fragment l % F (strided: each pipeline
+stage holds a share of every fragment), the other weights to fragment 0; fragment f's round
+ends after step s when s + 1 = f H/F (mod H). With `--sync-delay T` the exchange starts at the
+next step, on that step's input weights (so it overlaps its forward and backward), and the
+groups take the new weights T steps after the round ended, mixed with what they learnt since:
+new = mix * outer + (1 - mix) * own. Without a delay the groups take the outer weights.
+"""
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdist.config import Layout, SyncConfig
+from jaxdist.errors import ConfigError
+from jaxdist.rules import activation_rules, as_tuple, logical_axes, variables, ways
+
+AXIS = "replica"
+_EIGHT_BIT = {"int8": (jnp.int8, 127.0), "float8": (jnp.float8_e4m3fn, 448.0)}
+
+
+class OuterState(NamedTuple):
+    """The outer optimizer's state: the outer weights (split over `replica`; for 8-bit sync
+    every group's own copy) and the Nesterov momentum (split over `replica`)."""
+
+    params: Any
+    momentum: Any
+
+
+class Action(NamedTuple):
+    """What a step does beside its inner step (static: each distinct action compiles once)."""
+
+    send: tuple[int, ...] = ()
+    """fragments whose exchange and outer update run in this step"""
+    apply: tuple[int, ...] = ()
+    """fragments whose new weights the groups take at the end of this step"""
+    after: bool = False
+    """the exchange reads the weights after this step's update (no delay), not its input"""
+
+
+def anchored(sync: SyncConfig) -> bool:
+    """Whether every group keeps the outer weights (the 8-bit types send changes)."""
+    return sync.sync_dtype in _EIGHT_BIT
+
+
+def action(sync: SyncConfig, step: int) -> Action | None:
+    """What step `step` (0-based) does beside its inner step; None: nothing."""
+    H, F, T = sync.sync_every, sync.sync_fragments, sync.sync_delay
+    turn = H // F
+
+    def ends(s: int) -> tuple[int, ...]:  # fragments whose round ends after step s
+        # Fragment f's rounds end f turns after fragment 0's would: after steps f*turn - 1,
+        # f*turn - 1 + H, ... (fragment 0's first after step H - 1).
+        later = [s + 1 - f * turn for f in range(F)]
+        return tuple(f for f in range(F) if s >= 0 and later[f] >= 0 and later[f] % H == 0)
+
+    if T == 0:
+        due = ends(step)
+        return Action(due, due, after=True) if due else None
+    send, apply = ends(step - 1), ends(step - T)
+    return Action(send, apply) if send or apply else None
+
+
+def check(layout: Layout) -> None:
+    """A replica axis needs its sync settings, and the sync settings a replica axis; what the
+    groups cannot yet be combined with, refused in one line."""
+    M = layout.replicas
+    if layout.sync is None:
+        if M > 1:
+            raise ConfigError(
+                f"mesh replica={M} trains {M} groups apart; they need the outer step's settings "
+                "(the CLI gives --sync-every and the rest defaults; in Python pass "
+                "Layout(..., sync=SyncConfig()))"
+            )
+        return
+    layout.sync.validate(M)
+    if layout.stages > 1:
+        raise ConfigError(
+            "replica groups with a pipeline axis: the pipeline's shard_map cannot yet be mapped "
+            "over the groups (jax 0.11); use replica with data, fsdp, tensor, context or expert"
+        )
+
+
+# --- Layouts ---------------------------------------------------------------------------------
+
+
+def group_spec(spec: PartitionSpec) -> PartitionSpec:
+    """A group-stacked leaf [M, ...]: one group's per device row of `replica`."""
+    return PartitionSpec(AXIS, *spec)
+
+
+def owner_spec(
+    spec: PartitionSpec, shape: tuple[int, ...], mesh_shape, avoid: int | None = None
+) -> PartitionSpec:
+    """`spec` split M ways more over `replica`, on the largest dim that divides (the axis added
+    last: each owner's piece lies inside what its group holds, so the exchange stays on
+    `replica`), not on dim `avoid` (the layers, cut into fragments); unchanged where no dim
+    divides (a small leaf, reduced whole)."""
+    M = mesh_shape.get(AXIS, 1)
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    fits = [
+        d
+        for d, n in enumerate(shape)
+        if d != avoid and n % (ways(mesh_shape, as_tuple(entries[d])) * M) == 0
+    ]
+    if M == 1 or not fits:
+        return PartitionSpec(*entries)
+    d = max(fits, key=lambda i: shape[i])
+    entries[d] = (*as_tuple(entries[d]), AXIS)
+    return PartitionSpec(*entries)
+
+
+def stacked(tree, M: int):
+    """Every leaf repeated for the M groups: [M, ...]."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (M, *jnp.shape(x))), tree)
+
+
+# --- The inner step ---------------------------------------------------------------------------
+
+
+def grouped(step, layout: Layout, mesh: Mesh):
+    """The plain step `step(state, tokens_BT1)` run by each group on its block of the batch,
+    over its own weights and optimizer state ([M, ...]); nothing crosses `replica`. The metrics
+    are the whole batch's: the mean over groups, `finite` where every group's is."""
+    M, group = layout.replicas, layout.group()
+
+    def run(state, tokens_BT1):
+        tokens_MbT1 = tokens_BT1.reshape(M, -1, tokens_BT1.shape[-1])  # group r: block r
+
+        def one(params, opt_state, tokens_bT1):
+            new, metrics = step(state._replace(params=params, opt_state=opt_state), tokens_bT1)
+            return new.params, new.opt_state, metrics
+
+        with activation_rules(group, mesh):
+            params, opt_state, metrics_M = jax.vmap(one, spmd_axis_name=AXIS)(
+                state.params, state.opt_state, tokens_MbT1
+            )
+        metrics = {
+            k: jnp.all(v) if k == "finite" else jnp.mean(v, axis=0) for k, v in metrics_M.items()
+        }
+        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return run
+
+
+# --- Fragments ---------------------------------------------------------------------------------
+
+
+def _take(x, dim: int | None, F: int, f: int, lead: int):
+    """Fragment f of leaf x: its layers l % F == f (dim `dim` after `lead` leading dims)."""
+    if F == 1:
+        return x
+    if dim is None:
+        return x if f == 0 else None
+    d = dim + lead
+    split = x.reshape(*x.shape[:d], x.shape[d] // F, F, *x.shape[d + 1 :])
+    return jnp.take(split, f, axis=d + 1)
+
+
+def _put(x, new, dim: int | None, F: int, f: int, lead: int):
+    if F == 1 or dim is None:
+        return new if new is not None else x
+    d = dim + lead
+    split = x.reshape(*x.shape[:d], x.shape[d] // F, F, *x.shape[d + 1 :])
+    index = (slice(None),) * (d + 1) + (f,)
+    return split.at[index].set(new).reshape(x.shape)
+
+
+# --- The exchange --------------------------------------------------------------------------------
+
+
+def _quantized(x, dtype: str):
+    """x as it travels: in the sync type (its bits as unsigned integers, so that XLA, allowed
+    excess precision, cannot fold the cast and its inverse away and send float32), with a
+    float32 scale per row (last dim) for the 8-bit types."""
+    if dtype == "float32":
+        return x.astype(jnp.float32), None
+    if dtype == "bfloat16":
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16), None
+    kind, top = _EIGHT_BIT[dtype]
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32)
+    scale = jnp.where(amax > 0, amax / top, 1.0)
+    q = x / scale
+    q = jnp.clip(jnp.round(q), -top, top) if dtype == "int8" else q
+    return jax.lax.bitcast_convert_type(q.astype(kind), jnp.uint8), scale
+
+
+def _dequantized(q, scale, dtype: str):
+    if dtype == "bfloat16":
+        q = jax.lax.bitcast_convert_type(q, jnp.bfloat16)
+    elif dtype in _EIGHT_BIT:
+        q = jax.lax.bitcast_convert_type(q, _EIGHT_BIT[dtype][0])
+    return q.astype(jnp.float32) if scale is None else q.astype(jnp.float32) * scale
+
+
+def _pinned(x, mesh: Mesh, spec: PartitionSpec):
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _moved(x, mesh: Mesh, here: PartitionSpec, there: PartitionSpec):
+    """x laid out `here`, then `there`: pinned at both ends, the move is made in x's own type
+    (one constraint alone lets the partitioner move the float32 value it was cast from)."""
+    if x is None:
+        return None
+    return _pinned(_pinned(x, mesh, here), mesh, there)
+
+
+def _up(x_M, leaf: "Leaf", dtype: str, mesh: Mesh):
+    """The mean over groups of x_M [M, ...], on its owners: each group's piece sent in the
+    sync type to the device that owns it (an all-to-all over `replica`), summed in float32."""
+    q, scale = _quantized(x_M, dtype)
+    here, there = group_spec(leaf.spec), PartitionSpec(None, *leaf.owner)
+    q, scale = _moved(q, mesh, here, there), _moved(scale, mesh, here, there)
+    return jnp.mean(_dequantized(q, scale, dtype), axis=0)
+
+
+def _down(x, leaf: "Leaf", dtype: str, mesh: Mesh):
+    """The owners' x, in the sync type, to every group (an all-gather over `replica`)."""
+    q, scale = _quantized(x, dtype)
+    q, scale = _moved(q, mesh, leaf.owner, leaf.spec), _moved(scale, mesh, leaf.owner, leaf.spec)
+    return _dequantized(q, scale, dtype)
+
+
+def _nesterov(delta, momentum, sync: SyncConfig):
+    """torch.optim.SGD(nesterov=True, dampening=0) on `delta` as the gradient: the step to
+    subtract and the new momentum."""
+    mu = sync.outer_momentum
+    momentum = mu * momentum + delta
+    return sync.outer_lr * (delta + mu * momentum), momentum
+
+
+class Leaf(NamedTuple):
+    """Where one parameter lives: its layers dim, its spec in a group, its owners' spec."""
+
+    dim: int | None
+    spec: PartitionSpec
+    owner: PartitionSpec
+
+
+def leaves(abstract_params, param_sharding, mesh: Mesh, fragments: int) -> Any:
+    """Per parameter (in the params' tree, where each array is), its Leaf."""
+    flat, treedef = jax.tree.flatten(abstract_params)
+    specs = [s.spec for s in jax.tree.leaves(param_sharding)]
+    found = []
+    for var, x, spec in zip(variables(abstract_params), flat, specs, strict=True):
+        logical = logical_axes(var)
+        dim = logical.index("layers") if "layers" in logical else None
+        if dim is not None and x.shape[dim] % fragments:
+            raise ConfigError(
+                f"--sync-fragments {fragments} does not divide the model's {x.shape[dim]} "
+                f"layers; use a divisor of {x.shape[dim]}"
+            )
+        spec = PartitionSpec(*spec, *[None] * (len(x.shape) - len(spec)))
+        avoid = dim if fragments > 1 else None
+        found.append(Leaf(dim, spec, owner_spec(spec, tuple(x.shape), dict(mesh.shape), avoid)))
+    return treedef.unflatten(found)
+
+
+def sharding(state_sharding, where, sync: SyncConfig, mesh: Mesh):
+    """The train state's shardings with groups: each group's weights and optimizer state
+    stacked over `replica` (its scalars, such as Adam's count, one per group), the outer
+    state on its owners (the outer weights in every group where the 8-bit types need them)."""
+
+    def named(spec):
+        return NamedSharding(mesh, spec)
+
+    def on_leaves(fn):
+        return jax.tree.map(lambda leaf: named(fn(leaf)), where, is_leaf=_is_leaf)
+
+    opt = jax.tree.map(lambda s: named(group_spec(s.spec)), state_sharding.opt_state)
+    outer = OuterState(
+        on_leaves(lambda leaf: leaf.spec if anchored(sync) else leaf.owner),
+        on_leaves(lambda leaf: leaf.owner),
+    )
+    params = on_leaves(lambda leaf: group_spec(leaf.spec))
+    return state_sharding._replace(params=params, opt_state=opt, outer=outer)
+
+
+def first_state(params, opt_state, M: int):
+    """The groups' first state: each starts from the same weights and optimizer state; the
+    outer weights are those weights, the momentum zero."""
+    outer = OuterState(params, jax.tree.map(jnp.zeros_like, params))
+    return stacked(params, M), stacked(opt_state, M), outer
+
+
+def _send_leaf(f: int, sync: SyncConfig, mesh: Mesh, theta_M, outer, mom, leaf: Leaf):
+    """Fragment f's outer step on one parameter: (outer weights, momentum)."""
+    F, dtype = sync.sync_fragments, sync.sync_dtype
+    theta_M = _take(theta_M, leaf.dim, F, f, 1)
+    if theta_M is None:  # not in this fragment
+        return outer, mom
+    own, m = _take(outer, leaf.dim, F, f, 0), _take(mom, leaf.dim, F, f, 0)
+    if anchored(sync):  # each group's change from its copy of the outer weights, in 8 bits
+        step, m = _nesterov(_up(own[None] - theta_M, leaf, dtype, mesh), m, sync)
+        own = own - _down(step, leaf, dtype, mesh)  # every copy takes the same update
+    else:  # the groups' weights, meeting on their owners
+        mean = _up(theta_M, leaf, dtype, mesh)
+        step, m = _nesterov(_pinned(own, mesh, leaf.owner) - mean, m, sync)
+        own = own - step
+    return _put(outer, own, leaf.dim, F, f, 0), _put(mom, m, leaf.dim, F, f, 0)
+
+
+def send(state, fragments, where, sync: SyncConfig, mesh: Mesh):
+    """The outer step of `fragments` from the groups' weights in `state`: the exchange and the
+    outer update (with 8-bit sync, also the groups' copies of the outer weights)."""
+    outer_params, momentum = state.outer
+    for f in fragments:
+        one = functools.partial(_send_leaf, f, sync, mesh)
+        pairs = jax.tree.map(one, state.params, outer_params, momentum, where, is_leaf=_is_leaf)
+        outer_params = jax.tree.map(lambda p: p[0], pairs, is_leaf=_is_pair)
+        momentum = jax.tree.map(lambda p: p[1], pairs, is_leaf=_is_pair)
+    return state._replace(outer=OuterState(outer_params, momentum))
+
+
+def _apply_leaf(f: int, sync: SyncConfig, mesh: Mesh, mix: float, theta_M, outer, leaf: Leaf):
+    """Fragment f's new weights for every group on one parameter."""
+    F = sync.sync_fragments
+    own = _take(outer, leaf.dim, F, f, 0)
+    if own is None:
+        return theta_M
+    if not anchored(sync):  # the owners' pieces, gathered in the sync type
+        own = _down(own, leaf, sync.sync_dtype, mesh)
+    new_M = jnp.broadcast_to(own[None], (theta_M.shape[0], *own.shape))
+    new_M = _pinned(new_M, mesh, group_spec(leaf.spec))  # each group's copy is its own
+    if mix < 1:
+        new_M = mix * new_M + (1 - mix) * _take(theta_M, leaf.dim, F, f, 1)
+    return _put(theta_M, new_M.astype(theta_M.dtype), leaf.dim, F, f, 1)
+
+
+def apply(state, fragments, where, sync: SyncConfig, mesh: Mesh, mix: float):
+    """The groups take the outer weights of `fragments`, mixed with their own by `mix`."""
+    params = state.params
+    for f in fragments:
+        one = functools.partial(_apply_leaf, f, sync, mesh, mix)
+        params = jax.tree.map(one, params, state.outer.params, where, is_leaf=_is_leaf)
+    return state._replace(params=params)
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, Leaf)
+
+
+def _is_pair(x) -> bool:
+    return isinstance(x, tuple) and not isinstance(x, Leaf) and len(x) == 2
+
+
+def outer_step(state, act: Action, where, sync: SyncConfig, mesh: Mesh, inner):
+    """One step: the inner step, with the outer step's parts that `act` asks for around it."""
+    if act.send and not act.after:
+        state = send(state, act.send, where, sync, mesh)  # on the step's input: overlaps it
+    state, metrics = inner(state)
+    if act.send and act.after:
+        state = send(state, act.send, where, sync, mesh)
+    if act.apply:
+        mix = 1.0 if act.after else sync.sync_mix
+        state = apply(state, act.apply, where, sync, mesh, mix)
+    return state, metrics

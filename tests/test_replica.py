@@ -1,0 +1,179 @@
+"""Replica groups (DiLoCo, jaxdist.parallel.replica): one group syncing every step is plain
+training; groups move nothing between syncs and each weight's shard once each way at one, in
+the sync type; a run killed mid-round resumes bitwise; bad settings end in one line.
+
+PyTorch's DiLoCo loop is the reference for M = 2 (tests/test_torch_diloco.py)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdist.config import Layout, StepConfig, SyncConfig
+from jaxdist.errors import ConfigError
+from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.parallel import replica
+from jaxdist.planning import hlo
+from jaxdist.step import build
+from meshes.presets import STANDARD_RULES
+from models.presets import get_model_config
+from models.transformer import Transformer
+from tests.helpers import cli, losses, mesh_for
+
+B = 16
+
+
+def _built(mesh_text: str, sync: SyncConfig | None, model: str = "tiny", steps: int = 10):
+    mc = get_model_config(model)
+    mesh = mesh_for(mesh_text)
+    tx, lr = make_optimizer(OptimConfig(warmup_steps=2), steps)
+    layout = Layout.on(
+        mesh, STANDARD_RULES, StepConfig(), batch_size=B, seq_len=mc.seq_len, sync=sync
+    )
+    return mc, mesh, build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
+
+
+def _train(mesh_text: str, sync: SyncConfig | None, model: str, steps: int):
+    mc, _, jitted = _built(mesh_text, sync, model, steps)
+    state, out = jitted.init_fn(), []
+    for s in range(steps):
+        tokens = jax.random.randint(jax.random.key(s), (B, mc.seq_len + 1), 0, mc.vocab_size)
+        extra = (replica.action(sync, s),) if sync else ()
+        state, metrics = jitted.step_fn(
+            state, jax.device_put(tokens, jitted.batch_sharding), *extra
+        )
+        out.append(float(metrics["loss"]))
+    return np.array(out), jax.device_get(jitted.weights(state))
+
+
+@pytest.mark.parametrize(
+    "mesh_text, model",
+    [("data=2,fsdp=2,tensor=2", "tiny"), ("expert=2,context=2,fsdp=2", "tiny-moe")],
+)
+def test_one_group_syncing_every_step_with_a_plain_outer_step_is_plain_training(mesh_text, model):
+    # M = 1, H = 1, outer lr 1, no momentum: the outer weights become the group's own each step.
+    plain, w_plain = _train(mesh_text, None, model, 4)
+    sync = SyncConfig(sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    grouped, w_grouped = _train(f"replica=1,{mesh_text}", sync, model, 4)
+    np.testing.assert_allclose(grouped, plain, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(w_grouped), jax.tree.leaves(w_plain), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def _replica_traffic(jitted, mesh, act) -> dict[tuple[str, str], int]:
+    """(kind, element type) -> bytes per device of the collectives over `replica`."""
+    mc_batch = (B, jitted.layout.seq_len + 1)
+    batch = jax.ShapeDtypeStruct(mc_batch, jnp.int32, sharding=jitted.batch_sharding)
+    text = jitted.step_fn.lower(jitted.abstract_state, batch, act).compile().as_text()
+    lines = {m.group(1): m.group(2) for m in re.finditer(r"%([\w.\-]+) = \(?(\w+)\[", text)}
+    moved: dict[tuple[str, str], int] = {}
+    for c in hlo.collectives(text, dict(mesh.shape)):
+        if "replica" in c.axes:
+            key = (c.kind, lines.get(c.name, "?"))
+            moved[key] = moved.get(key, 0) + c.bytes
+    return moved
+
+
+def _share_bytes(jitted) -> int:
+    """Bytes of one group's float32 weights one device holds."""
+    total = 0
+    for x in jax.tree.leaves(jitted.abstract_state.params):
+        total += 4 * np.prod(x.sharding.shard_shape(x.shape))
+    return int(total)
+
+
+def test_groups_move_no_tensor_between_syncs_and_each_shard_once_each_way_at_one():
+    mesh_text = "replica=2,fsdp=2,tensor=2"
+    _, mesh, f32 = _built(mesh_text, SyncConfig(sync_every=4))
+    share = _share_bytes(f32)  # the group's weights on one device ([1, ...] of [M, ...])
+    inner = _replica_traffic(f32, mesh, None)
+    # Only the logged metrics (the loss over the whole batch, grad norm, finite) cross.
+    assert sum(inner.values()) <= 16, inner
+    outer = _replica_traffic(f32, mesh, replica.action(SyncConfig(sync_every=4), 3))
+    assert outer[("all-to-all", "f32")] == share, outer  # up: each shard once
+    assert outer[("all-gather", "f32")] == share, outer  # down: each shard once
+    assert sum(v for (_, t), v in outer.items() if t == "f32") <= 2 * share + 16
+
+    _, _, q8 = _built(mesh_text, SyncConfig(sync_every=4, sync_dtype="int8"))
+    outer8 = _replica_traffic(q8, mesh, replica.action(SyncConfig(sync_every=4), 3))
+    # The 8-bit payload is a quarter of float32's, each way; the float32 scales (one per row
+    # of 64 to 512 elements in this tiny model) and their row maxima add the rest.
+    assert outer8[("all-to-all", "u8")] == share // 4, outer8
+    assert outer8[("all-gather", "u8")] == share // 4, outer8
+    assert sum(outer8.values()) <= 0.25 * sum(outer.values()) * (1 + 4 * 4 / 64), outer8
+
+
+def test_streamed_fragments_take_turns_and_delay_applies_later():
+    sync = SyncConfig(sync_every=8, sync_fragments=2, sync_delay=2)
+    acts = {s: replica.action(sync, s) for s in range(20)}
+    # Fragment 1's round ends after steps 3, 11, 19; fragment 0's after 7, 15. The exchange
+    # runs on the next step's input, the groups take the result 2 steps after the round.
+    sends = {s: a.send for s, a in acts.items() if a and a.send}
+    applies = {s: a.apply for s, a in acts.items() if a and a.apply}
+    assert sends == {4: (1,), 8: (0,), 12: (1,), 16: (0,)}
+    assert applies == {5: (1,), 9: (0,), 13: (1,), 17: (0,)}
+
+
+def test_a_run_killed_mid_round_resumes_bitwise_and_onto_another_group_layout(tmp_path):
+    mesh = ["--mesh", "replica=2,fsdp=2,tensor=2"]
+    args = ["train", "--sync-every", "4", "--sync-dtype", "int8", "--log-every", "1"]
+    args += ["--batch-size", "16", "--checkpoint-every", "3"]
+    whole = cli(*args, *mesh, "--steps", "10", "--run-dir", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    # Killed (SIGKILL) before step 7: the checkpoint of step 5 lies inside the second round.
+    run = ["--run-dir", str(tmp_path / "killed")]
+    first = cli(*args, *mesh, "--steps", "10", *run, "--fault", "kill:7:0")
+    assert first.returncode == -9, first.stderr
+    again = cli(*args, *mesh, "--steps", "10", *run)
+    assert again.returncode == 0, again.stderr
+    assert "resuming from checkpoint step 5" in again.stderr, again.stderr
+    assert losses(tmp_path / "killed") == losses(tmp_path / "whole")
+    # Another number of groups, or of steps between syncs, is refused, naming the field ...
+    for flags, field in (
+        (["--mesh", "replica=4,fsdp=2", "--sync-every", "4"], "mesh.replica"),
+        (mesh + ["--sync-every", "2"], "sync.sync_every"),
+    ):
+        changed = [a for a in args if a not in ("--sync-every", "4")]
+        refused = cli(*changed, *flags, "--steps", "12", *run)
+        assert refused.returncode == 2 and field in refused.stderr, refused.stderr
+    # ... while each group laid out anew (tensor=2 -> data=2) goes on from step 10.
+    moved = cli(*args, "--mesh", "replica=2,data=2,fsdp=2", "--steps", "12", *run)
+    assert moved.returncode == 0, moved.stderr
+    assert set(losses(tmp_path / "killed")) == set(range(12))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mesh", "replica=2,fsdp=4", "--sync-every", "0"], "--sync-every 0 must be at least"),
+        (
+            ["--mesh", "replica=2,fsdp=4", "--sync-every", "6", "--sync-fragments", "3"],
+            "does not divide the model's 2 layers",
+        ),
+        (
+            ["--mesh", "replica=2,fsdp=4", "--sync-every", "8", "--sync-fragments", "2"]
+            + ["--sync-delay", "4"],
+            "must be shorter than a fragment's turn",
+        ),
+        (["--mesh", "fsdp=8", "--sync-every", "4"], "add replica=M to --mesh"),
+        (["--mesh", "replica=2,pipeline=2,fsdp=2"], "pipeline"),
+        (["--mesh", "replica=2,fsdp=4", "--batch-size", "12"], "does not split"),
+    ],
+)
+def test_bad_sync_settings_are_one_line(args, message, tmp_path):
+    result = cli("train", "--steps", "2", "--run-dir", str(tmp_path / "run"), *args)
+    assert result.returncode == 2, result.stderr
+    errors = [x for x in result.stderr.splitlines() if x.startswith("jaxdist: error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]), result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_replica_axis_without_sync_settings_is_refused_in_python():
+    mesh = mesh_for("replica=2,fsdp=2,tensor=2")
+    layout = Layout.on(mesh, STANDARD_RULES, StepConfig(), batch_size=B, seq_len=128)
+    tx, lr = make_optimizer(OptimConfig(), 10)
+    mc = get_model_config("tiny")
+    with pytest.raises(ConfigError, match="SyncConfig"):
+        build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
