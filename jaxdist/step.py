@@ -173,6 +173,15 @@ class JittedStep(NamedTuple):
     weights: Callable[[TrainState], nnx.State] = lambda state: state.params  # noqa: E731
     """the model's weights in a state, laid out as `eval_fn` takes them (with replica
     groups: the outer weights, as of the last outer step)"""
+    start_fn: Callable[[nnx.State], TrainState] | None = None
+    """the first state from given weights (shaped as `abstract_params`; consumed): a fresh
+    optimizer state, and with replica groups every group starting from them"""
+
+    @property
+    def abstract_params(self) -> nnx.State:
+        """The model's weights, abstract (with replica groups: one group's, not [M, ...])."""
+        state = self.abstract_state
+        return state.params if state.outer is None else state.outer.params
 
     def compile_abstract(self, batch_shape: tuple[int, int] | None = None) -> jax.stages.Compiled:
         """The step compiled ahead of time for abstract state and batch ([B, T+1] tokens; the
@@ -286,13 +295,14 @@ def build(
     step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab)
     groups = layout.sync is not None
 
-    def init() -> TrainState:
-        params = nnx.state(init_model(nnx.Rngs(seed)))
+    def start(params) -> TrainState:
         if groups:
-            return TrainState(jnp.zeros((), jnp.int32), *replica.first_state(
-                params, tx.init(params), layout.replicas
-            ))  # fmt: skip
+            first = replica.first_state(params, tx.init(params), layout.replicas)
+            return TrainState(jnp.zeros((), jnp.int32), *first)
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    def init() -> TrainState:
+        return start(nnx.state(init_model(nnx.Rngs(seed))))
 
     weights = JittedStep._field_defaults["weights"]
     if groups:
@@ -301,6 +311,7 @@ def build(
         step = _grouped_step(step, layout, mesh, where)
         weights = jax.jit(lambda state: state.outer.params, out_shardings=param_sharding)
     init_fn = jax.jit(init, out_shardings=state_sharding)
+    start_fn = jax.jit(start, out_shardings=state_sharding, donate_argnums=0)
     # Held-out loss: the whole batch at once, no microbatches (the lookup weighs them).
     whole = dataclasses.replace(layout, step=dataclasses.replace(config, microbatches=1))
 
@@ -334,7 +345,7 @@ def build(
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
     return JittedStep(
         *(step_fn, init_fn, state_sharding, tokens_sharding, abstract_state, num_params),
-        *(eval_fn, layout, weights),
+        *(eval_fn, layout, weights, start_fn),
     )
 
 

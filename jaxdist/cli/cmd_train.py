@@ -101,7 +101,7 @@ def run(args: Train) -> int:
         from models.hf_adapter import ADAPTER
 
         record["init_from"] = {**init.record(), "dtype": SafetensorsDir(init.path).dtype()}
-        first = initial_state(ADAPTER, init, args.optim, args.loop.steps)
+        first = initial_state(ADAPTER, init)
     loop.fit(model, mesh, layout.rules, config, record=record, init_state=first)
     return 0
 

@@ -32,27 +32,17 @@ def check_data(model: OpenedModel, data: str | None, data_vocab: int, pretrained
             )
 
 
-def initial_state(adapter: HFAdapter, model: OpenedModel, optim, steps: int):
+def initial_state(adapter: HFAdapter, model: OpenedModel):
     """The run's first state, for jaxdist.train's `init_state`: the HF weights, read into the
-    step's parameter layout, and a fresh optimizer state (step 0)."""
+    step's parameter layout, and a fresh optimizer state (step 0; every replica group's)."""
 
     def make(jitted):
         import jax
-        import jax.numpy as jnp
 
-        from jaxdist.optim import make_optimizer
-        from jaxdist.step import TrainState
-
-        tx, _ = make_optimizer(optim, steps)
-        abstract = jitted.abstract_state.params
+        abstract = jitted.abstract_params  # one model's weights, also with replica groups
         flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
         params = adapter.from_hf(model, {path[0].key: leaf for path, leaf in flat})
         tree = jax.tree_util.tree_map_with_path(lambda p, _: params[p[0].key], abstract)
-        fresh = jax.jit(
-            lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
-            out_shardings=jitted.state_sharding,
-            donate_argnums=0,
-        )
-        return fresh(tree)
+        return jitted.start_fn(tree)
 
     return make
