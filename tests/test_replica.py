@@ -159,7 +159,7 @@ def test_a_run_killed_mid_round_resumes_bitwise_and_onto_another_group_layout(tm
             "must be shorter than a fragment's turn",
         ),
         (["--mesh", "fsdp=8", "--sync-every", "4"], "add replica=M to --mesh"),
-        (["--mesh", "replica=2,pipeline=2,fsdp=2"], "pipeline"),
+        (["--mesh", "replica=2,pipeline=2,fsdp=2", "--microbatches", "2"], "pipeline"),
         (["--mesh", "replica=2,fsdp=4", "--batch-size", "12"], "does not split"),
     ],
 )
