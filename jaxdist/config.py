@@ -99,6 +99,9 @@ class SyncConfig:
     groups then mix the new weights with what they learnt meanwhile (--sync-mix)"""
     sync_mix: float = 0.5
     """with --sync-delay: the share of the outer weights in each group's new weights"""
+    outer_memory: Literal["device", "host"] = "device"
+    """where the outer state (weights and momentum) lives between outer steps: host memory
+    frees the device of it, for a copy in and out at each outer step"""
     sync_dtype: SyncDtype = "float32"
     """the type the exchange travels in: float32 and bfloat16 send the weights, the 8-bit
     types the change since the last outer step with a float32 scale per row (each group then

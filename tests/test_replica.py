@@ -4,6 +4,7 @@ the sync type; a run killed mid-round resumes bitwise; bad settings end in one l
 
 PyTorch's DiLoCo loop is the reference for M = 2 (tests/test_torch_diloco.py)."""
 
+import json
 import re
 
 import jax
@@ -20,6 +21,7 @@ from jaxdist.step import build
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
 from models.transformer import Transformer
+from tests.extras import needs_tpu
 from tests.helpers import cli, losses, mesh_for
 
 B = 16
@@ -178,3 +180,22 @@ def test_a_replica_axis_without_sync_settings_is_refused_in_python():
     mc = get_model_config("tiny")
     with pytest.raises(ConfigError, match="SyncConfig"):
         build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_the_tpu_compiler_holds_the_outer_state_as_priced_and_off_the_device_on_request():
+    def argument_bytes(*mesh: str) -> int:
+        args = ["train", "--model", "tiny", "--batch-size", "16", "--compile-only"]
+        result = cli(*args, "--target", "v5p-16", "--json", "-", "--mesh", *mesh)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["per_device_bytes"]["argument"]
+
+    data = argument_bytes("data=2,fsdp=4")
+    groups = argument_bytes("replica=2,fsdp=4", "--sync-every", "4")
+    on_host = argument_bytes("replica=2,fsdp=4", "--sync-every", "4", "--outer-memory", "host")
+    # Each device: its group's weights and Adam moments (12 bytes a parameter, as data
+    # parallelism's) and 1/M of the outer weights and momentum: (12 + 8/M) / 12 with M = 2,
+    # plus the few norm scales too small to split (0.6% of the state in this tiny model).
+    assert 16 / 12 <= groups / data <= 16 / 12 * 1.01, (groups, data)
+    assert on_host == data, (on_host, data)  # kept in host memory: the device holds none

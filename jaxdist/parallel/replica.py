@@ -245,6 +245,14 @@ def _down(x, leaf: "Leaf", dtype: str, mesh: Mesh):
     return _dequantized(q, scale, dtype)
 
 
+def _fetched(x, spec: PartitionSpec, sync: SyncConfig, mesh: Mesh):
+    """An outer-state leaf in device memory (kept in host memory with --outer-memory host: it
+    crosses to the device only for the outer step, and back)."""
+    if sync.outer_memory != "host":
+        return x
+    return jax.device_put(x, NamedSharding(mesh, spec, memory_kind="device"))
+
+
 def _nesterov(delta, momentum, sync: SyncConfig):
     """torch.optim.SGD(nesterov=True, dampening=0) on `delta` as the gradient: the step to
     subtract and the new momentum."""
@@ -285,16 +293,17 @@ def sharding(state_sharding, where, sync: SyncConfig, mesh: Mesh):
     stacked over `replica` (its scalars, such as Adam's count, one per group), the outer
     state on its owners (the outer weights in every group where the 8-bit types need them)."""
 
-    def named(spec):
-        return NamedSharding(mesh, spec)
+    def named(spec, memory: str = "device"):
+        return NamedSharding(mesh, spec, memory_kind=memory)
 
-    def on_leaves(fn):
-        return jax.tree.map(lambda leaf: named(fn(leaf)), where, is_leaf=_is_leaf)
+    def on_leaves(fn, memory: str = "device"):
+        return jax.tree.map(lambda leaf: named(fn(leaf), memory), where, is_leaf=_is_leaf)
 
     opt = jax.tree.map(lambda s: named(group_spec(s.spec)), state_sharding.opt_state)
+    kept = "pinned_host" if sync.outer_memory == "host" else "device"
     outer = OuterState(
-        on_leaves(lambda leaf: leaf.spec if anchored(sync) else leaf.owner),
-        on_leaves(lambda leaf: leaf.owner),
+        on_leaves(lambda leaf: leaf.spec if anchored(sync) else leaf.owner, kept),
+        on_leaves(lambda leaf: leaf.owner, kept),
     )
     params = on_leaves(lambda leaf: group_spec(leaf.spec))
     return state_sharding._replace(params=params, opt_state=opt, outer=outer)
@@ -313,6 +322,10 @@ def _send_leaf(f: int, sync: SyncConfig, mesh: Mesh, theta_M, outer, mom, leaf: 
     theta_M = _take(theta_M, leaf.dim, F, f, 1)
     if theta_M is None:  # not in this fragment
         return outer, mom
+    outer, mom = (
+        _fetched(outer, leaf.spec if anchored(sync) else leaf.owner, sync, mesh),
+        _fetched(mom, leaf.owner, sync, mesh),
+    )
     own, m = _take(outer, leaf.dim, F, f, 0), _take(mom, leaf.dim, F, f, 0)
     if anchored(sync):  # each group's change from its copy of the outer weights, in 8 bits
         step, m = _nesterov(_up(own[None] - theta_M, leaf, dtype, mesh), m, sync)
@@ -339,9 +352,10 @@ def send(state, fragments, where, sync: SyncConfig, mesh: Mesh):
 def _apply_leaf(f: int, sync: SyncConfig, mesh: Mesh, mix: float, theta_M, outer, leaf: Leaf):
     """Fragment f's new weights for every group on one parameter."""
     F = sync.sync_fragments
-    own = _take(outer, leaf.dim, F, f, 0)
-    if own is None:
+    if _take(outer, leaf.dim, F, f, 0) is None:
         return theta_M
+    outer = _fetched(outer, leaf.spec if anchored(sync) else leaf.owner, sync, mesh)
+    own = _take(outer, leaf.dim, F, f, 0)
     if not anchored(sync):  # the owners' pieces, gathered in the sync type
         own = _down(own, leaf, sync.sync_dtype, mesh)
     new_M = jnp.broadcast_to(own[None], (theta_M.shape[0], *own.shape))
