@@ -145,6 +145,12 @@ def test_a_run_killed_mid_round_resumes_bitwise_and_onto_another_group_layout(tm
     moved = cli(*args, "--mesh", "replica=2,data=2,fsdp=2", "--steps", "12", *run)
     assert moved.returncode == 0, moved.stderr
     assert set(losses(tmp_path / "killed")) == set(range(12))
+    # The model the run made is the outer weights, read on a mesh of as many groups.
+    export = ["export-hf", str(tmp_path / "killed"), str(tmp_path / "hf")]
+    refused = cli(*export, "--mesh", "fsdp=8")
+    assert refused.returncode == 2 and "--mesh replica=2" in refused.stderr, refused.stderr
+    assert cli(*export, "--mesh", "replica=2,fsdp=4").returncode == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,7 @@ def evaluate(args: Eval) -> int:
     from jaxdist.data import DataConfig, TokenBatches
     from jaxdist.evaluation import evaluate, report, small_data_warning
     from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.parallel import replica
     from jaxdist.step import Vocab, build
     from models.presets import from_record, model_spec
 
@@ -95,13 +96,16 @@ def evaluate(args: Eval) -> int:
     tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
     step_cfg = StepConfig(document_mask=record["step"].get("document_mask", True))
     vocab = Vocab(batches.vocab_size, batches.eos_id)
-    layout = Layout.on(mesh, rules, step_cfg, batch_size=batch_size, seq_len=model.seq_len)
+    sync = replica.recorded(record, mesh.shape, run_dir)  # replica groups: the outer weights
+    layout = Layout.on(
+        mesh, rules, step_cfg, batch_size=batch_size, seq_len=model.seq_len, sync=sync
+    )
     jitted = build(model.init, tx, lr, layout, mesh, vocab=vocab)
     batches = batches.for_rows(process_rows(jitted.batch_sharding, (batch_size, model.seq_len + 1)))
     restored = restore(run_dir, jitted.abstract_state)
     if restored is None:
         raise ConfigError(f"{run_dir} holds no valid checkpoint to evaluate")
-    loss = evaluate(jitted, restored.state.params, batches, range(args.batches))
+    loss = evaluate(jitted, jitted.weights(restored.state), batches, range(args.batches))
     out = {"run_dir": str(run_dir), "step": int(restored.state.step)}
     out |= report(loss, batches, args.batches)
     out |= {"mesh": dict(mesh.shape), "data": held.path or "embedded"}

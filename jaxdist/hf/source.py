@@ -197,6 +197,7 @@ def _restore_params(run_dir, record, spec, mesh, rules, step) -> dict:
     from jaxdist.checkpoint.store import Checkpointer, param_shapes
     from jaxdist.config import Layout
     from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.parallel import replica
     from jaxdist.rules import batch_sharding, batch_ways
     from jaxdist.step import build
 
@@ -209,7 +210,11 @@ def _restore_params(run_dir, record, spec, mesh, rules, step) -> dict:
     # The optimizer's structure must match the checkpoint's, though only parameters are used.
     tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
     rows = batch_ways(batch_sharding(rules, mesh))
-    layout = Layout.on(mesh, rules, batch_size=rows)
+    # Replica groups: the checkpoint holds each group's weights and the outer ones, which are
+    # the model's.
+    sync = replica.recorded(record, mesh.shape, run_dir)
+    groups = mesh.shape.get("replica", 1) if sync else 1
+    layout = Layout.on(mesh, rules, batch_size=rows * groups, sync=sync)
     jitted = build(spec.init, tx, lr, layout, mesh)
     checkpointer = OneStep(run_dir / "checkpoints")
     try:
@@ -224,5 +229,7 @@ def _restore_params(run_dir, record, spec, mesh, rules, step) -> dict:
         checkpointer.close()
     if restored is None:
         raise ConfigError(f"{run_dir} holds no valid checkpoint (all were set aside as damaged)")
-    flat = jax.tree_util.tree_flatten_with_path(restored.state.params)[0]
+    state = restored.state
+    weights = state.params if state.outer is None else state.outer.params
+    flat = jax.tree_util.tree_flatten_with_path(weights)[0]
     return {path[0].key: x for path, x in flat}

@@ -105,6 +105,20 @@ def check(layout: Layout) -> None:
         )
 
 
+def recorded(record: dict, mesh_shape, run_dir) -> SyncConfig | None:
+    """The sync settings of a run's record (config.json), to read its checkpoints on a mesh of
+    `mesh_shape`: as many groups as it trained, each laid out anew; None without groups."""
+    if not record.get("sync"):
+        return None
+    groups = (record.get("mesh") or {}).get(AXIS, 1)
+    if mesh_shape.get(AXIS, 1) != groups:
+        raise ConfigError(
+            f"{run_dir} trained {groups} replica groups: read it on a mesh of as many, "
+            f"--mesh replica={groups},... (any layout of each group)"
+        )
+    return SyncConfig(**record["sync"])
+
+
 # --- Layouts ---------------------------------------------------------------------------------
 
 
