@@ -53,6 +53,9 @@ class Hardware:
     slice_name: str = ""
     # A cloud GPU machine type (a3-highgpu-8g) this preset was asked for by; "" otherwise.
     machine: str = ""
+    # What `outer` is: the link between hosts or slices (InfiniBand, DCN), its bandwidth per
+    # device; replica groups (DiLoCo) meet over it.
+    slow_link: str = ""
 
     @property
     def platform(self) -> str:
@@ -83,6 +86,7 @@ def _load(table: dict[str, dict]) -> dict[str, Hardware]:
             matmul_half_width=row["matmul_half_width"],
             attention_efficiency=row["attention_efficiency"],
             elementwise_passes=row.get("elementwise_passes", 1.0),
+            slow_link=row["slow_link"],
         )
         for name, row in table.items()
         if "chip" not in row
@@ -108,6 +112,22 @@ PRESETS: dict[str, Hardware] = _load(_TABLE)
 MACHINES: dict[str, Hardware] = _machines(_TABLE)
 # Names earlier releases used for the same hardware.
 _ALIASES = {"h100-nvlink": "h100", "h100-ib": "h100", "h200-nvlink": "h200"}
+
+
+def slow_link_gbps(hw: Hardware) -> float:
+    """The slow link's bandwidth (`outer`), Gbit/s per device and direction."""
+    return hw.outer.bandwidth * 8 / 1e9
+
+
+def with_slow_link(hw: Hardware, gbps: float) -> Hardware:
+    """The preset with its slow link (`outer`) at `gbps` Gbit/s per device and direction, its
+    latency kept: a cluster whose hosts, slices or buildings are joined by another network."""
+    if not gbps > 0:
+        raise ConfigError(
+            f"--link-gbps {gbps}: the slow link's Gbit/s per device must be > 0 (e.g. 100 for "
+            "a 400 Gb/s NIC shared by 4 devices)"
+        )
+    return dataclasses.replace(hw, outer=Link(hw.outer.alpha_s, gbps * 1e9 / 8))
 
 
 def get_hardware(name: str) -> Hardware:

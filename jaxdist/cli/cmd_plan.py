@@ -48,7 +48,8 @@ class Plan(Common):
     batch_size: Annotated[int, tyro.conf.arg(help="global batch in rows")] = 512
     axes: str = ",".join(SEARCHED_AXES)
     """mesh axes the planner may use (context splits the sequence: it ranks first only where
-    rows are too few or too long)"""
+    rows are too few or too long; replica, not searched by default: groups that train alone
+    and meet every --sync-every steps, DiLoCo)"""
     compute_efficiency: float | None = None
     """one flat share of peak for every FLOP instead of the hardware's calibrated figures"""
     top: int = 10
@@ -62,6 +63,14 @@ class Plan(Common):
     ("command")"""
     wide: bool = False
     """every column: the fleet law's terms apart (communication and its overlap), tokens/s"""
+    replicas: int | None = None
+    """also rank layouts of this many replica groups that train alone and meet every
+    --sync-every steps (DiLoCo; --sync-dtype, --sync-fragments, --sync-delay) beside the
+    others; or add replica to --axes for any number of groups"""
+    link_gbps: float | None = None
+    """the slow link (between hosts or TPU slices; the hardware's, e.g. 400 on h100) at this
+    many Gbit/s per device and direction: for a cluster across buildings, the link between
+    them divided by the devices on one side (a 100 Gb/s link to 64 GPUs: 1.5625)"""
 
 
 def _devices(args: Plan, hw) -> int:
@@ -120,16 +129,49 @@ def _plan_config(args: Plan, devices: int):
     mesh = ()
     if args.mesh != "auto":
         mesh = tuple(get_mesh_preset(args.mesh).mesh.sizes().items())
+    axes = tuple(a.strip() for a in args.axes.split(",") if a.strip())
+    if args.replicas is not None and "replica" not in axes:
+        axes = ("replica", *axes)
     return PlanConfig(
         devices=devices,
         hardware=args.hardware,
         batch_size=args.batch_size,
         step=args.step,
-        axes=tuple(a.strip() for a in args.axes.split(",") if a.strip()),
+        axes=axes,
         compute_efficiency=args.compute_efficiency,
         max_layouts=max(args.top, args.verify),
         mesh=mesh,
+        sync=args.sync,
+        replicas=args.replicas or 0,
+        link_gbps=args.link_gbps,
     )
+
+
+def _check_sync(args: Plan, cfg, layers: int) -> None:
+    """The replica flags, before any pricing: --replicas a divisor of the devices, and the
+    sync flags only where some layout has replica groups, each within its bounds."""
+    from jaxdist.config import SyncConfig
+
+    M = args.replicas
+    if M is not None and (M < 2 or cfg.devices % M):
+        raise ConfigError(
+            f"--replicas {M} must be at least 2 and divide the {cfg.devices} devices; e.g. "
+            "--replicas 2"
+        )
+    grouped = "replica" in cfg.axes or dict(cfg.mesh).get("replica", 1) > 1
+    if not grouped:
+        changed = [
+            "--" + f.name.replace("_", "-")
+            for f in dataclasses.fields(SyncConfig)
+            if getattr(args.sync, f.name) != f.default
+        ]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(changed)} set(s) how replica groups meet, and the plan has none: "
+                "add --replicas M (or replica to --axes, or to --mesh), or drop the flag"
+            )
+        return
+    args.sync.validate(M or dict(cfg.mesh).get("replica", 1), layers)
 
 
 def _check_verify(args: Plan, hw, devices: int):
@@ -172,6 +214,8 @@ def run(args: Plan) -> int:
 
     args.validate()
     hw = get_hardware(args.hardware)
+    if args.link_gbps is not None:
+        hardware_table.with_slow_link(hw, args.link_gbps)  # a bad figure fails before any work
     devices = _devices(args, hw)
     args = dataclasses.replace(args, devices=devices)
     generation, gpu_target = _check_verify(args, hw, devices)
@@ -187,7 +231,10 @@ def run(args: Plan) -> int:
 
         policies = list(order())
     configs = [dataclasses.replace(model_cfg, remat=p) for p in policies]
-    result = plan([plan_model(c) for c in configs], STANDARD_RULES, _plan_config(args, devices))
+    models = [plan_model(c) for c in configs]
+    cfg = _plan_config(args, devices)
+    _check_sync(args, cfg, models[0].num_layers)
+    result = plan(models, STANDARD_RULES, cfg)
     console = Console(width=None if Console().is_terminal else 100)
     result["best"] = 0
     if args.verify:

@@ -8,7 +8,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from jaxdist.config import StepConfig
+from jaxdist.config import StepConfig, SyncConfig
 from jaxdist.planning.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
 
 # Common's model-size flags (jaxdist.cli.options), as the command line spells them.
@@ -42,8 +42,25 @@ def train_command(args, row: dict) -> str:
         argv += ["--capacity-factor", str(args.capacity_factor)]
     if args.dropless:
         argv.append("--dropless")
-    argv += ["--remat", row["remat"]]
+    argv += ["--remat", row["remat"]] + _sync_flags(row)
     return shlex.join(argv)
+
+
+# Always written for a layout of replica groups (what the plan priced), the rest where not
+# train's defaults.
+_SYNC_ALWAYS = ("sync_every", "sync_dtype", "sync_fragments", "sync_delay")
+
+
+def _sync_flags(row: dict) -> list[str]:
+    """The sync settings a layout of replica groups was priced at, as train's flags."""
+    if "sync" not in row:
+        return []
+    default = SyncConfig()
+    argv = []
+    for name, value in row["sync"].items():
+        if name in _SYNC_ALWAYS or value != getattr(default, name):
+            argv += [_flag(name), str(value)]
+    return argv
 
 
 def check_target(result: dict, hw) -> str | None:
@@ -82,6 +99,12 @@ def _heading(result: dict, console: Console) -> None:
             f"{result['machine']}: {per_host} {result['hardware'].upper()} per host, {hosts} "
             f"hosts, {result['between_hosts_bytes_s'] / 1e9:g} GB/s per GPU between them"
         )
+    if result.get("slow_link"):
+        console.print(
+            f"slow link: {result['slow_link']}, "
+            f"{result['between_hosts_bytes_s'] * 8 / 1e9:g} Gbit/s per device (--link-gbps)",
+            highlight=False,
+        )
     console.print(
         f"{result['model']} on {result['devices']} x {result['hardware']}, batch "
         f"{result['batch_size']} rows of {result['seq_len']:,} tokens (--seq-len), "
@@ -105,7 +128,9 @@ def print_plan(result: dict, console: Console, wide: bool = False) -> None:
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     columns = ["layout", "remat", "mb", "GB", "comp"] + (["bubl"] if bubbles else [])
     columns += ["comm", "-ovl"] if wide else ["comm*"]
-    columns += ["sync", "step", "MFU"] + (["tok/s"] if wide else [])
+    outer = any("sync" in r for _, r in rows)
+    columns += (["outer"] if outer else []) + ["sync", "step", "MFU"]
+    columns += ["tok/s"] if wide else []
     for col in columns:
         text = col in ("layout", "remat")
         # Nothing is cut: a layout too long for its column folds onto a second line.
@@ -118,6 +143,8 @@ def print_plan(result: dict, console: Console, wide: bool = False) -> None:
             cells += [_ms(r["comm_s"]), _ms(r["overlap_s"])]
         else:
             cells += [_ms(r["comm_s"] - r["overlap_s"])]
+        if outer:
+            cells += [_ms(r["outer_exposed_s"]) if "sync" in r else "-"]
         cells += [_ms(r["sync_s"]), _ms(r["step_s"]), f"{r['mfu']:.0%}"]
         cells += [f"{r['tokens_per_s']:,.0f}"] if wide else []
         table.add_row(*cells)
@@ -125,10 +152,39 @@ def print_plan(result: dict, console: Console, wide: bool = False) -> None:
     notes = ["mb: microbatches", "ms per step"]
     if not wide:
         notes.append("comm*: what compute does not hide (--wide: both apart)")
+    if outer:
+        notes.append(_outer_note(rows))
     if not all(r["fits"] for _, r in rows):
         notes.append("GB!: too big for the device")
     console.print("; ".join(notes), highlight=False)
     _footer(result, rows, naive, console)
+    _link_line(rows, console)
+
+
+def _outer_note(rows) -> str:
+    """What the outer column is, at the sync settings of the replica layouts shown."""
+    s = next(r["sync"] for _, r in rows if "sync" in r)
+    T = s["sync_delay"]
+    hidden = f", less what the next {T} step(s) of compute hide" if T else ""
+    return (
+        f"outer: replica groups' exchange ({s['sync_dtype']}, {s['sync_fragments']} "
+        f"fragment(s)) over the slow link every {s['sync_every']} steps, per step{hidden}"
+    )
+
+
+def _link_line(rows, console: Console) -> None:
+    """The slow link each of the top layouts needs for 80% compute utilization."""
+    needs = [(name, r["link_gbps_80"]) for name, r in rows if "link_gbps_80" in r]
+    if not needs:
+        return
+
+    def shown(gbps) -> str:
+        return "none reaches it" if gbps is None else "any" if gbps == 0 else f"{gbps:.3g}"
+
+    parts = "; ".join(f"{name} {shown(g)}" for name, g in needs)
+    console.print(
+        f"slow link for 80% compute utilization, Gbit/s per device: {parts}", highlight=False
+    )
 
 
 def _footer(result: dict, rows, naive, console: Console) -> None:

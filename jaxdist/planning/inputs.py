@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from flax import nnx
 
-from jaxdist.config import Layout, StepConfig
+from jaxdist.config import Layout, StepConfig, SyncConfig
 from jaxdist.mesh import SEARCHED_AXES
 
 
@@ -100,3 +100,11 @@ class PlanConfig:
     compute_efficiency: float | None = None  # None: the hardware's calibrated rates
     max_layouts: int = 10
     mesh: tuple[tuple[str, int], ...] = ()  # price this one layout instead of enumerating
+    # How replica groups meet, where a layout has a `replica` axis (`replica` in `axes`, or
+    # `mesh`): DiLoCo, priced by planning.sync.
+    sync: SyncConfig = SyncConfig()
+    # Only this many replica groups where a layout has any (0: any number `axes` allows).
+    replicas: int = 0
+    # The slow link (hardware `outer`: between hosts or slices) at this many Gbit/s per device
+    # instead of the preset's; None: the preset's.
+    link_gbps: float | None = None

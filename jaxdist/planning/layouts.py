@@ -10,17 +10,20 @@ from jax.sharding import AbstractMesh
 from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
 from jaxdist.mesh import MESH_AXES
+from jaxdist.planning import sync
 from jaxdist.planning.inputs import PlanConfig, PlanModel
+from jaxdist.planning.sync import AXIS
 from jaxdist.rules import AxisRules, check_divisible, logical_axes
 
 
-def factorizations(n: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
-    """Every way to split n devices over `axes` (their sizes multiply to n)."""
+def factorizations(n: int, axes: tuple[str, ...], replicas: int = 0) -> list[dict[str, int]]:
+    """Every way to split n devices over `axes` (their sizes multiply to n); `replicas`, where
+    given, the one size of a `replica` axis beside 1."""
     if not axes:
         return [{}] if n == 1 else []
     out = []
     for size in range(1, n + 1):
-        if n % size == 0:
+        if n % size == 0 and not (axes[0] == AXIS and replicas and size not in (1, replicas)):
             for rest in factorizations(n // size, axes[1:]):
                 out.append({axes[0]: size, **rest})
     return out
@@ -31,13 +34,15 @@ def layout_of(
 ) -> Layout:
     """The Layout of a split: every mesh axis (1 where the split leaves it out), the step's
     settings with its microbatches as the step will run them (as asked; where the step asks
-    for 1 on a pipelined split, 4 per stage, which keeps the stages busy)."""
+    for 1 on a pipelined split, 4 per stage, which keeps the stages busy), and with a
+    `replica` axis, the plan's sync settings."""
     stages = sizes.get("pipeline", 1)
     step = cfg.step
     if step.microbatches == 1 and stages > 1:
         step = dataclasses.replace(step, microbatches=4 * stages)
     full = tuple((a, sizes.get(a, 1)) for a in MESH_AXES)
-    return Layout(full, rules, step, remat, cfg.batch_size, seq_len)
+    groups = cfg.sync if sizes.get(AXIS, 1) > 1 else None  # how a replica axis's groups meet
+    return Layout(full, rules, step, remat, cfg.batch_size, seq_len, groups)
 
 
 def abstract_mesh(layout: Layout) -> AbstractMesh:
@@ -47,7 +52,19 @@ def abstract_mesh(layout: Layout) -> AbstractMesh:
 
 
 def why_not(layout: Layout, model: PlanModel, hw) -> str | None:
-    """The reason a layout cannot run this model, or None."""
+    """The reason a layout cannot run this model, or None. Replica groups: each group's
+    layout, at its block of the batch, and the sync settings the model must divide."""
+    if sync.grouped(layout):
+        M = layout.replicas
+        if layout.batch_size % M:
+            return f"batch {layout.batch_size} not divisible by {M} replica groups"
+        if layout.stages > 1:  # jaxdist.parallel.replica.check refuses them
+            return "replica groups with a pipeline axis (not yet runnable)"
+        try:
+            layout.sync.validate(M, model.num_layers)
+        except ConfigError as e:
+            return f"sync settings: {e}"
+        layout = sync.group_layout(layout)
     shape = layout.mesh_shape
     if shape.get("tensor", 1) > hw.devices_per_host:
         return "tensor axis wider than a host"

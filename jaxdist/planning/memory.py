@@ -12,7 +12,9 @@ Terms, per device:
 - activations: what each layer saves for its backward pass under the remat policy, times the
   layers (and, pipelined, the microbatches a stage holds), plus one layer's backward working
   set and what lives outside the layers (embeddings, logits);
-- on TPU, what its compiler counts beyond its own buffer assignment (`tpu_copies`).
+- on TPU, what its compiler counts beyond its own buffer assignment (`tpu_copies`);
+- with replica groups (DiLoCo), one group's step at its block of the batch, and the outer
+  state beside it (`outer`: planning.sync.outer_state_bytes).
 """
 
 import dataclasses
@@ -24,6 +26,7 @@ from jaxdist.config import Layout
 from jaxdist.kernels.fused_loss import chunk_tokens_for
 from jaxdist.kernels.lookup import routed_table
 from jaxdist.parallel import pipeline
+from jaxdist.planning import sync
 from jaxdist.planning.inputs import Activation, Inventory, PlanModel
 from jaxdist.rules import AxisRules, local_elements, logical_axes, variables, ways
 
@@ -142,7 +145,15 @@ def device_peak(model: PlanModel, layout: Layout, platform: str) -> dict[str, fl
     carries and the weights it reads (experiments/tpu_loop_state.py isolates that share): for
     a pipeline stage, its weights (its layers, and the table and head it holds gathered) and
     their gradient accumulators, carried through the tick loop. Measured on v5p, not derived.
+
+    With replica groups (a `replica` axis and a SyncConfig), a device holds one group's step
+    and, as `outer`, its share of the outer state (planning.sync.outer_state_bytes).
     """
+    if sync.grouped(layout):
+        out = device_peak(model, sync.group_layout(layout), platform)
+        out["outer"] = sync.outer_state_bytes(out["params"], layout)
+        out["peak"] = sum(v for k, v in out.items() if k != "peak")
+        return out
     mesh_shape = layout.mesh_shape
     m = layout.microbatches
     inventory = model.inventory(max(1, layout.micro_rows))

@@ -18,6 +18,11 @@ with the fleet law and ranks them:
   exchanges sit on the critical path and are always exposed;
 - T_sync: stragglers. With per-device step-time jitter sigma, the slowest of N devices is
   about sigma * sqrt(2 ln N) behind the mean, and every synchronous step waits for it.
+- Replica groups (a `replica` axis, DiLoCo): one group's step by the law above, at its block
+  of the batch over the other axes, plus the outer exchange over the slow link amortized over
+  its H steps, less what `--sync-delay` hides (planning.sync); asked for by `replica` in the
+  axes. Each of the top layouts is also given the slow link's bandwidth at which its compute
+  fills 80% of the step (`link_gbps_80`).
 Every figure is a prediction; `--verify` compiles the top layouts and sets XLA beside them.
 """
 
@@ -27,9 +32,9 @@ from collections.abc import Sequence
 
 from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
-from jaxdist.hardware import Hardware, get_hardware
+from jaxdist.hardware import Hardware, get_hardware, with_slow_link
 from jaxdist.mesh import MESH_AXES
-from jaxdist.planning import compute, costmodel, fit, layouts, memory, traffic
+from jaxdist.planning import compute, costmodel, fit, layouts, memory, sync, traffic
 from jaxdist.planning.inputs import PlanConfig, PlanModel
 from jaxdist.rules import AxisRules, ways
 
@@ -73,6 +78,12 @@ def _is_activation(label: str, layout: Layout) -> bool:
     return not set(label.split("+")) <= set(layout.batch_axes)
 
 
+def hardware_of(cfg: PlanConfig) -> Hardware:
+    """The hardware planned for: the preset, its slow link at `link_gbps` where given."""
+    hw = get_hardware(cfg.hardware)
+    return hw if cfg.link_gbps is None else with_slow_link(hw, cfg.link_gbps)
+
+
 def evaluate(
     layout: Layout,
     model: PlanModel,
@@ -83,6 +94,9 @@ def evaluate(
     """Predicted memory and step time of one layout, `model` at the layout's remat policy
     (`mem`: its memory, where the caller priced it already)."""
     mem = mem or memory.device_peak(model, layout, hw.platform)
+    if sync.grouped(layout):  # one group's step, then the outer exchange beside it
+        inner = evaluate(sync.group_layout(layout), model, hw, efficiency, mem)
+        return sync.with_outer(inner, model.abstract_params, layout, hw)
     issued: dict = {}
     expected = traffic.layout_bytes(model, layout, hw.platform, issued)
     tokens = layout.batch_size * layout.seq_len
@@ -105,8 +119,8 @@ def evaluate(
     t_comm = exposed + hidden_candidates
     t_overlap = min(compute_s, hw.overlap * hidden_candidates)
     n = layout.devices
-    sync = hw.jitter * compute_s * math.sqrt(2 * math.log(n)) if n > 1 else 0
-    step = compute_s + bubble + t_comm + sync - t_overlap
+    straggler = hw.jitter * compute_s * math.sqrt(2 * math.log(n)) if n > 1 else 0
+    step = compute_s + bubble + t_comm + straggler - t_overlap
     flops = model.flops_per_token * tokens
     return {
         "layout": layout.describe(),
@@ -123,7 +137,7 @@ def evaluate(
         "comm_s": t_comm,
         "comm_exposed_s": exposed,
         "overlap_s": t_overlap,
-        "sync_s": sync,
+        "sync_s": straggler,
         "step_s": step,
         "tokens_per_s": tokens / step,
         "mfu": flops / (step * n * hw.peak_flops),
@@ -142,7 +156,7 @@ def price(
 ) -> dict:
     """One split priced at the fastest remat policy of `models` (fastest first) that fits it
     (jaxdist.planning.fit.choose: the one chooser), or at the leanest, marked not fitting."""
-    hw = hw or get_hardware(cfg.hardware)
+    hw = hw or hardware_of(cfg)
     by_policy = {m.remat: m for m in models}
     seq_len = models[0].seq_len
 
@@ -166,7 +180,7 @@ def plan(models: PlanModel | Sequence[PlanModel], rules: AxisRules, cfg: PlanCon
     fits."""
     models = [models] if isinstance(models, PlanModel) else list(models)
     model = models[0]
-    hw = get_hardware(cfg.hardware)
+    hw = hardware_of(cfg)
     unknown = set(cfg.axes) - set(MESH_AXES)
     if unknown or not cfg.axes:
         raise ConfigError(f"--axes {','.join(cfg.axes)}: choose from {', '.join(MESH_AXES)}")
@@ -192,6 +206,7 @@ def plan(models: PlanModel | Sequence[PlanModel], rules: AxisRules, cfg: PlanCon
         )
     fitting.sort(key=lambda r: r["step_s"])
     naive = next((r for r in rows if r["layout"] == f"data={cfg.devices}"), None)
+    _link_needs(fitting[:LINK_ROWS] + ([naive] if naive else []), models, rules, cfg, hw)
     return {
         **_heading(model, cfg, hw),
         "considered": len(candidates) + sum(rejected.values()),
@@ -202,10 +217,31 @@ def plan(models: PlanModel | Sequence[PlanModel], rules: AxisRules, cfg: PlanCon
     }
 
 
+# The top layouts whose slow-link need for 80% compute utilization the plan solves for.
+LINK_ROWS = 3
+
+
+def _link_needs(rows: list[dict], models, rules, cfg: PlanConfig, hw: Hardware) -> None:
+    """Each row's `link_gbps_80`: Gbit/s per device of the slow link at which its compute
+    fills sync.TARGET_UTILIZATION of compute and exposed communication (0.0: nothing crosses
+    it; None: its fast links alone miss it), at the remat policy it was priced at."""
+    by_policy = {m.remat: m for m in models}
+    for row in rows:
+        sizes = {a: n for a, n in row["mesh"].items() if n > 1}
+        layout = layouts.layout_of(sizes, rules, cfg, row["seq_len"], row["remat"])
+        model, mem = by_policy[row["remat"]], row["memory_bytes"]
+
+        def priced(hw_at: Hardware, layout=layout, model=model, mem=mem) -> dict:
+            return evaluate(layout, model, hw_at, cfg.compute_efficiency, mem)
+
+        row["link_gbps_80"] = sync.bandwidth_for(priced, hw, sync.TARGET_UTILIZATION)
+
+
 def _heading(model: PlanModel, cfg: PlanConfig, hw) -> dict:
     return dict(model=model.name, devices=cfg.devices, hardware=hw.name, slice=hw.slice_name) | {
         "machine": hw.machine,
         "between_hosts_bytes_s": hw.outer.bandwidth,
+        "slow_link": hw.slow_link,
         "devices_per_host": hw.devices_per_host,
         "batch_size": cfg.batch_size,
         "seq_len": model.seq_len,
@@ -231,6 +267,7 @@ def _one_layout(models: list[PlanModel], rules: AxisRules, cfg: PlanConfig, hw) 
     if reason:
         raise ConfigError(f"--mesh {name} cannot run {model.name}: {reason}")
     row = price(sizes, models, rules, cfg, hw)
+    _link_needs([row], models, rules, cfg, hw)
     return {
         **_heading(model, cfg, hw),
         "considered": 1,
@@ -243,7 +280,8 @@ def _one_layout(models: list[PlanModel], rules: AxisRules, cfg: PlanConfig, hw) 
 
 def _candidates(model, rules, cfg, hw) -> tuple[list[dict[str, int]], dict[str, int]]:
     candidates, rejected = [], {}
-    for sizes in layouts.factorizations(cfg.devices, tuple(a for a in MESH_AXES if a in cfg.axes)):
+    axes = tuple(a for a in MESH_AXES if a in cfg.axes)
+    for sizes in layouts.factorizations(cfg.devices, axes, cfg.replicas):
         reason = layouts.why_not(layouts.layout_of(sizes, rules, cfg, model.seq_len), model, hw)
         if reason is None:
             candidates.append(sizes)
@@ -257,7 +295,7 @@ def _candidates(model, rules, cfg, hw) -> tuple[list[dict[str, int]], dict[str, 
 
 
 def _no_layout_message(model, rules, cfg, rejected) -> str:
-    hw = get_hardware(cfg.hardware)
+    hw = hardware_of(cfg)
     reasons = "; ".join(f"{k} ({n})" for k, n in rejected.items())
     for delta in range(1, cfg.devices):
         for n in (cfg.devices - delta, cfg.devices + delta):

@@ -25,6 +25,8 @@ and `jaxdist comm` show beside the figures.
 
 import math
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 from rich.console import Console
@@ -32,10 +34,10 @@ from rich.table import Table
 
 from jaxdist.config import Layout
 from jaxdist.kernels.lookup import Route, routed_table
-from jaxdist.parallel import pipeline
+from jaxdist.parallel import pipeline, replica
 from jaxdist.parallel.collective_matmul import check as collective_matmul_check
 from jaxdist.parallel.collective_matmul import shards_sent
-from jaxdist.planning import hlo, memory
+from jaxdist.planning import hlo, memory, sync
 from jaxdist.planning.inputs import PartialSum, PlanModel
 from jaxdist.planning.layouts import abstract_mesh
 from jaxdist.rules import AxisRules, logical_axes, variables, ways
@@ -346,7 +348,39 @@ def report(jitted, model: PlanModel, layout: Layout) -> dict:
     text = jitted.compile_abstract(shape).as_text()
     share = pipeline.branch_share(schedule_of(layout)) if layout.stages > 1 else None
     measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape), share))
-    exp = layout_bytes(model, layout, mesh.devices.flat[0].platform)
+    platform = mesh.devices.flat[0].platform
+    # Replica groups: each group's step (the outer step is compiled apart, below).
+    inner = sync.group_layout(layout) if sync.grouped(layout) else layout
+    exp = layout_bytes(model, inner, platform)
+    out = {
+        "mesh": dict(mesh.shape),
+        "batch_size": layout.batch_size,
+        "seq_len": layout.seq_len,
+        "microbatches": layout.microbatches,
+        "rows": _rows(measured, exp),
+    }
+    if sync.grouped(layout):
+        out["outer_rows"] = _outer_rows(jitted, model, layout)
+    return out
+
+
+def _outer_rows(jitted, model: PlanModel, layout: Layout) -> list[dict]:
+    """The outer step's collectives, every fragment's at once, compiled beside what
+    planning.sync prices them at (over `replica`; the rest is the inner step's again)."""
+    F = layout.sync.sync_fragments
+    act = replica.Action(tuple(range(F)), tuple(range(F)), after=True)
+    mesh = jitted.batch_sharding.mesh
+    batch = jax.ShapeDtypeStruct(
+        (layout.batch_size, layout.seq_len + 1), jnp.int32, sharding=jitted.batch_sharding
+    )
+    text = jitted.step_fn.lower(jitted.abstract_state, batch, act).compile().as_text()
+    measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
+    measured = {k: v for k, v in measured.items() if k[0] == sync.AXIS}
+    exp = {(sync.AXIS, k): b for k, b in sync.exchange_bytes(model.abstract_params, layout).items()}
+    return _rows(measured, exp)
+
+
+def _rows(measured: dict, exp: dict) -> list[dict]:
     rows = []
     for axis, kind in sorted(set(measured) | set(exp)):
         m = measured.get((axis, kind), {"count": 0, "bytes": 0})
@@ -361,21 +395,22 @@ def report(jitted, model: PlanModel, layout: Layout) -> dict:
                 "ratio": (m["bytes"] / e) if e else None,
             }
         )
-    return {
-        "mesh": dict(mesh.shape),
-        "batch_size": layout.batch_size,
-        "seq_len": layout.seq_len,
-        "microbatches": layout.microbatches,
-        "rows": rows,
-    }
+    return rows
 
 
 def print_table(report: dict, console: Console | None = None) -> None:
     console = console or Console()
-    table = Table(title=f"collectives per step on mesh {report['mesh']}")
+    _table(f"collectives per step on mesh {report['mesh']}", report["rows"], console)
+    if "outer_rows" in report:
+        title = "the replica groups' outer step, every fragment at once (every H steps)"
+        _table(title, report["outer_rows"], console)
+
+
+def _table(title: str, rows: list[dict], console: Console) -> None:
+    table = Table(title=title)
     for col in ("axis", "kind", "count", "MB", "expected MB", "ratio"):
         table.add_column(col, justify="left" if col in ("axis", "kind") else "right")
-    for r in report["rows"]:
+    for r in rows:
         ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "unexpected"
         table.add_row(
             r["axis"],

@@ -1,0 +1,207 @@
+"""The price of replica groups (DiLoCo: jaxdist.parallel.replica) before the fleet is rented.
+
+A layout with a `replica` axis of M groups and a SyncConfig runs, per step, one group's inner
+step (the planner prices it as any layout: the group's block of the batch, B/M rows, over the
+other axes) and, every H/F steps, one fragment's outer exchange over the slow link between the
+groups (hardware `outer`: InfiniBand, DCN). Per device:
+
+- memory: the outer state beside the inner one (12 bytes a parameter with AdamW): 8/M bytes a
+  parameter for float32 and bfloat16 sync (outer weights and momentum split over `replica`),
+  4 + 4/M for the 8-bit types (every group keeps the outer weights); `outer_state_bytes`, read
+  by planning.memory.device_peak, the one price of memory;
+- time: the exchange is an all-to-all of the device's share of its group's weights in the
+  sync type onto their owners, then an all-gather back (8-bit: plus a float32 scale per row),
+  priced by planning.costmodel on the link the groups span. Amortized over the H/F steps of a
+  fragment's turn; with `--sync-delay T` it runs beside the next T inner steps, so up to T
+  steps' compute hides it; with T = 0 it is exposed.
+
+`bandwidth_for` solves for the slow link's bandwidth at which a layout reaches a compute
+utilization (compute / (compute + exposed communication)); `paper_bandwidth` does the same
+for Charles et al.'s idealized setting (arXiv:2503.09799, Table 6), which
+experiments/diloco_bandwidth.py sets beside the paper's figures.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from jaxdist.config import Layout, SyncConfig
+from jaxdist.errors import ConfigError
+from jaxdist.hardware import Hardware, Link, with_slow_link
+from jaxdist.planning import costmodel
+from jaxdist.rules import local_elements, logical_axes, variables
+
+AXIS = "replica"
+# Bytes a weight travels in, by sync type (jaxdist.parallel.replica).
+SYNC_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1, "int8": 1}
+EIGHT_BIT = ("float8", "int8")
+# The compute utilization `plan` quotes each layout's slow-link bandwidth for: compute /
+# (compute + exposed communication), as Charles et al. (arXiv:2503.09799, Table 6) quote it.
+TARGET_UTILIZATION = 0.8
+
+
+def grouped(layout: Layout) -> bool:
+    """Whether the layout runs replica groups that meet every H steps."""
+    return layout.sync is not None and not layout.in_group
+
+
+def group_layout(layout: Layout) -> Layout:
+    """One group's layout as the planner prices its inner step: the `replica` axis at 1, the
+    group's block of the batch, no outer step."""
+    sizes = tuple((a, 1 if a == AXIS else n) for a, n in layout.sizes)
+    rows = layout.batch_size // layout.replicas
+    return dataclasses.replace(layout, sizes=sizes, batch_size=rows, sync=None, in_group=False)
+
+
+def outer_state_bytes(params_bytes: float, layout: Layout) -> float:
+    """One device's outer state, from its fp32 weights' bytes (4 a parameter): 8/M bytes a
+    parameter (float32, bfloat16 sync), 4 + 4/M (8-bit sync); 0 without replica groups."""
+    if not grouped(layout):
+        return 0.0
+    M = layout.replicas
+    per_param = 4 + 4 / M if layout.sync.sync_dtype in EIGHT_BIT else 8 / M
+    return params_bytes / 4 * per_param
+
+
+def exchange_bytes(abstract_params, layout: Layout) -> dict[str, float]:
+    """One device's bytes of a whole outer exchange (every fragment), by collective, in
+    planning.traffic's convention (the full buffer: its share of its group's weights in the
+    sync type; 8-bit types add a float32 scale per row of each weight)."""
+    sync = layout.sync
+    shape = group_layout(layout).mesh_shape
+    width = SYNC_BYTES[sync.sync_dtype]
+    total = 0.0
+    for var in variables(abstract_params):
+        local = local_elements(var.shape, logical_axes(var), layout.rules, shape, "param")
+        total += width * local
+        if sync.sync_dtype in EIGHT_BIT and var.shape:
+            total += 4 * local / var.shape[-1]
+    return {"all-to-all": total, "all-gather": total}
+
+
+def exchange_seconds(nbytes: dict[str, float], layout: Layout, hw: Hardware) -> float:
+    """Seconds of one fragment's exchange (1/F of the bytes) between the M groups, on the
+    link they span: devices of a group sit between a group's members."""
+    M, F = layout.replicas, layout.sync.sync_fragments
+    stride = layout.devices // M
+    return sum(costmodel.spanning_time(k, b / F, M, stride, hw) for k, b in nbytes.items())
+
+
+def outer_terms(sync: SyncConfig, exchange_s: float, compute_s: float) -> dict[str, float]:
+    """Per inner step: the outer exchanges amortized over H (F of them, each of
+    `exchange_s`), the part the next T steps' compute hides (`--sync-delay T`), and the rest,
+    exposed."""
+    H, F, T = sync.sync_every, sync.sync_fragments, sync.sync_delay
+    hidden = min(exchange_s, T * compute_s)
+    return {
+        "outer_exchange_s": exchange_s,
+        "outer_s": F * exchange_s / H,
+        "outer_hidden_s": F * hidden / H,
+        "outer_exposed_s": F * (exchange_s - hidden) / H,
+    }
+
+
+def with_outer(row: dict, abstract_params, layout: Layout, hw: Hardware) -> dict:
+    """The plan's row of a grouped layout, from its group's inner-step row: the outer step's
+    amortized exposed time joins the step; the layout, mesh and throughput are the whole
+    fleet's (every group steps at once on its own block of the batch)."""
+    nbytes = exchange_bytes(abstract_params, layout)
+    terms = outer_terms(layout.sync, exchange_seconds(nbytes, layout, hw), row["compute_s"])
+    step = row["step_s"] + terms["outer_exposed_s"]
+    tokens = layout.batch_size * layout.seq_len
+    return {
+        **row,
+        **terms,
+        "layout": layout.describe(),
+        "mesh": layout.mesh_shape,
+        "replicas": layout.replicas,
+        "sync": dataclasses.asdict(layout.sync),
+        "outer_bytes": sum(nbytes.values()),
+        "step_s": step,
+        "tokens_per_s": tokens / step,
+        "mfu": row["mfu"] * row["step_s"] / step,
+    }
+
+
+def exposed_s(row: dict) -> float:
+    """A row's communication that compute does not hide, the outer step's included."""
+    return row["comm_s"] - row["overlap_s"] + row.get("outer_exposed_s", 0.0)
+
+
+def utilization(row: dict) -> float:
+    return row["compute_s"] / (row["compute_s"] + exposed_s(row))
+
+
+def solve_gbps(utilization_at: Callable[[float], float], target: float) -> float | None:
+    """The least bandwidth (Gbit/s) at which `utilization_at` reaches `target`: 0.0 where any
+    link does (nothing crosses it), None where none does (the fast links' exposed traffic
+    alone misses it). Utilization grows with bandwidth; bisected on a log scale."""
+    lo, hi = 1e-4, 1e7
+    if utilization_at(lo) >= target:
+        return 0.0
+    if utilization_at(hi) < target:
+        return None
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if utilization_at(mid) < target else (lo, mid)
+        if hi / lo < 1.0005:
+            break
+    return hi
+
+
+def bandwidth_for(
+    price_at: Callable[[Hardware], dict], hw: Hardware, target: float
+) -> float | None:
+    """Gbit/s per device of the slow link at which the layout `price_at` prices reaches
+    compute utilization `target` (see solve_gbps for 0.0 and None)."""
+    return solve_gbps(lambda gbps: utilization(price_at(with_slow_link(hw, gbps))), target)
+
+
+# Charles et al., "Scaling Laws for DiLoCo" (arXiv:2503.09799), Table 6: the bandwidth each
+# method needs for 80% compute utilization, in an idealized setting. The paper's own statement
+# of that setting was not at hand; reconstructed from two secondary sources, it reproduces the
+# table's six rows within 10% (experiments/diloco_bandwidth.py):
+# - a sync sends the model's bf16 weights (DiLoCo) or gradients (data parallelism) over the
+#   link between M groups in 2N (1 - 1/M) / W seconds, no latency: the form of the
+#   mino98.github.io/diloco-calculator page, which cites the paper's Appendix A.2-A.3 for it
+#   ("N, assumes bfloat16"). M = 4 is our choice: M = 2 gives 0.63-0.66 of the DiLoCo rows, M = 8
+#   1.11-1.15 of them; the table names no M that we could read;
+# - "the reduction of gradients or outer gradients is overlapped over the backward pass"
+#   (arthurdouillard.com/diloco, the simulator of the same authors' papers): a sync hides
+#   behind PAPER_HIDDEN_SHARE of a step's compute. The backward pass is 2/3 of it; 0.52 is
+#   fitted on the table's three data-parallel rows (0.50 leaves them within 13%, 2/3 puts
+#   DeepSeek-V3's 23% low): the one fitted constant.
+PAPER_SYNC_BYTES = 2  # bfloat16
+PAPER_GROUPS = 4
+PAPER_HIDDEN_SHARE = 0.52
+
+
+def paper_bandwidth(
+    params: float,
+    step_s: float,
+    sync_every: int,
+    target: float = TARGET_UTILIZATION,
+    groups: int = PAPER_GROUPS,
+    sync_bytes: int = PAPER_SYNC_BYTES,
+    hidden_share: float = PAPER_HIDDEN_SHARE,
+) -> float:
+    """Gbit/s of the link between the groups (each group's whole link, as the paper counts it)
+    at which a model of `params` parameters whose step computes for `step_s` seconds reaches
+    compute utilization `target`, syncing every `sync_every` steps (1: data parallelism)."""
+    if params <= 0 or step_s <= 0 or sync_every < 1 or not 0 < target < 1:
+        raise ConfigError(
+            f"paper_bandwidth({params}, {step_s}, {sync_every}, {target}): parameters and "
+            "step time must be positive, H at least 1, the utilization in (0, 1)"
+        )
+    nbytes = sync_bytes * params
+
+    def utilization_at(gbps: float) -> float:
+        # One pass of the weights over the ring: what planning.costmodel prices an
+        # all-gather at, (M - 1)/M of the buffer through each member's link.
+        sync_s = costmodel.collective_time("all-gather", nbytes, groups, Link(0.0, gbps * 1e9 / 8))
+        exposed = max(0.0, sync_s - hidden_share * step_s) / sync_every
+        return step_s / (step_s + exposed)
+
+    found = solve_gbps(utilization_at, target)
+    assert found is not None  # no latency: a fast enough link always gets there
+    return found
