@@ -177,20 +177,28 @@ class JittedStep(NamedTuple):
     """the first state from given weights (shaped as `abstract_params`; consumed): a fresh
     optimizer state, and with replica groups every group starting from them"""
 
+    def outer_part(self, step: int) -> "replica.Action | None":
+        """With replica groups, the part of the outer step step `step` runs beside its inner
+        step (step_fn's third, static, argument); None: none."""
+        sync = self.layout.sync
+        return None if sync is None else replica.action(sync, step)
+
     @property
     def abstract_params(self) -> nnx.State:
         """The model's weights, abstract (with replica groups: one group's, not [M, ...])."""
         state = self.abstract_state
         return state.params if state.outer is None else state.outer.params
 
-    def compile_abstract(self, batch_shape: tuple[int, int] | None = None) -> jax.stages.Compiled:
+    def compile_abstract(
+        self, batch_shape: tuple[int, int] | None = None, act=None
+    ) -> jax.stages.Compiled:
         """The step compiled ahead of time for abstract state and batch ([B, T+1] tokens; the
         layout's by default): XLA's program text, memory and cost analyses, with nothing
-        allocated or run."""
+        allocated or run. `act`: with replica groups, the part of the outer step it runs."""
         if batch_shape is None:
             batch_shape = (self.layout.batch_size, self.layout.seq_len + 1)
         batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=self.batch_sharding)
-        return self.step_fn.lower(self.abstract_state, batch).compile()
+        return self.step_fn.lower(self.abstract_state, batch, act).compile()
 
 
 def _check_documents(abstract_model: nnx.Module, layout: Layout, vocab: Vocab) -> None:

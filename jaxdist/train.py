@@ -32,7 +32,6 @@ from jaxdist.errors import ConfigError
 from jaxdist.evaluation import eval_batches, small_data_warning
 from jaxdist.model import ModelSpec
 from jaxdist.optim import make_optimizer
-from jaxdist.parallel import replica
 from jaxdist.rules import AxisRules
 from jaxdist.step import JittedStep, Vocab, build
 
@@ -182,13 +181,6 @@ def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] |
     loop, jitted, console = run.config.loop, run.jitted, run.console
     eval_every = run.config.eval.eval_every or 0
     progress = _progress(console)
-    # Replica groups: what of the outer step each step runs beside its inner step (a static
-    # argument: each distinct part compiles once).
-    sync = jitted.layout.sync
-
-    def outer_part(s: int) -> tuple:
-        return (replica.action(sync, s),) if sync is not None else ()
-
     preempted = None
     pending: tuple[int, dict, dict] | None = None
     a.ledger.mark("startup")
@@ -200,7 +192,8 @@ def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] |
             a.watchdog.enter(s)
             # Stages 2-4: forward/backward, the collectives, the update; dispatched, not awaited.
             with a.capture.step(s, state):
-                state, metrics = jitted.step_fn(state, a.place(s), *outer_part(s))
+                # With replica groups, the part of their outer step due (each compiles once).
+                state, metrics = jitted.step_fn(state, a.place(s), jitted.outer_part(s))
             a.capture.after(s, metrics)
             # Step s-1's scalars: s is already queued, so the device never idles for logging.
             if pending is not None:

@@ -205,3 +205,17 @@ def test_the_tpu_compiler_holds_the_outer_state_as_priced_and_off_the_device_on_
     # plus the few norm scales too small to split (0.6% of the state in this tiny model).
     assert 16 / 12 <= groups / data <= 16 / 12 * 1.01, (groups, data)
     assert on_host == data, (on_host, data)  # kept in host memory: the device holds none
+
+
+@pytest.mark.slow
+def test_the_profile_shows_the_outer_step_on_the_steps_that_ran_it(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", "--mesh", "replica=2,data=2,fsdp=2", "--sync-every", "2", "--steps", "8"]
+    result = cli(*args, "--profile", "4:8", "--run-dir", str(run))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((run / "profile" / "breakdown.json").read_text())
+    outer = {r["step"]: r["outer_s"] for r in report["steps"] if r["device"] == 0}
+    # Steps 5 and 7 end a round (s + 1 a multiple of 2): only they exchange over `replica`.
+    assert [s for s, t in sorted(outer.items()) if t > 0] == [5, 7], outer
+    assert report["summary"]["mean_per_device"]["outer_s"] > 0
+    assert "the outer step" in result.stdout + result.stderr

@@ -12,11 +12,15 @@ NS = 1e-9
 
 
 def breakdown(
-    trace: Trace, axes_of: dict[str, str] | None = None, bytes_of: dict[str, int] | None = None
+    trace: Trace,
+    axes_of: dict[str, str] | None = None,
+    bytes_of: dict[str, int] | None = None,
+    per_step: dict[int, tuple[dict, dict]] | None = None,
 ) -> dict:
     """`breakdown.json`'s content. `axes_of` / `bytes_of` map a collective's HLO name to the
-    mesh axes it spans and its bytes per execution (from the compiled HLO, when known)."""
-    axes_of, bytes_of = axes_of or {}, bytes_of or {}
+    mesh axes it spans and its bytes per execution (from the compiled HLO, when known);
+    `per_step`: the same for steps that ran another program (replica groups' outer step)."""
+    axes_of, bytes_of, per_step = axes_of or {}, bytes_of or {}, per_step or {}
     by_device: dict[int, list[Event]] = defaultdict(list)
     for e in trace.events:
         by_device[e.device].append(e)
@@ -32,10 +36,9 @@ def breakdown(
             for d, es in by_device.items()
         }
         sync = _sync(window)
+        axes, nbytes = per_step.get(num, (axes_of, bytes_of))
         for d in sorted(window):
-            rows.append(
-                _device_step(num, d, ws, we, window[d], sync.get(d, 0.0), axes_of, bytes_of)
-            )
+            rows.append(_device_step(num, d, ws, we, window[d], sync.get(d, 0.0), axes, nbytes))
     if not rows:
         raise ValueError("the trace has device events but no step windows hold any")
     return {
@@ -71,6 +74,10 @@ def _device_step(num, d, ws, we, events, sync_s, axes_of, bytes_of) -> dict:
     coll = iv.union(iv.clip([(e.start, e.end) for e in events if e.kind == "collective"], ws, we))
     mem = iv.union(iv.clip([(e.start, e.end) for e in events if e.kind == "memcpy"], ws, we))
     overlapped = iv.measure(iv.intersect(coll, comp))
+    # Replica groups meet only in the outer step: its collectives are those over `replica`
+    # (but the logged metrics' scalars, which every step reduces over the whole batch).
+    outer = [(e.start, e.end) for e in events if _outer(e, axes_of, bytes_of)]
+    outer = iv.union(iv.clip(outer, ws, we))
     comm = iv.measure(coll)
     mem_exposed = iv.measure(iv.subtract(mem, iv.union(comp + coll)))
     busy = iv.measure(iv.union(comp + coll + mem))
@@ -100,11 +107,21 @@ def _device_step(num, d, ws, we, events, sync_s, axes_of, bytes_of) -> dict:
         "comm_exposed_s": (comm - overlapped) * NS,
         "comm_overlapped_s": overlapped * NS,
         "sync_s": sync_s,
+        "outer_s": iv.measure(outer) * NS,
+        "outer_exposed_s": iv.measure(iv.subtract(outer, comp)) * NS,
         "memcpy_s": iv.measure(mem) * NS,
         "memcpy_exposed_s": mem_exposed * NS,
         "idle_s": ((we - ws) - busy) * NS,
         "by_axis": by_axis,
     }
+
+
+def _outer(e: Event, axes_of: dict[str, str], bytes_of: dict[str, int]) -> bool:
+    """A collective of the replica groups' outer step: over `replica`, and more than the few
+    scalars of the logged metrics."""
+    if e.kind != "collective" or "replica" not in axes_of.get(e.name, "").split("+"):
+        return False
+    return bytes_of.get(e.name, 0) > 64
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -116,10 +133,12 @@ def summarize(rows: list[dict]) -> dict:
         "comm_exposed_s",
         "comm_overlapped_s",
         "sync_s",
+        "outer_s",
+        "outer_exposed_s",
         "memcpy_exposed_s",
         "idle_s",
     )
-    mean = {k: float(np.mean([r[k] for r in rows])) for k in keys}
+    mean = {k: float(np.mean([r.get(k, 0.0) for r in rows])) for k in keys}
     steps = sorted({r["step"] for r in rows})
     step_times = [max(r["step_s"] for r in rows if r["step"] == s) for s in steps]
     stragglers = []

@@ -52,6 +52,7 @@ class Capture:
         self.run_dir = run_dir
         self._active: tuple[int, int, str] | None = None
         self._hlo: str | None = None
+        self._outer: dict = {}  # replica groups: outer-step part -> its program's HLO
 
     def _window(self, s: int) -> tuple[int, int, str] | None:
         for w in self.windows:
@@ -95,6 +96,20 @@ class Capture:
             jax.profiler.stop_trace()
             self._analyze(window)
 
+    def _outer_programs(self, window) -> dict[int, str]:
+        """Replica groups: the program of each traced step that ran part of the outer step
+        (compiled again, abstractly; cached by part), for its collectives' axes and bytes."""
+        programs = {}
+        for s in range(window[0], window[1]):
+            act = self.jitted.outer_part(s)
+            if act is not None:
+                if act not in self._outer:
+                    self._outer[act] = self.jitted.compile_abstract(
+                        self.global_shape, act
+                    ).as_text()
+                programs[s] = self._outer[act]
+        return programs
+
     def _dir(self, window) -> pathlib.Path:
         name = "profile" if window[2] == "profile" else f"watch/step_{window[0]}"
         return self.run_dir / name
@@ -105,7 +120,9 @@ class Capture:
             self._hlo = self.jitted.compile_abstract(self.global_shape).as_text()
         (out / "hlo.txt").write_text(self._hlo)
         (out / "mesh.json").write_text(json.dumps(dict(self.mesh.shape)))
-        report = profile_report.profile(out, self._hlo, dict(self.mesh.shape), self.hardware)
+        mesh_shape = dict(self.mesh.shape)
+        step_hlo = self._outer_programs(window)
+        report = profile_report.profile(out, self._hlo, mesh_shape, self.hardware, step_hlo)
         profile_report.write(
             report,
             out / "breakdown.json",

@@ -49,11 +49,25 @@ def profile(
     hlo_text: str | None = None,
     mesh_shape: dict[str, int] | None = None,
     hardware: str = "cpu",
+    step_hlo: dict[int, str] | None = None,
 ) -> dict:
     """Loads a trace and attributes it; with the compiled HLO and mesh, also per mesh axis,
-    and the fleet-law projection (which needs the gradient bytes only the HLO holds)."""
+    and the fleet-law projection (which needs the gradient bytes only the HLO holds).
+    `step_hlo`: the program of steps that ran another one (replica groups' outer step)."""
     hw = get_hardware(hardware)
     trace = load(path)
+    axes_of, bytes_of = _named(trace, hlo_text, mesh_shape)
+    per_step = {s: _named(trace, text, mesh_shape) for s, text in (step_hlo or {}).items()}
+    report = breakdown(trace, axes_of, bytes_of, per_step)
+    report["hardware"] = hw.name
+    report["mesh"] = mesh_shape
+    report["model"] = _model(report, mesh_shape or {}, hw, bool(hlo_text and mesh_shape))
+    return report
+
+
+def _named(trace, hlo_text: str | None, mesh_shape) -> tuple[dict[str, str], dict[str, int]]:
+    """Each collective's mesh axes and bytes per execution, by its name in the program and in
+    the trace (which may suffix it)."""
     axes_of: dict[str, str] = {}
     bytes_of: dict[str, int] = {}
     if hlo_text and mesh_shape:
@@ -64,11 +78,7 @@ def profile(
             if e.kind == "collective" and hlo.base_name(e.name) != e.name:
                 axes_of.setdefault(e.name, axes_of.get(hlo.base_name(e.name), "unknown"))
                 bytes_of.setdefault(e.name, bytes_of.get(hlo.base_name(e.name), 0))
-    report = breakdown(trace, axes_of, bytes_of)
-    report["hardware"] = hw.name
-    report["mesh"] = mesh_shape
-    report["model"] = _model(report, mesh_shape or {}, hw, bool(hlo_text and mesh_shape))
-    return report
+    return axes_of, bytes_of
 
 
 def _model(report: dict, mesh_shape: dict[str, int], hw: Hardware, known: bool) -> dict:
@@ -189,9 +199,13 @@ def print_report(report: dict, console: Console | None = None) -> None:
         ("comm_exposed_s", "communication, exposed"),
         ("comm_overlapped_s", "communication, hidden"),
         ("sync_s", "  of which waiting (sync)"),
+        ("outer_s", "  of which the outer step (replica groups; per step)"),
+        ("outer_exposed_s", "    exposed"),
         ("memcpy_exposed_s", "memcpy, exposed"),
         ("idle_s", "idle"),
     ):
+        if k.startswith("outer") and not mean.get("outer_s"):
+            continue  # no replica groups, or no outer step among the traced steps
         t.add_row(label, f"{mean[k] * 1e3:.2f}", f"{frac[k]:.1%}")
     console.print(t)
     if report["model"]["per_axis"]:
