@@ -63,6 +63,7 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     assert lines[0]["loss"] == pytest.approx(math.log(256), abs=0.25)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["mesh"] == {
+        "replica": 1,
         "pipeline": 1,
         "data": 2,
         "fsdp": 2,

@@ -11,6 +11,7 @@ from meshes.presets import PRESETS, get_mesh_preset
 def test_parse_and_build_inline_layout():
     mesh = build_mesh(parse_mesh("data=2,fsdp=2,tensor=2"))
     assert dict(mesh.shape) == {
+        "replica": 1,
         "pipeline": 1,
         "data": 2,
         "fsdp": 2,
@@ -24,6 +25,7 @@ def test_parse_and_build_inline_layout():
 def test_fill_axis():
     mesh = build_mesh(parse_mesh("data=2,fsdp=-1"))
     assert dict(mesh.shape) == {
+        "replica": 1,
         "pipeline": 1,
         "data": 2,
         "fsdp": 4,
@@ -58,6 +60,7 @@ def test_device_count_mismatch_is_an_error_not_a_subset():
 
 def test_presets():
     assert dict(build_mesh(PRESETS["cpu8"].mesh).shape) == {
+        "replica": 1,
         "pipeline": 1,
         "data": 2,
         "fsdp": 2,
