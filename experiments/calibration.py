@@ -4,11 +4,13 @@
     python experiments/calibration.py --json     # the rows as JSON, with each row's terms
 
 Each row is a run someone published with its settings: model sizes, devices, layout, batch,
-remat. The planner prices that one layout (`jaxdist plan --mesh`) with the hardware preset's
-calibrated figures (jaxdist/hardware.toml, jaxdist.planning.compute) and the row prints the
-published step time, the predicted one and their ratio. `fit` rows set hardware.toml's figures
-(matmul efficiency and its half width on H100: the two H100 rows; v6e: its row); `check` rows
-were not used to set anything and say how far the figures carry.
+remat. The planner prices that one layout (planning.planner.price, what `jaxdist plan --mesh`
+runs) with the hardware preset's calibrated figures (jaxdist/hardware.toml,
+jaxdist.planning.compute), its tensor-parallel exchanges overlappable where the run's
+published configuration pipelines them with its GEMMs (`Row.tensor_overlap`), and the row
+prints the published step time, the predicted one and their ratio. `fit` rows set
+hardware.toml's figures (elementwise_passes: the two H100 rows; v6e's matmul efficiency: its
+row); `check` rows were not used to set anything and say how far the figures carry.
 
 Published figures come in three units, all turned into seconds per step:
 - MaxText's TFLOP/s per device: its own FLOP count per step (`maxtext_flops_per_token`, as
@@ -24,8 +26,9 @@ import dataclasses
 import json
 
 from jaxdist.config import StepConfig
+from jaxdist.hardware import get_hardware
 from jaxdist.planning.inputs import PlanConfig
-from jaxdist.planning.planner import plan
+from jaxdist.planning.planner import price
 from meshes.presets import STANDARD_RULES
 from models.inventory import plan_model
 from models.presets import get_model_config
@@ -104,6 +107,10 @@ class Row:
     # The TPU's weight rings; "one-way" sends what plain all-gathers send (a run that disabled
     # XLA's collective matmul).
     collective_matmul: str = "two-way"
+    # The run pipelines its tensor-parallel exchanges with the GEMMs beside them (NeMo's
+    # ub_tp_comm_overlap: true): what its published configuration says, priced by the hardware's
+    # `tensor_overlap` (jaxdist.hardware), not a factor.
+    tensor_overlap: bool = False
 
 
 ROWS = (
@@ -204,7 +211,7 @@ ROWS = (
         "check",
         "github.com/pytorch/torchtitan docs/performance.md, Table 1",
         LLAMA31_8B,
-        "h100",
+        "h100-96gb-500w",
         "fsdp=8",
         16,
         ("half",),
@@ -279,7 +286,9 @@ ROWS = (
     ),
     # The same benchmarks, NeMo 24.09 Llama 3.1 70B bf16: TP 4, PP 4, CP 2, VP 5, MBS 1, GA 64,
     # seq 8192, no activation checkpointing, sequence parallel, TP and P2P comm overlap
-    # (llama3.1/llama3.1_70b.yaml). DP = GPUs / 32; 64 microbatches per step.
+    # (llama3.1/llama3.1_70b.yaml: ub_tp_comm_overlap, its ub_tp_comm_overlap_cfg pairing every
+    # layer's all-gather and reduce-scatter with a GEMM, forward and backward). DP = GPUs / 32;
+    # 64 microbatches per step.
     *(
         Row(
             f"NeMo Llama3.1-70B, {n} H100, TP 4 x PP 4 (VP 5) x CP 2 x DP {n // 32}, seq 8192, "
@@ -296,11 +305,13 @@ ROWS = (
             microbatches=64,
             schedule="interleaved",
             virtual_stages=5,
+            tensor_overlap=True,
         )
         for n, step_s in ((64, 14.72), (256, 14.8), (2048, 14.98))
     ),
     # NeMo 24.09 Llama 3.1 405B bf16: TP 8, PP 9, CP 2, VP 7, MBS 1, GA 63, seq 8192 (its
-    # yaml: 16 query groups), no activation checkpointing. DP = GPUs / 144.
+    # yaml: 16 query groups), no activation checkpointing, sequence parallel, TP comm overlap as
+    # the 70B's (ub_tp_comm_overlap). DP = GPUs / 144.
     *(
         Row(
             f"NeMo Llama3.1-405B, {n} H100, TP 8 x PP 9 (VP 7) x CP 2 x DP {n // 144}, seq 8192, "
@@ -317,11 +328,13 @@ ROWS = (
             microbatches=63,
             schedule="interleaved",
             virtual_stages=7,
+            tensor_overlap=True,
         )
         for n, step_s in ((576, 17.20), (2304, 17.62))
     ),
     # NeMo Megatron 24.11 GPT-3 175B bf16: TP 4, PP 8, VP 12, MBS 1, seq 2048, no activation
-    # checkpointing (nemo_megatron/gpt3_175b_hydra.yaml). DP = GPUs / 32; 64 microbatches.
+    # checkpointing, sequence parallel, TP comm overlap (nemo_megatron/gpt3_175b_hydra.yaml:
+    # ub_tp_comm_overlap). DP = GPUs / 32; 64 microbatches.
     *(
         Row(
             f"NeMo GPT-3 175B, {n} H100, TP 4 x PP 8 (VP 12) x DP {n // 32}, seq 2048, MBS 1 x 64",
@@ -337,6 +350,7 @@ ROWS = (
             microbatches=64,
             schedule="interleaved",
             virtual_stages=12,
+            tensor_overlap=True,
         )
         for n, step_s in ((128, 8.91), (2048, 9.02))
     ),
@@ -370,14 +384,15 @@ ROWS = (
         )
     ),
     # torchtitan, Aug 2024: Llama 3.1 405B on 128 H100 (94-96 GB, lower TDP), FSDP 16 x TP 8,
-    # local batch 2, seq 8192, full activation checkpointing, bf16: 109 tokens/s per GPU.
+    # local batch 2, seq 8192, full activation checkpointing, bf16: 109 tokens/s per GPU. The
+    # same Grand Teton hosts as its 8B row (hardware.toml's h100-96gb-500w).
     Row(
         "torchtitan Llama3.1-405B, 128 H100 (lower TDP), FSDP 16 x TP 8, seq 8192, 2 rows per "
         "FSDP rank, full activation checkpointing",
         "check",
         TITAN_2408 + ", Llama 3.1 performance numbers, 405B bf16 row",
         LLAMA31_405B,
-        "h100",
+        "h100-96gb-500w",
         "fsdp=16,tensor=8",
         32,
         "full",
@@ -595,6 +610,7 @@ def predict(row: Row) -> dict:
     model = dataclasses.replace(
         plan_model(config), recompute_matmul=share, recompute_attention=attention
     )
+    hw = dataclasses.replace(get_hardware(row.hardware), tensor_overlap=row.tensor_overlap)
     cfg = PlanConfig(
         devices=devices,
         hardware=row.hardware,
@@ -608,7 +624,7 @@ def predict(row: Row) -> dict:
         ),
         mesh=layout,
     )
-    priced = plan(model, STANDARD_RULES, cfg)["layouts"][0]
+    priced = price(dict(layout), [model], STANDARD_RULES, cfg, hw)
     published = published_step_s(row, devices)
     return {
         "name": row.name,

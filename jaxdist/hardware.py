@@ -36,6 +36,11 @@ class Hardware:
     # the compiler hides behind compute: XLA:CPU runs collectives in line, GPU and TPU
     # schedulers run them async beside the matmuls.
     overlap: float = 0.0
+    # The tensor-parallel exchanges overlappable too, at the same `overlap` share: a framework
+    # that cuts each all-gather and reduce-scatter of the `tensor` axis into chunks and runs
+    # them beside the GEMM that takes or makes them (Transformer Engine's userbuffers, NeMo's
+    # ub_tp_comm_overlap). Off: XLA's GPU step, and jaxdist's, wait for them.
+    tensor_overlap: bool = False
     # Per-device step-time jitter as a share of compute (kernel timing, clocks, host noise):
     # the straggler that every synchronous step waits for.
     jitter: float = 0.02

@@ -15,7 +15,8 @@ with the fleet law and ranks them:
   several runs in two levels, inside each, then across over InfiniBand or DCN);
 - T_overlap: FSDP gathers, gradient reductions and pipeline sends can run behind compute (the
   hardware preset's `overlap` share of them, at most T_compute); tensor- and expert-parallel
-  exchanges sit on the critical path and are always exposed;
+  exchanges sit on the critical path and are exposed, but the tensor axis's where the
+  hardware says its framework pipelines them with their GEMMs (`tensor_overlap`);
 - T_sync: stragglers. With per-device step-time jitter sigma, the slowest of N devices is
   about sigma * sqrt(2 ln N) behind the mean, and every synchronous step waits for it.
 - Replica groups (a `replica` axis, DiLoCo): one group's step by the law above, at its block
@@ -65,7 +66,8 @@ def _comm_seconds(
         messages = issued.get((label, kind), per_layer)
         t = _axis_time(kind, nbytes / messages, label, layout.mesh_shape, hw) * messages
         by_axis[f"{label} {kind}"] = {"bytes": nbytes, "seconds": t}
-        if kind in OVERLAPPABLE or (kind == "all-reduce" and not _is_activation(label, layout)):
+        gradient = kind == "all-reduce" and not _is_activation(label, layout)
+        if kind in OVERLAPPABLE or gradient or (hw.tensor_overlap and label == "tensor"):
             hidden_candidates += t
         else:
             exposed += t
