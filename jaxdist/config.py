@@ -228,7 +228,13 @@ class LoopConfig:
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"--peak-tflops {self.peak_tflops} must be > 0")
         if self.profile:
-            parse_range(self.profile)
+            start, stop = parse_range(self.profile)
+            if stop > self.steps:
+                within = f"--profile {start}:{self.steps} or " if start < self.steps else ""
+                raise ConfigError(
+                    f"--profile {self.profile} traces steps {start}..{stop - 1}, past the run's "
+                    f"last step {self.steps - 1}: use {within}--steps {stop}"
+                )
         if self.hardware != "auto":
             hardware.get_hardware(self.hardware)
         if self.wandb is not None:

@@ -126,6 +126,7 @@ def test_compile_only_reports_memory_for_1b_on_8_devices(capsys):
         (["--data", "/nonexistent/corpus.txt"], "does not exist"),
         (["--devices", "gpu:2"], "--devices 'gpu:2' is not understood"),
         (["--steps", "0"], "--steps 0 must be at least 1"),
+        (["--profile", "1:8"], r"past the run's last step 1: use --profile 1:2 or --steps 8"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, message, tmp_path, capsys):

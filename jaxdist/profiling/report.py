@@ -197,10 +197,10 @@ def print_report(report: dict, console: Console | None = None) -> None:
     for k, label in (
         ("compute_s", "compute"),
         ("comm_exposed_s", "communication, exposed"),
+        ("sync_s", "  of which waiting for the slowest (sync)"),
         ("comm_overlapped_s", "communication, hidden"),
-        ("sync_s", "  of which waiting (sync)"),
-        ("outer_s", "  of which the outer step (replica groups; per step)"),
-        ("outer_exposed_s", "    exposed"),
+        ("outer_s", "communication of the outer step (replica groups)"),
+        ("outer_exposed_s", "  of which exposed"),
         ("memcpy_exposed_s", "memcpy, exposed"),
         ("idle_s", "idle"),
     ):
