@@ -269,3 +269,11 @@ def test_a_target_compile_leaves_the_persistent_cache_alone(tmp_path):
     assert r.returncode == 0, r.stderr
     assert not cache.exists() or not any(cache.iterdir())
     assert "persistent compilation cache" not in r.stderr
+
+
+def test_version_names_jaxdist_and_jax(capsys):
+    import jax
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("jaxdist ") and f"(jax {jax.__version__})" in out

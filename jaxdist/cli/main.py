@@ -62,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     from jaxdist.checkpoint.recovery import TrainingStopped
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):
+        from importlib.metadata import version
+
+        import jax
+
+        print(f"jaxdist {version('jaxdist')} (jax {jax.__version__})")
+        return 0
     if argv and argv[0] in ("launch", "slurm", "k8s"):
         try:
             return passthrough(argv)
