@@ -189,7 +189,8 @@ def open_attempt(run: Run, extra: dict | None = None, init_state=None) -> tuple[
     )  # fmt: skip
     console.print(
         f"[bold]jaxdist[/] {model.name} ({jitted.num_params / 1e6:.2f}M params) on mesh "
-        f"{dict(mesh.shape)} x {jax.devices()[0].platform}, steps {start}..{loop.steps - 1}, "
+        f"{jitted.layout.describe()} x {jax.devices()[0].platform}, steps {start}.."
+        f"{loop.steps - 1}, "
         f"batch {config.data.batch_size} x {model.seq_len}; run dir {run_dir}"
     )
     return attempt, state

@@ -19,6 +19,7 @@ from jaxdist.checkpoint.recovery import NonFinitePolicy
 from jaxdist.cluster import faults as fault_injection
 from jaxdist.data.batches import DataConfig
 from jaxdist.errors import ConfigError
+from jaxdist.mesh import spec
 from jaxdist.metrics import wandb_log
 from jaxdist.optim import OptimConfig
 from jaxdist.parallel import collective_matmul
@@ -223,8 +224,8 @@ class LoopConfig:
             raise ConfigError(f"--hang-timeout {self.hang_timeout} must be >= 0 (0: off)")
         if self.term_grace < 0:
             raise ConfigError(f"--term-grace {self.term_grace} must be >= 0 (0: wait forever)")
-        for spec in self.faults():
-            fault_injection.parse(spec)
+        for fault in self.faults():
+            fault_injection.parse(fault)
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"--peak-tflops {self.peak_tflops} must be > 0")
         if self.profile:
@@ -359,7 +360,7 @@ class Layout:
 
     def describe(self) -> str:
         """The mesh as `--mesh` takes it (fsdp=2,context=4), its size-1 axes left out."""
-        return ",".join(f"{a}={n}" for a, n in self.sizes if n > 1) or "single"
+        return spec(self.sizes)
 
     def batch_problem(self) -> str | None:
         """Why the batch cannot be split into its microbatches over the batch axes, or None."""

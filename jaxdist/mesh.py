@@ -27,6 +27,11 @@ MESH_AXES: tuple[str, ...] = (
 SEARCHED_AXES: tuple[str, ...] = tuple(a for a in MESH_AXES if a != "replica")
 
 
+def spec(shape) -> str:
+    """Mesh sizes ({axis: size}) as --mesh takes them, the size-1 axes left out."""
+    return ",".join(f"{a}={n}" for a, n in dict(shape).items() if n > 1) or "single"
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Sizes per mesh axis; `dcn` holds the part of each axis that spans hosts or slices."""
@@ -43,8 +48,7 @@ class MeshConfig:
         return math.prod(self.sizes().values())
 
     def describe(self) -> str:
-        parts = [f"{a}={n}" for a, n in self.sizes().items() if n > 1]
-        return ",".join(parts) or "single"
+        return spec(self.sizes())
 
 
 def parse_mesh(text: str) -> MeshConfig:

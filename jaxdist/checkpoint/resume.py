@@ -14,6 +14,7 @@ from jaxdist.checkpoint.local import LocalDamaged
 from jaxdist.checkpoint.recovery import TrainingStopped
 from jaxdist.checkpoint.store import Checkpointer, Restored
 from jaxdist.errors import ConfigError
+from jaxdist.mesh import spec
 from jaxdist.step import JittedStep
 
 
@@ -77,6 +78,10 @@ def _checkpointed_record(run_dir: pathlib.Path) -> tuple[int, dict] | None:
         except (OSError, KeyError, ValueError):
             continue  # restore_latest sets an unreadable checkpoint aside
     return None
+
+
+def _as_spec(mesh) -> str:
+    return spec(mesh) if isinstance(mesh, dict) else str(mesh)
 
 
 def rerun_hint(run_dir: pathlib.Path) -> str:
@@ -203,7 +208,7 @@ def restore_or_init(
     tier = " (local tier)" if restored.meta.get("tier") == "local" else ""
     console.print(
         f"resuming from checkpoint step {restored.step}{tier} (written on mesh "
-        f"{restored.meta.get('mesh')}) at step {start}{redo}"
+        f"{_as_spec(restored.meta.get('mesh'))}) at step {start}{redo}"
     )
     return restored.state, start, restored
 

@@ -13,6 +13,7 @@ class Comm(Common):
     expectation."""
 
     seed: int = 0
+    """seeds the model's initial weights (the collectives do not depend on it)"""
     json: bool = False
     """print one JSON object instead of a table"""
 

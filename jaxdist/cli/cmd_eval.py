@@ -30,6 +30,7 @@ class Eval:
     batch_size: int | None = None
     """default: the run's"""
     compile_cache: str = DEFAULT_CACHE
+    """persistent XLA compilation cache directory, or off"""
 
 
 def evaluate(args: Eval) -> int:

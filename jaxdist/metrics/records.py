@@ -9,6 +9,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from jaxdist.mesh import spec
+
 
 def throughput(
     step_time_s: float,
@@ -97,7 +99,8 @@ def latest_per_step(records: list[dict]) -> dict[int, dict]:
 
 
 def print_summary(console: Console, s: dict) -> None:
-    table = Table(title=f"{s['model']} on {s['mesh']}", show_header=False)
+    mesh = spec(s["mesh"]) if isinstance(s["mesh"], dict) else s["mesh"]
+    table = Table(title=f"{s['model']} on {mesh}", show_header=False)
     st, ck = s["step_time_s"], s["checkpoint_blocked_s"]
 
     def ms(d: dict) -> str:
