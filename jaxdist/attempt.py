@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+import shlex
 import time
 
 import jax
@@ -218,8 +219,25 @@ def close_attempt(a: Attempt, preempted: tuple[int, str] | None) -> dict:
         a.tiers.saves, wall,
     )  # fmt: skip
     summary["run_dir"] = str(run.run_dir)
+    evals = [r for r in read_metrics(run.run_dir / "metrics.jsonl") if "eval_loss" in r]
+    if evals:  # the newest evaluation, of this attempt or an earlier one
+        summary["eval_loss"] = {"step": evals[-1]["step"], "loss": evals[-1]["eval_loss"]}
     if jax.process_index() == 0:
         summary["goodput"] = totals(read_report(run.run_dir))  # over every attempt of the run
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print_summary(run.console, summary)
+        # The result on stdout (`jaxdist train > log` keeps it); progress stays on stderr.
+        out = Console(quiet=run.console.quiet)
+        print_summary(out, summary)
+        out.print(_next_commands(run), highlight=False, soft_wrap=True, markup=False)
     return summary
+
+
+def _next_commands(run: Run) -> str:
+    """What a user does after a run: train further, evaluate, export."""
+    where = shlex.quote(str(run.run_dir))
+    more = run.config.loop.steps * 2
+    lines = [f"next: train further  jaxdist train --run-dir {where} --steps {more}  (same flags)"]
+    if run.held_out is not None:  # the data has a held-out split to evaluate on
+        lines.append(f"      evaluate       jaxdist eval {where}")
+    lines.append(f"      export         jaxdist export-hf {where} {where}/hf")
+    return "\n".join(lines)

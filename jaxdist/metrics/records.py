@@ -110,6 +110,7 @@ def print_summary(console: Console, s: dict) -> None:
 
     rows = [
         ("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}" if s["final_loss"] else "-"),
+        *_eval_row(s.get("eval_loss")),
         ("step time p50 / p90 / max", ms(st)),
         ("tokens/s (p50 step)", f"{s['tokens_per_s']:,.0f}"),
         ("model TFLOP/s", f"{s['model_tflops']:.3f}"),
@@ -124,6 +125,10 @@ def print_summary(console: Console, s: dict) -> None:
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
+
+
+def _eval_row(e: dict | None) -> list[tuple[str, str]]:
+    return [(f"eval loss (step {e['step']})", f"{e['loss']:.4f}")] if e else []
 
 
 def _goodput_row(g: dict | None) -> list[tuple[str, str]]:
