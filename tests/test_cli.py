@@ -30,7 +30,7 @@ def jaxdist(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    rc, _, err = jaxdist(
+    rc, out, err = jaxdist(
         capsys,
         "train",
         "--model",
@@ -74,7 +74,9 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     assert config["model"]["name"] == "tiny" and config["devices"]["count"] == 8
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["step_time_s"]["n"] == 4
-    assert "loss" in err and "p50" in err
+    # Progress on stderr; the result (the summary, the next commands) on stdout.
+    assert "loss" in err and "p50" not in err
+    assert "p50" in out and f"jaxdist train --run-dir {run_dir} --steps 12" in out
 
 
 @pytest.mark.slow
