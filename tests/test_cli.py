@@ -279,3 +279,10 @@ def test_version_names_jaxdist_and_jax(capsys):
     assert main(["--version"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("jaxdist ") and f"(jax {jax.__version__})" in out
+
+
+@pytest.mark.slow
+def test_the_default_mesh_fits_the_devices_present(tmp_path):
+    r = cli("train", "--devices", "cpu:4", "--steps", "1", "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    assert "on mesh fsdp=4 x cpu" in r.stderr, r.stderr

@@ -29,7 +29,7 @@ MODEL_HELP = (
 )
 MESH_HELP = (
     f"mesh preset ({', '.join(MESH_PRESETS)}) or inline axis=size list (data=2,fsdp=4); "
-    "auto: cpu8 on CPU, fsdp over all devices on an accelerator"
+    "auto: cpu8 on 8 CPU devices, else fsdp over all devices"
 )
 HARDWARE_HELP = f"hardware preset: {', '.join(hardware.PRESETS)}; a TPU slice size may follow"
 
@@ -303,8 +303,14 @@ def _mesh(name: str, platform: str, gpu_target, target_devices):
     from meshes.presets import STANDARD_RULES, get_mesh_preset
 
     if name == "auto":
+        # Eight fake CPU devices (the default) take the cpu8 preset; any other count, as an
+        # accelerator host's devices, FSDP over all of them.
+        import jax
+
+        count = len(target_devices) if target_devices is not None else jax.device_count()
         rules = STANDARD_RULES
-        mesh_cfg = get_mesh_preset("cpu8").mesh if platform == "cpu" else parse_mesh("fsdp=-1")
+        cpu8 = platform == "cpu" and count == 8
+        mesh_cfg = get_mesh_preset("cpu8").mesh if cpu8 else parse_mesh("fsdp=-1")
     else:
         preset = get_mesh_preset(name)
         mesh_cfg, rules = preset.mesh, preset.rules
