@@ -232,12 +232,16 @@ def _state_sharding(
     param_sharding = state_shardings(abstract_params, rules, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    # optax.partition (--optimizer muon) masks each part's state: the other part's parameters
+    # are MaskedNodes there, and stay so.
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
     opt_sharding = optax.tree_map_params(
         tx,
-        lambda _, s: s,
+        lambda x, s: x if masked(x) else s,
         abstract_opt,
         param_sharding,
         transform_non_params=lambda _: replicated,
+        is_leaf=masked,
     )
     return TrainState(step=replicated, params=param_sharding, opt_state=opt_sharding), abstract_opt
 

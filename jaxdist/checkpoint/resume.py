@@ -49,6 +49,7 @@ FIXED = (
     "data_source.fingerprint",  # the data itself, wherever it lies (data.path may move)
     "data_source.tokenizer",
     "data_source.sources",
+    "optim.optimizer",  # another optimizer cannot read this one's state
     # Replica groups: their number and rounds decide what each group's state is.
     "mesh.replica",
     "sync.sync_every",
@@ -110,11 +111,11 @@ def compare_with_checkpoint(run_dir: pathlib.Path, record: dict) -> list[str]:
     ]
     if fixed:
         raise ConfigError(
-            f"{run_dir} holds a checkpoint (step {step}) of another model, data stream or "
-            f"replica groups: {'; '.join(fixed)}. These decide what the model is, which batch "
-            "each step reads and what each group holds, so the run cannot resume with them "
-            "changed: use a new --run-dir for a new run, or give the old values to resume "
-            "this one"
+            f"{run_dir} holds a checkpoint (step {step}) of another model, data stream, "
+            f"optimizer or replica groups: {'; '.join(fixed)}. These decide what the model is, "
+            "which batch each step reads and what the state holds, so the run cannot resume "
+            "with them changed: use a new --run-dir for a new run, or give the old values to "
+            "resume this one"
         )
     return [
         f"{k} {old.get(k)!r} -> {new.get(k)!r}"
@@ -208,7 +209,8 @@ def restore_or_init(
     tier = " (local tier)" if restored.meta.get("tier") == "local" else ""
     console.print(
         f"resuming from checkpoint step {restored.step}{tier} (written on mesh "
-        f"{_as_spec(restored.meta.get('mesh'))}) at step {start}{redo}"
+        f"{_as_spec(restored.meta.get('mesh'))}) at step {start}{redo}",
+        soft_wrap=True,
     )
     return restored.state, start, restored
 

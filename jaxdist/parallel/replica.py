@@ -243,19 +243,25 @@ def _moved(x, mesh: Mesh, here: PartitionSpec, there: PartitionSpec):
     return _pinned(_pinned(x, mesh, here), mesh, there)
 
 
+def _rows(spec: PartitionSpec) -> PartitionSpec:
+    """The spec of a per-row scale (last dim 1): the tensor's, its last dim whole."""
+    return PartitionSpec(*spec[:-1], None) if len(spec) else spec
+
+
 def _up(x_M, leaf: "Leaf", dtype: str, mesh: Mesh):
     """The mean over groups of x_M [M, ...], on its owners: each group's piece sent in the
     sync type to the device that owns it (an all-to-all over `replica`), summed in float32."""
     q, scale = _quantized(x_M, dtype)
     here, there = group_spec(leaf.spec), PartitionSpec(None, *leaf.owner)
-    q, scale = _moved(q, mesh, here, there), _moved(scale, mesh, here, there)
+    q, scale = _moved(q, mesh, here, there), _moved(scale, mesh, _rows(here), _rows(there))
     return jnp.mean(_dequantized(q, scale, dtype), axis=0)
 
 
 def _down(x, leaf: "Leaf", dtype: str, mesh: Mesh):
     """The owners' x, in the sync type, to every group (an all-gather over `replica`)."""
     q, scale = _quantized(x, dtype)
-    q, scale = _moved(q, mesh, leaf.owner, leaf.spec), _moved(scale, mesh, leaf.owner, leaf.spec)
+    q = _moved(q, mesh, leaf.owner, leaf.spec)
+    scale = _moved(scale, mesh, _rows(leaf.owner), _rows(leaf.spec))
     return _dequantized(q, scale, dtype)
 
 

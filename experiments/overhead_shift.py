@@ -1,0 +1,434 @@
+"""DiLoCo against data parallelism at equal tokens: held-out loss, bytes over the slow link,
+and step time over simulated links of 1 to 400 Gbit/s (issue #41 item 6).
+
+    python experiments/overhead_shift.py              # 9 configs x 3 seeds x 128 steps, 36 min
+    python experiments/overhead_shift.py --from-json  # the saved runs summarized again
+    python experiments/overhead_shift.py --configs DP,H16,H8 --seeds 0 --steps 384 \
+        --eval-every 32 --out DIR                     # longer runs, written to DIR
+
+Eight fake CPU devices as two sites of four joined by a slow link. Data parallelism (DP) is
+`data=2,fsdp=4`, `data` standing for the slow link (each device all-reduces its quarter of the
+gradient with its peer at the other site every step); DiLoCo is `replica=2,fsdp=4` (M = 2).
+Same global batch (32 x 128 bytes of the embedded corpus, TokenBatches seeded by the run's
+seed), steps, AdamW schedule (OptimConfig defaults) and initial weights (the seed); the outer
+step is SyncConfig's default (Nesterov, lr 0.7, momentum 0.9). Configs: DP; H = 4, 8, 16, 64
+in float32; streaming (H 16, 2 fragments, delay 1); H 16 in bfloat16, float8, int8; by name,
+H 4 and 16 with plain averaging (lr 1, no momentum). Held-out loss: jaxdist.evaluation.evaluate
+on the tail of each seed's first epoch (never trained on), on DiLoCo's outer weights.
+
+Measured: eval loss every --eval-every steps; per compiled program (inner step, each outer
+step's) the bytes per device over the slow axis (jaxdist.planning.hlo.collectives); CPU time of
+every step (programs compiled ahead). Simulated: step = compute + exposed communication.
+Compute: one figure for all, the median of the runs' p50 inner steps (the same math; on two
+shared cores the runs differ mostly by noise), plus each outer step's measured extra. Each
+slow-axis collective: jaxdist.planning.costmodel.collective_time (ring, p = 2), alpha per step
+from experiments/alpha_beta.py's fit of its kind (all-reduce's for all-to-all) or --alpha-s.
+DP's all-reduce is exposed every step (no overlap with the backward); DiLoCo's outer step is
+exposed whole; streaming's exchange overlaps the step it starts in (delay 1), exposing only
+what exceeds that step's compute. Scalar collectives (the logged metrics, <= 64 bytes) count
+as sync points, unpriced. A config beats DP at a bandwidth when its steps to its final p50
+loss take less simulated time than DP's steps to that loss (DP's p50 curve, interpolated; its
+mid-run points precede its decay, which errs towards DiLoCo). --whatif-compute-ms redoes the
+simulation with that compute per step (not measured) to show how the crossover moves.
+Writes results/overhead_shift.json and .png.
+"""
+
+import argparse
+import json
+import pathlib
+import time
+
+GBPS = (1, 10, 100, 400)
+SCALAR_BYTES = 64  # the logged metrics' reductions; a deployment would log per group
+CONFIGS = {  # name: (mesh, SyncConfig kwargs or None)
+    "DP": ("data=2,fsdp=4", None),
+    "H16": ("replica=2,fsdp=4", {"sync_every": 16}),
+    "H4": ("replica=2,fsdp=4", {"sync_every": 4}),
+    "H64": ("replica=2,fsdp=4", {"sync_every": 64}),
+    "stream": ("replica=2,fsdp=4", {"sync_every": 16, "sync_fragments": 2, "sync_delay": 1}),
+    "H16-bf16": ("replica=2,fsdp=4", {"sync_every": 16, "sync_dtype": "bfloat16"}),
+    "H16-int8": ("replica=2,fsdp=4", {"sync_every": 16, "sync_dtype": "int8"}),
+    "H16-fp8": ("replica=2,fsdp=4", {"sync_every": 16, "sync_dtype": "float8"}),
+    "H8": ("replica=2,fsdp=4", {"sync_every": 8}),
+    # Not in the default set: the outer step as plain averaging (lr 1, no momentum), to tell the
+    # outer Nesterov momentum's part in the loss gap from the groups' own drift.
+    "H4-avg": ("replica=2,fsdp=4", {"sync_every": 4, "outer_lr": 1.0, "outer_momentum": 0.0}),
+    "H16-avg": ("replica=2,fsdp=4", {"sync_every": 16, "outer_lr": 1.0, "outer_momentum": 0.0}),
+}
+DEFAULT = ("DP", "H16", "H4", "H64", "stream", "H16-bf16", "H16-int8", "H16-fp8", "H8")
+
+
+def compile_config(name: str, args):
+    """(build for a seed, the seed-0 JittedStep, {action: (compiled program, its collectives
+    over the slow axis)}, SyncConfig or None, model config): one compile per distinct action."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdist.config import Layout, StepConfig, SyncConfig
+    from jaxdist.mesh import make_mesh
+    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.parallel import replica
+    from jaxdist.planning import hlo
+    from jaxdist.step import build
+    from meshes.presets import STANDARD_RULES
+    from models.presets import get_model_config, model_spec
+
+    mesh_text, kwargs = CONFIGS[name]
+    sync = SyncConfig(**kwargs) if kwargs else None
+    mc = get_model_config(args.model)
+    mesh = make_mesh(mesh_text)
+    tx, lr = make_optimizer(OptimConfig(), args.steps)
+    B, T = args.batch_size, mc.seq_len
+    layout = Layout.on(mesh, STANDARD_RULES, StepConfig(), batch_size=B, seq_len=T, sync=sync)
+
+    def make(seed: int):
+        return build(model_spec(mc).init, tx, lr, layout, mesh, seed=seed)
+
+    jitted = make(0)
+    slow = "replica" if sync else "data"
+    batch_BT1 = jax.ShapeDtypeStruct((B, T + 1), jnp.int32, sharding=jitted.batch_sharding)
+    acts = {replica.action(sync, s) if sync else None for s in range(args.steps)}
+    programs = {}
+    for act in acts:
+        extra = (act,) if sync else ()
+        exe = jitted.step_fn.lower(jitted.abstract_state, batch_BT1, *extra).compile()
+        found = hlo.collectives(exe.as_text(), dict(mesh.shape))
+        programs[act] = (exe, [c for c in found if slow in c.axes])
+    return make, jitted, programs, sync, mc
+
+
+def train(name: str, seed: int, built, args) -> dict:
+    """One run: eval curve, per-action step times, final loss."""
+    import jax
+    import numpy as np
+
+    from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.evaluation import evaluate
+    from jaxdist.parallel import replica
+
+    make, jitted, programs, sync, mc = built
+    data = TokenBatches(
+        DataConfig(batch_size=args.batch_size, seed=seed), mc.seq_len, mc.vocab_size
+    )
+    epoch_steps = data.num_windows // args.batch_size
+    held_out = [epoch_steps - 1 - i for i in range(args.eval_batches)]
+    if held_out[-1] < args.steps:
+        raise SystemExit(f"{args.steps} steps read into the held-out tail of the epoch")
+    state = make(seed).init_fn()  # the seed's weights; the step programs are seed 0's
+    curve = [(0, evaluate(jitted, jitted.weights(state), data, held_out))]
+    times: dict[str, list[float]] = {}
+    t0 = time.perf_counter()
+    for s in range(args.steps):
+        act = replica.action(sync, s) if sync else None
+        batch = jax.device_put(data.batch(s), jitted.batch_sharding)
+        jax.block_until_ready(batch)
+        t1 = time.perf_counter()
+        state, metrics = programs[act][0](state, batch)
+        jax.block_until_ready(metrics)
+        times.setdefault(repr(act), []).append(time.perf_counter() - t1)
+        if (s + 1) % args.eval_every == 0 or s + 1 == args.steps:
+            curve.append((s + 1, evaluate(jitted, jitted.weights(state), data, held_out)))
+    inner = times.pop(repr(None))
+    return {
+        "config": name,
+        "seed": seed,
+        "eval_curve": curve,
+        "final_eval_loss": curve[-1][1],
+        "inner_step_s": float(np.median(inner)),
+        "outer_step_s": {k: float(np.median(v)) for k, v in times.items()},
+        "run_s": time.perf_counter() - t0,
+    }
+
+
+def traffic(name: str, built, args) -> dict:
+    """Per action: bytes per device over the slow axis (weights; scalars apart), and the
+    collectives as (kind, bytes, executions) for pricing; how often each action runs."""
+    from jaxdist.parallel import replica
+
+    _, _, programs, sync, _ = built
+    count: dict[str, int] = {}
+    for s in range(args.steps):
+        key = repr(replica.action(sync, s) if sync else None)
+        count[key] = count.get(key, 0) + 1
+    out = {}
+    for act, (_, found) in programs.items():
+        big = [c for c in found if c.bytes > SCALAR_BYTES]
+        out[repr(act)] = {
+            "runs": count[repr(act)],
+            "weight_bytes": sum(c.bytes * c.executions for c in big),
+            "scalar_collectives": sum(c.executions for c in found if c.bytes <= SCALAR_BYTES),
+            "priced": [(c.kind, c.bytes, c.executions) for c in big],
+        }
+    return out
+
+
+def alphas(args) -> dict:
+    """Per collective kind, alpha per ring step (s): --alpha-s, else alpha_beta.py's fits."""
+    fitted = json.loads((pathlib.Path(__file__).parent / "results/alpha_beta.json").read_text())
+    fits = {k: v["alpha_step_s"] for k, v in fitted["fits"].items()}
+    default = fits["all-reduce"]
+    return {
+        k: args.alpha_s if args.alpha_s is not None else fits.get(k, default)
+        for k in ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
+    }
+
+
+def comm_s(priced, gbps: float, alpha: dict) -> float:
+    from jaxdist.hardware import Link
+    from jaxdist.planning.costmodel import collective_time
+
+    bw = gbps * 1e9 / 8
+    return sum(
+        n * collective_time(kind, b, 2, Link(alpha.get(kind, alpha["all-reduce"]), bw))
+        for kind, b, n in priced
+    )
+
+
+def mean_step(tr: dict, extra: dict, compute: float, gbps: float, alpha, delay: int) -> float:
+    """Simulated seconds of a step, averaged over the run: compute, the outer steps' own extra
+    compute, exposed communication (a delayed exchange hides behind `delay` steps' compute)."""
+    total = 0.0
+    for key, t in tr.items():
+        comm = comm_s(t["priced"], gbps, alpha)
+        exposed = max(0.0, comm - delay * compute) if delay and key != "None" else comm
+        total += (compute + extra.get(key, 0.0) + exposed) * t["runs"]
+    return total / sum(t["runs"] for t in tr.values())
+
+
+def steps_to(loss: float, steps_at: list[int], curve) -> float | None:
+    """Steps at which a p50 eval curve first reaches `loss` (linear between eval points)."""
+    for i in range(1, len(curve)):
+        if curve[i] <= loss:
+            a, b = curve[i - 1], curve[i]
+            f = 1.0 if a == b else (a - loss) / (a - b)
+            return steps_at[i - 1] + min(1.0, max(0.0, f)) * (steps_at[i] - steps_at[i - 1])
+    return None
+
+
+def crossover(speed, ratio: float, dp_speed) -> float | None:
+    """Gbit/s below which a config (steps x speed(b)) beats DP (ratio x steps x dp_speed(b)),
+    by bisection on log bandwidth over 1 Mbit/s .. 10 Tbit/s; inf: at all, 0: at none of them."""
+    import math
+
+    def ahead(g):
+        return speed(g) < ratio * dp_speed(g)
+
+    lo, hi = 1e-3, 1e4
+    if ahead(hi):
+        return math.inf
+    if not ahead(lo):
+        return 0.0
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ahead(mid) else (lo, mid)
+    return lo
+
+
+def config_row(name: str, rs, dp, tr: dict, compute: float, alpha, scale: float) -> dict:
+    import numpy as np
+
+    from jaxdist.metrics.records import distribution
+
+    kwargs = CONFIGS[name][1] or {}
+    extra = {  # the outer step's own CPU time beyond its run's inner step
+        k: scale
+        * max(0.0, float(np.median([r["outer_step_s"][k] - r["inner_step_s"] for r in rs])))
+        for k in tr
+        if k != "None"
+    }
+    finals = [r["final_eval_loss"] for r in rs]
+    dp_by_seed = {d["seed"]: d["final_eval_loss"] for d in dp}
+    gap = {
+        r["seed"]: r["final_eval_loss"] / dp_by_seed[r["seed"]] - 1
+        for r in rs
+        if r["seed"] in dp_by_seed
+    }
+    total = sum(t["runs"] for t in tr.values())
+    delay = kwargs.get("sync_delay", 0)
+    return {
+        "mesh": CONFIGS[name][0],
+        "sync": kwargs or None,
+        "seeds": [r["seed"] for r in rs],
+        "eval_loss": distribution(finals),
+        "gap_vs_dp_per_seed": gap,
+        "gap_vs_dp_p50": float(np.median(list(gap.values()))) if gap else None,
+        "inner_step_s_per_seed": [r["inner_step_s"] for r in rs],  # noisy: shared cores
+        "outer_extra_compute_s": extra,
+        "slow_bytes_per_step": sum(t["weight_bytes"] * t["runs"] for t in tr.values()) / total,
+        # What the ring sends per device (p = 2): an all-reduce n, an all-gather or all-to-all n/2.
+        "slow_wire_bytes_per_step": sum(
+            comm_s(t["priced"], 8e-9, dict.fromkeys(alpha, 0.0)) * t["runs"] for t in tr.values()
+        )
+        / total,
+        "slow_bytes_per_inner_step": tr["None"]["weight_bytes"] if "None" in tr else 0,
+        "slow_bytes_per_outer_step": {k: t["weight_bytes"] for k, t in tr.items() if k != "None"},
+        "weight_syncs_per_step": sum(t["runs"] for t in tr.values() if t["weight_bytes"]) / total,
+        "scalar_syncs_per_step": sum(t["scalar_collectives"] * t["runs"] for t in tr.values())
+        / total,
+        "sim_step_s": {str(g): mean_step(tr, extra, compute, g, alpha, delay) for g in GBPS},
+        "speed": lambda g: mean_step(tr, extra, compute, g, alpha, delay),
+    }
+
+
+def summarize(runs: list[dict], tr_all: dict, args, compute_s: float | None = None) -> dict:
+    """Per config: p50/p90/max over seeds, bytes and sync points, simulated step times; the
+    DP-equivalent steps, the bandwidth below which it beats DP to its own loss; per bandwidth,
+    who trains fastest in DP-equivalent steps per second."""
+    import math
+
+    import numpy as np
+
+    alpha = alphas(args)
+    measured = float(np.median([r["inner_step_s"] for r in runs]))
+    compute = compute_s or measured  # compute_s: a what-if, the outer steps' extra scaled too
+    by = {n: [r for r in runs if r["config"] == n] for n in CONFIGS}
+    by = {n: rs for n, rs in by.items() if rs}
+    steps_at = [s for s, _ in runs[0]["eval_curve"]]
+    curves = {
+        n: np.median([[v for _, v in r["eval_curve"]] for r in rs], 0) for n, rs in by.items()
+    }
+    rows = {
+        n: config_row(n, rs, by.get("DP", []), tr_all[n], compute, alpha, compute / measured)
+        for n, rs in by.items()
+    }
+    for n, row in rows.items():
+        row["curve_p50"] = [[s, float(v)] for s, v in zip(steps_at, curves[n], strict=True)]
+        if "DP" in rows:
+            eq = steps_to(row["eval_loss"]["p50"], steps_at, curves["DP"])
+            row["dp_equivalent_steps"] = eq  # None: DP's own final loss is above it
+            ratio = (eq if eq is not None else args.steps) / args.steps
+            b = crossover(row["speed"], ratio, rows["DP"]["speed"]) if n != "DP" else None
+            row["wins_below_gbps"] = {math.inf: "all", 0.0: "none"}.get(b, b)
+    # Per bandwidth: DP-equivalent steps per simulated second (the steps DP needs for a config's
+    # loss, over the config's time to it; DP's own rate is 1 / its step), the highest wins.
+    rate = {}
+    for g in GBPS:
+        per = {
+            n: (row.get("dp_equivalent_steps") or args.steps) / (args.steps * row["speed"](g))
+            for n, row in rows.items()
+        }
+        rate[str(g)] = {"winner": max(per, key=per.get), "dp_steps_per_s": per}
+    for row in rows.values():
+        del row["speed"]
+    return {"compute_s": compute, "alpha_step_s": alpha, "dp_rate": rate, "configs": rows}
+
+
+def print_table(summary: dict) -> None:
+    rows = summary["configs"]
+    print(
+        f"\ncompute {summary['compute_s'] * 1e3:.4g} ms/step;  simulated step ms at "
+        + ", ".join(f"{g}" for g in GBPS)
+        + " Gbit/s"
+    )
+    head = f"{'config':9s} {'loss p50':>8s} {'p90':>6s} {'max':>6s} {'vs DP':>6s} {'KB/step':>8s}"
+    print(head + f" {'KB/outer':>8s} {'sync/st':>7s} {'DP-eq st':>8s}  sim ms/step      wins <Gb/s")
+    for n, r in rows.items():
+        gap = r["gap_vs_dp_p50"]
+        outer = max(r["slow_bytes_per_outer_step"].values(), default=0)
+        eq = r.get("dp_equivalent_steps")
+        sim = " ".join(f"{v * 1e3:6.4g}" for v in r["sim_step_s"].values())
+        wins = r.get("wins_below_gbps", "-") if n != "DP" else "-"
+        wins = wins if isinstance(wins, str) else f"{wins:.3g}"
+        e = r["eval_loss"]
+        print(
+            f"{n:9s} {e['p50']:8.4f} {e['p90']:6.3f} {e['max']:6.3f} "
+            f"{'-' if gap is None else f'{gap:+.2%}':>6s} {r['slow_bytes_per_step'] / 1e3:8.1f} "
+            f"{outer / 1e3:8.1f} {r['weight_syncs_per_step']:7.3f} "
+            f"{'>=all' if eq is None else f'{eq:.0f}':>8s}  {sim}  {wins}"
+        )
+    for g, r in summary["dp_rate"].items():
+        best = sorted(r["dp_steps_per_s"].items(), key=lambda x: -x[1])[:3]
+        print(
+            f"{g:>3s} Gbit/s, DP-equivalent steps/s: " + ", ".join(f"{n} {v:.3g}" for n, v in best)
+        )
+
+
+def plot(panels: list[tuple[dict, str, str]], path: pathlib.Path) -> None:
+    """One panel per (summary, Gbit/s key of GBPS, compute label): p50 loss against the
+    simulated time of the steps behind each eval point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
+    for ax, (summary, g, label) in zip(axes[0], panels, strict=True):
+        for i, (n, r) in enumerate(summary["configs"].items()):
+            step_s = r["sim_step_s"][g]
+            steps, loss = zip(*r["curve_p50"], strict=True)
+            style = "ko-" if n == "DP" else f"C{i}.-"
+            ax.plot([s * step_s for s in steps], loss, style, ms=3, label=n)
+        ax.set_xlabel(f"simulated wall time (s): {g} Gbit/s slow link, compute {label}")
+        ax.set_ylabel("held-out loss, p50 over seeds")
+        ax.set_title(f"{g} Gbit/s, {summary['compute_s'] * 1e3:.3g} ms compute per step")
+        ax.set_ylim(top=4.0)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default=",".join(DEFAULT), help=f"of {', '.join(CONFIGS)}")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--eval-every", type=int, default=16)
+    ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument("--alpha-s", type=float, default=None, help="alpha per ring step (s)")
+    ap.add_argument("--plot-gbps", default="10", help="the measured compute's panel")
+    ap.add_argument("--whatif-compute-ms", type=float, default=1.0)
+    ap.add_argument("--from-json", action="store_true", help="summarize the saved runs again")
+    ap.add_argument("--out", default=None, help="results directory (default: experiments/results)")
+    args = ap.parse_args()
+    out = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).parent / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.from_json:  # the runs as saved, summarized with this file's model of the link
+        record = json.loads((out / "overhead_shift.json").read_text())
+        args.steps = record["args"]["steps"]
+    else:
+        record = run_all(args, out)
+    record["summary"] = summarize(record["runs"], record["traffic"], args)
+    # What if a step's compute took --whatif-compute-ms (not measured: an accelerator's order)?
+    whatif = summarize(record["runs"], record["traffic"], args, args.whatif_compute_ms / 1e3)
+    record["whatif"] = whatif
+    (out / "overhead_shift.json").write_text(json.dumps(record, indent=1))
+    print_table(record["summary"])
+    print("\nwhat-if (not measured):")
+    print_table(whatif)
+    panels = [(record["summary"], g, "measured (CPU)") for g in args.plot_gbps.split(",")]
+    panels.append((whatif, "1", "what-if, not measured"))
+    plot(panels, out / "overhead_shift.png")
+
+
+def run_all(args, out: pathlib.Path) -> dict:
+    from jaxdist.mesh import setup_devices
+
+    setup_devices("cpu:8")
+    names, seeds = args.configs.split(","), [int(s) for s in args.seeds.split(",")]
+    t_start = time.perf_counter()
+    built, tr_all, runs, compile_s = {}, {}, [], {}
+    record = {"args": vars(args), "gbps": GBPS, "traffic": tr_all, "compile_s": compile_s}
+    # Seeds outermost: a run cut short still has every config at its first seeds.
+    for seed in seeds:
+        for n in names:
+            if n not in built:
+                t0 = time.perf_counter()
+                built[n] = compile_config(n, args)
+                tr_all[n] = traffic(n, built[n], args)
+                compile_s[n] = time.perf_counter() - t0
+            runs.append(r := train(n, seed, built[n], args))
+            print(
+                f"{n:9s} seed {seed}  loss {r['final_eval_loss']:.4f}  "
+                f"inner {r['inner_step_s'] * 1e3:.0f} ms  run {r['run_s']:.0f} s",
+                flush=True,
+            )
+            record.update(runs=runs, wall_s=time.perf_counter() - t_start)
+            (out / "overhead_shift.json").write_text(json.dumps(record, indent=1))
+    print(f"wall {record['wall_s']:.0f} s")
+    return record
+
+
+if __name__ == "__main__":
+    main()
