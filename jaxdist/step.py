@@ -271,6 +271,20 @@ def _pipeline_schedule(
     return schedule
 
 
+def _check(layout: Layout, mesh: Mesh) -> None:
+    """Everything about the layout that can be wrong, before any shape is traced."""
+    layout.step.validate()
+    layout.rules.validate(mesh.axis_names)
+    replica.check(layout)
+    if layout.mesh_shape != dict(mesh.shape):
+        raise ConfigError(f"a layout for mesh {layout.mesh_shape} built on mesh {dict(mesh.shape)}")
+    if layout.seq_len:
+        context.balanced_order(layout.seq_len, layout.seq_ways)
+    problem = layout.batch_problem()
+    if problem:
+        raise ConfigError(problem)
+
+
 def build(
     init_model: Callable[[nnx.Rngs], nnx.Module],
     tx: optax.GradientTransformation,
@@ -286,16 +300,7 @@ def build(
     when the step traces)."""
     vocab = vocab or Vocab()
     config, rules = layout.step, layout.rules
-    config.validate()
-    rules.validate(mesh.axis_names)
-    replica.check(layout)
-    if layout.mesh_shape != dict(mesh.shape):
-        raise ConfigError(f"a layout for mesh {layout.mesh_shape} built on mesh {dict(mesh.shape)}")
-    if layout.seq_len:
-        context.balanced_order(layout.seq_len, layout.seq_ways)
-    problem = layout.batch_problem()
-    if problem:
-        raise ConfigError(problem)
+    _check(layout, mesh)
     tokens_sharding = batch_sharding(rules, mesh, layout.replicas > 1 and layout.sync is not None)
     abstract_model = nnx.eval_shape(lambda: init_model(nnx.Rngs(seed)))
     _check_documents(abstract_model, layout, vocab)
