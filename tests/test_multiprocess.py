@@ -173,11 +173,14 @@ def test_dead_process_ends_the_run_naming_it_then_relaunch_resumes(dead):
 
 
 def test_a_mesh_too_small_for_the_processes_devices_names_the_per_process_count(tmp_path):
-    # Two processes without --devices: 8 fake devices each, 16 in all, for an 8-device mesh.
+    # Two processes without --devices: 8 fake devices each, 16 in all, for an 8-device mesh
+    # (named: --mesh auto would fit the 16).
     port = free_port()
     procs = [
         cli_popen(
             "train",
+            "--mesh",
+            "cpu8",
             "--steps",
             "1",
             "--run-dir",
