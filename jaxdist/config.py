@@ -108,6 +108,14 @@ class SyncConfig:
     types the change since the last outer step with a float32 scale per row (each group then
     keeps the outer weights: 4 bytes a parameter more); summed in float32"""
 
+    def changed_flags(self) -> list[str]:
+        """The flags of the settings given other than their defaults (--sync-every, ...)."""
+        return [
+            "--" + f.name.replace("_", "-")
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        ]
+
     def validate(self, replicas: int, layers: int | None = None) -> None:
         H, F, T = self.sync_every, self.sync_fragments, self.sync_delay
         if H < 1:

@@ -34,7 +34,7 @@ class CheckpointConfig:
     )
     """device MTBF for the auto interval (Llama 3 saw ~50,700 GPU-hours per interruption)"""
     allow_fresh_start: Annotated[bool, tyro.conf.arg(aliases=("--allow-fresh-start",))] = False
-    """start again at step 0 when the run holds checkpoints but none restores (they stay)"""
+    """restart at step 0 if no checkpoint restores (they stay)"""
     local_dir: Annotated[str | None, tyro.conf.arg(aliases=("--local-checkpoint-dir",))] = None
     """node-local directory (tmpfs, local disk) for a fast second tier: each process saves its
     own shards there; a restore takes the newest good checkpoint of both tiers"""

@@ -150,7 +150,6 @@ def _plan_config(args: Plan, devices: int):
 def _check_sync(args: Plan, cfg, layers: int) -> None:
     """The replica flags, before any pricing: --replicas a divisor of the devices, and the
     sync flags only where some layout has replica groups, each within its bounds."""
-    from jaxdist.config import SyncConfig
 
     M = args.replicas
     if M is not None and (M < 2 or cfg.devices % M):
@@ -160,11 +159,7 @@ def _check_sync(args: Plan, cfg, layers: int) -> None:
         )
     grouped = "replica" in cfg.axes or dict(cfg.mesh).get("replica", 1) > 1
     if not grouped:
-        changed = [
-            "--" + f.name.replace("_", "-")
-            for f in dataclasses.fields(SyncConfig)
-            if getattr(args.sync, f.name) != f.default
-        ]
+        changed = args.sync.changed_flags()
         if changed:
             raise ConfigError(
                 f"{', '.join(changed)} set(s) how replica groups meet, and the plan has none: "

@@ -110,11 +110,7 @@ class Common:
         named = any(p.strip().startswith("replica=") for p in self.mesh.split(","))
         if named:
             return self.sync
-        changed = [
-            _flag(f.name)
-            for f in dataclasses.fields(SyncConfig)
-            if getattr(self.sync, f.name) != f.default
-        ]
+        changed = self.sync.changed_flags()
         if changed:
             raise ConfigError(
                 f"{', '.join(changed)} set(s) how replica groups meet, and --mesh {self.mesh} "
