@@ -348,10 +348,11 @@ def build(
         in_shardings=(param_sharding, tokens_sharding),
         out_shardings=replicated,
     )
+    metrics_sharding = replica.metrics_sharding(mesh) if groups else replicated
     step_fn = jax.jit(
         traced_step,
         in_shardings=(state_sharding, tokens_sharding),
-        out_shardings=(state_sharding, replicated),
+        out_shardings=(state_sharding, metrics_sharding),
         donate_argnums=0,
         static_argnums=2,
         compiler_options=collective_matmul.compiler_options(

@@ -32,6 +32,7 @@ from jaxdist.errors import ConfigError
 from jaxdist.evaluation import eval_batches, small_data_warning
 from jaxdist.model import ModelSpec
 from jaxdist.optim import make_optimizer
+from jaxdist.parallel import replica
 from jaxdist.rules import AxisRules
 from jaxdist.step import JittedStep, Vocab, build
 
@@ -55,6 +56,7 @@ def prepare(
         seq_len=model.seq_len,
         sync=config.sync,
     )
+    replica.check_nonfinite(layout, mesh, config.loop.nonfinite)
     jitted = build(model.init, tx, lr, layout, mesh, seed, vocab)
     rows = process_rows(jitted.batch_sharding, (data.batch_size, model.seq_len + 1))
     return jitted, batches.for_rows(rows)

@@ -6,12 +6,15 @@ PyTorch's DiLoCo loop is the reference for M = 2 (tests/test_torch_diloco.py).""
 
 import json
 import re
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist.cluster.join import metric_value
 from jaxdist.config import Layout, StepConfig, SyncConfig
 from jaxdist.errors import ConfigError
 from jaxdist.optim import OptimConfig, make_optimizer
@@ -46,7 +49,7 @@ def _train(mesh_text: str, sync: SyncConfig | None, model: str, steps: int):
         state, metrics = jitted.step_fn(
             state, jax.device_put(tokens, jitted.batch_sharding), *extra
         )
-        out.append(float(metrics["loss"]))
+        out.append(metric_value("loss", metrics["loss"]))  # groups' own, averaged on the host
     return np.array(out), jax.device_get(jitted.weights(state))
 
 
@@ -91,12 +94,12 @@ def test_groups_move_no_tensor_between_syncs_and_each_shard_once_each_way_at_one
     _, mesh, f32 = _built(mesh_text, SyncConfig(sync_every=4))
     share = _share_bytes(f32)  # the group's weights on one device ([1, ...] of [M, ...])
     inner = _replica_traffic(f32, mesh, None)
-    # Only the logged metrics (the loss over the whole batch, grad norm, finite) cross.
-    assert sum(inner.values()) <= 16, inner
+    # Nothing crosses, not even the logged metrics: each group's own, averaged on the host.
+    assert sum(inner.values()) == 0, inner
     outer = _replica_traffic(f32, mesh, replica.action(SyncConfig(sync_every=4), 3))
     assert outer[("all-to-all", "f32")] == share, outer  # up: each shard once
     assert outer[("all-gather", "f32")] == share, outer  # down: each shard once
-    assert sum(v for (_, t), v in outer.items() if t == "f32") <= 2 * share + 16
+    assert sum(v for (_, t), v in outer.items() if t == "f32") == 2 * share, outer
 
     _, _, q8 = _built(mesh_text, SyncConfig(sync_every=4, sync_dtype="int8"))
     outer8 = _replica_traffic(q8, mesh, replica.action(SyncConfig(sync_every=4), 3))
@@ -186,6 +189,31 @@ def test_a_replica_axis_without_sync_settings_is_refused_in_python():
     mc = get_model_config("tiny")
     with pytest.raises(ConfigError, match="SyncConfig"):
         build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
+
+
+def test_rollback_is_refused_where_a_process_cannot_see_every_groups_flags():
+    # Two processes of four devices each, one group each (replica outermost): between syncs
+    # nothing tells process 0 that group 1's step was not finite.
+    mesh = mesh_for("replica=2,fsdp=4")
+    fake = [types.SimpleNamespace(process_index=i // 4) for i in range(8)]
+    two_processes = types.SimpleNamespace(devices=np.array(fake).reshape(mesh.devices.shape))
+    layout = Layout.on(
+        mesh, STANDARD_RULES, StepConfig(), batch_size=B, seq_len=128, sync=SyncConfig()
+    )
+    replica.check_nonfinite(layout, two_processes, "skip")  # each group skips its own
+    replica.check_nonfinite(layout, mesh, "rollback")  # one process sees every group
+    with pytest.raises(ConfigError, match="process 0 holds groups \\[0\\] of 2.*--nonfinite skip"):
+        replica.check_nonfinite(layout, two_processes, "rollback")
+
+
+def test_the_logged_metrics_are_the_groups_own_averaged_on_the_host():
+    mesh = mesh_for("replica=2,fsdp=2,tensor=2")
+    per_group = NamedSharding(mesh, PartitionSpec("replica"))
+    loss_M = jax.device_put(np.array([2.0, 3.0], np.float32), per_group)
+    finite_M = jax.device_put(np.array([True, False]), per_group)
+    assert metric_value("loss", loss_M) == 2.5
+    assert metric_value("finite", finite_M) is False
+    assert metric_value("loss", jax.device_put(np.float32(1.5))) == 1.5  # one scalar
 
 
 @pytest.mark.slow

@@ -194,6 +194,16 @@ def local_value(x: jax.Array) -> np.ndarray:
     return np.asarray(x.addressable_shards[0].data)
 
 
+def metric_value(name: str, x: jax.Array) -> float | bool:
+    """A logged metric's value from this process's own shards: a scalar as it is; one per
+    replica group ([M], each group's own, never reduced on the devices) averaged over the
+    groups this process holds (`finite` where all of them are). On one host that is every
+    group, so the mean over the whole batch; across hosts, this process's groups."""
+    per_group = {s.index: np.asarray(s.data) for s in x.addressable_shards}  # dedupe copies
+    values = np.concatenate([v.reshape(-1) for v in per_group.values()])
+    return bool(values.all()) if name == "finite" else float(values.mean())
+
+
 def process_rows(sharding, global_shape: tuple[int, ...]) -> range:
     """The batch rows this process's devices hold, which it alone must read."""
     rows: set[int] = set()

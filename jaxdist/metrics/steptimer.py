@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from jaxdist import hardware
-from jaxdist.cluster.join import local_value
+from jaxdist.cluster.join import metric_value
 from jaxdist.metrics.records import distribution, throughput
 
 
@@ -48,7 +48,7 @@ class StepTimer:
     def finish(self, s: int, metrics: dict, extra: dict | None = None) -> dict:
         """Step s's record, logged every log_every steps; `extra` joins it (the mixture's
         realised proportions)."""
-        values = {k: float(local_value(v)) for k, v in metrics.items()}
+        values = {k: metric_value(k, v) for k, v in metrics.items()}
         now = time.perf_counter()
         dt, self._t_prev = now - self._t_prev, now
         self.ledger.step(s)

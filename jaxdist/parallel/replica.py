@@ -105,6 +105,26 @@ def check(layout: Layout) -> None:
         )
 
 
+def check_nonfinite(layout: Layout, mesh: Mesh, policy: str) -> None:
+    """Each group skips its own non-finite steps. Rolling back or stopping needs every process
+    to see the same flags, but groups share nothing between syncs (not even their metrics), so
+    a process that does not hold a device of every group cannot see the others' flags."""
+    if layout.sync is None or policy == "skip":
+        return
+    for p in sorted({d.process_index for d in mesh.devices.flat}):
+        seen = [
+            r
+            for r in range(layout.replicas)
+            if any(d.process_index == p for d in mesh.devices[r].flat)
+        ]
+        if len(seen) < layout.replicas:
+            raise ConfigError(
+                f"--nonfinite {policy} with replica groups on different processes (process {p} "
+                f"holds groups {seen} of {layout.replicas}): the groups exchange nothing between "
+                "syncs to agree on a bad step; use --nonfinite skip (each group skips its own)"
+            )
+
+
 def recorded(record: dict, mesh_shape, run_dir) -> SyncConfig | None:
     """The sync settings of a run's record (config.json), to read its checkpoints on a mesh of
     `mesh_shape`: as many groups as it trained, each laid out anew; None without groups."""
@@ -158,8 +178,9 @@ def stacked(tree, M: int):
 
 def grouped(step, layout: Layout, mesh: Mesh):
     """The plain step `step(state, tokens_BT1)` run by each group on its block of the batch,
-    over its own weights and optimizer state ([M, ...]); nothing crosses `replica`. The metrics
-    are the whole batch's: the mean over groups, `finite` where every group's is."""
+    over its own weights and optimizer state ([M, ...]); nothing crosses `replica`, the metrics
+    neither: each group's own ([M]), averaged on the host (cluster.join.metric_value). A
+    reduction here would make every step wait for the slowest group across the slow link."""
     M, group = layout.replicas, layout.group()
 
     def run(state, tokens_BT1):
@@ -173,12 +194,14 @@ def grouped(step, layout: Layout, mesh: Mesh):
             params, opt_state, metrics_M = jax.vmap(one, spmd_axis_name=AXIS)(
                 state.params, state.opt_state, tokens_MbT1
             )
-        metrics = {
-            k: jnp.all(v) if k == "finite" else jnp.mean(v, axis=0) for k, v in metrics_M.items()
-        }
-        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), metrics_M
 
     return run
+
+
+def metrics_sharding(mesh: Mesh) -> NamedSharding:
+    """The groups' metrics ([M]) stay with their group: the step's output crosses nothing."""
+    return NamedSharding(mesh, PartitionSpec(AXIS))
 
 
 # --- Fragments ---------------------------------------------------------------------------------

@@ -7,10 +7,9 @@ warm-up, beside the bare compiled step run back to back, so the loop's own cost 
 import time
 
 import jax
-import numpy as np
 
 from jaxdist import hardware
-from jaxdist.cluster.join import local_value
+from jaxdist.cluster.join import metric_value
 from jaxdist.metrics.records import distribution, throughput
 from jaxdist.planning.memory import xla_peak
 
@@ -49,12 +48,12 @@ def bench(
     for s in range(warmup, warmup + steps):
         state, m = exe(state, place(s))
         if pending is not None:
-            float(local_value(pending["loss"]))
+            metric_value("loss", pending["loss"])
             now = time.perf_counter()
             times.append(now - t_prev)
             t_prev = now
         pending = m
-    float(local_value(pending["loss"]))
+    metric_value("loss", pending["loss"])
     times.append(time.perf_counter() - t_prev)
 
     bare, synced_p50 = _bare_and_synced(exe, state, place(0), steps)
@@ -89,7 +88,7 @@ def bench(
         "peak_mem_source": "allocator" if "peak_bytes_in_use" in mem else "xla_estimate",
         "compile_s": compile_s,
         "steps": steps,
-        "final_loss": float(np.asarray(local_value(m["loss"]))),
+        "final_loss": metric_value("loss", m["loss"]),
     } | ({} if peak else {"mfu_note": _NO_PEAK.format(jax.devices()[0].device_kind)})
 
 
