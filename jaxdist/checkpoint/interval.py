@@ -33,7 +33,7 @@ class CheckpointConfig:
         DEFAULT_MTBF_HOURS_PER_DEVICE
     )
     """device MTBF for the auto interval (Llama 3 saw ~50,700 GPU-hours per interruption)"""
-    allow_fresh_start: Annotated[bool, tyro.conf.arg(aliases=("--allow-fresh-start",))] = False
+    allow_fresh_start: Annotated[bool, tyro.conf.arg(prefix_name=False)] = False
     """restart at step 0 if no checkpoint restores (they stay)"""
     local_dir: Annotated[str | None, tyro.conf.arg(aliases=("--local-checkpoint-dir",))] = None
     """node-local directory (tmpfs, local disk) for a fast second tier: each process saves its

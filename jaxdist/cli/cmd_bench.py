@@ -12,8 +12,11 @@ class Bench(Common):
     """Time the real training step of a preset; print one JSON line."""
 
     seed: int = 0
+    """seeds the model's initial weights and the data order"""
     steps: int = 30
+    """timed steps (their p50/p90 are reported)"""
     warmup: int = 3
+    """untimed steps first: compilation and the allocator's warm-up stay out of the times"""
     peak_tflops: float | None = None
     """peak TFLOP/s per device for MFU; default: the hardware table's for the devices present
     (none for CPUs: mfu is then null)"""

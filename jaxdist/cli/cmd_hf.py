@@ -36,7 +36,9 @@ class ExportHF:
     """safetensors files of at most this size, with an index when there are several"""
     mesh: Annotated[str, tyro.conf.arg(help=MESH_HELP)] = "auto"
     devices: str = "auto"
+    """cpu:N for N fake CPU devices; auto uses the accelerators present, else cpu:8"""
     compile_cache: str = DEFAULT_CACHE
+    """persistent XLA compilation cache directory, or off"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,9 @@ class Generate:
     """print one JSON object: prompt_ids, new_ids, text, tokens_per_s"""
     mesh: Annotated[str, tyro.conf.arg(help=GENERATE_MESH_HELP)] = "auto"
     devices: str = "auto"
+    """cpu:N for N fake CPU devices; auto uses the accelerators present, else cpu:8"""
     compile_cache: str = DEFAULT_CACHE
+    """persistent XLA compilation cache directory, or off"""
 
 
 def _load(checked: Checked, mesh: str, devices: str, cache: str, step: int | None = None):

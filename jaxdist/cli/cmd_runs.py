@@ -17,6 +17,7 @@ class Checkpoints:
 
     run_dir: tyro.conf.Positional[str]
     json: bool = False
+    """print one JSON list of the checkpoints instead of a table"""
 
 
 def checkpoints(args: Checkpoints) -> int:
