@@ -2,8 +2,9 @@
 
 One device equals optax.contrib.muon (with AdamW on embeddings, head, norms and biases, labels
 written out by hand here) over 20 steps; the default layout equals one device; each Muon weight
-moves twice its shard a step (jaxdist.parallel.muon), counted from the compiled HLO; a resume
-with another optimizer is refused in one line."""
+moves twice its shard a step (jaxdist.parallel.muon), counted from the compiled HLO, and
+`jaxdist comm` prices it so (the fallback's gather too); a resume with another optimizer is
+refused in one line."""
 
 import functools
 import json
@@ -13,19 +14,22 @@ import jax
 import numpy as np
 import optax
 import pytest
+import tyro
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers as Dims
 from optax.contrib import MuonState
 
 from jaxdist.checkpoint.resume import compare_with_checkpoint
+from jaxdist.cli.cmd_comm import Comm
 from jaxdist.config import Layout, StepConfig
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.optim import OptimConfig, make_optimizer, muon_dims, muon_labels, schedule
-from jaxdist.planning import hlo
+from jaxdist.planning import hlo, traffic
 from jaxdist.rules import is_variable
 from jaxdist.step import build
 from meshes.presets import STANDARD_RULES
+from models.inventory import plan_model
 from models.presets import get_model_config
 from models.transformer import Transformer
 from tests.helpers import mesh_for
@@ -146,14 +150,21 @@ def test_default_layout_equals_one_device(layers):
     )
 
 
-def _step_traffic(optimizer: str, mesh_text: str, layers: int) -> dict[str, int]:
-    """Collective kind -> bytes per device of one compiled step, and the muon weights' shard
-    bytes on one device."""
+@functools.cache
+def _compiled(optimizer: str, mesh_text: str, layers: int):
+    """(model config, the built step) of the tiny model with `layers` layers."""
     mc = get_model_config("tiny", num_layers=layers)
     mesh = mesh_for(mesh_text)
     tx, lr = make_optimizer(OptimConfig(optimizer=optimizer, warmup_steps=2), STEPS)
     layout = Layout.on(mesh, STANDARD_RULES, StepConfig(), batch_size=16, seq_len=mc.seq_len)
-    jitted = build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
+    return mc, build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
+
+
+def _step_traffic(optimizer: str, mesh_text: str, layers: int) -> dict[str, int]:
+    """Collective kind -> bytes per device of one compiled step, and the muon weights' shard
+    bytes on one device."""
+    _, jitted = _compiled(optimizer, mesh_text, layers)
+    mesh = jitted.batch_sharding.mesh
     moved: dict[str, int] = {}
     for c in hlo.collectives(jitted.compile_abstract().as_text(), dict(mesh.shape)):
         moved[c.kind] = moved.get(c.kind, 0) + c.bytes
@@ -185,6 +196,26 @@ def test_each_muon_weight_moves_twice_its_shard_in_all_to_alls():
     assert muon.pop("all-to-all") == 2 * shard < whole
     assert "all-to-all" not in adamw
     assert muon == {k: v for k, v in adamw.items() if not k.startswith("muon")}
+
+
+@pytest.mark.parametrize("layers, kind", [(4, "all-to-all"), (2, "all-gather")])
+def test_comm_prices_muons_moves_as_the_step_makes_them(layers, kind):
+    # `jaxdist comm --optimizer muon` reads the optimizer as `train` does, and its report puts
+    # the compiled step's collectives beside parallel.muon's own account of its moves: the
+    # all-to-all there and back (4 layers: one per fsdp x tensor device), or the fallback's
+    # one gather of the whole matrices (2 layers, fewer than those devices).
+    assert tyro.cli(Comm, args=["--optimizer", "muon"]).optim.optimizer == "muon"
+    mc, jitted = _compiled("muon", "data=2,fsdp=2,tensor=2", layers)
+    rows = traffic.report(jitted, plan_model(mc), jitted.layout, "muon")["rows"]
+    muon = [r for r in rows if r["axis"] == "fsdp+tensor"]
+    assert [r["kind"] for r in muon] == [kind]
+    assert muon[0]["expected_bytes"] > 0
+    assert muon[0]["bytes"] == pytest.approx(muon[0]["expected_bytes"], rel=1e-6)
+    if kind == "all-to-all":
+        assert muon[0]["bytes"] == _step_traffic("muon", "data=2,fsdp=2,tensor=2", 4)["all-to-all"]
+    # Nothing else is left unpriced or mispriced by Muon (the gathers' 0.1% of scalars aside).
+    for r in rows:
+        assert r["ratio"] == pytest.approx(1.0, abs=0.005), r
 
 
 def test_resuming_with_another_optimizer_is_refused_in_one_line(tmp_path):

@@ -4,7 +4,10 @@ layout implies (jaxdist.planning.traffic)."""
 import dataclasses
 import json
 
+import tyro
+
 from jaxdist.cli.options import Common, setup
+from jaxdist.optim import OptimConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,6 +15,7 @@ class Comm(Common):
     """Compile the train step and report its collectives per mesh axis beside the analytic
     expectation."""
 
+    optim: tyro.conf.OmitArgPrefixes[OptimConfig] = OptimConfig()
     seed: int = 0
     """seeds the model's initial weights (the collectives do not depend on it)"""
     json: bool = False
@@ -20,16 +24,16 @@ class Comm(Common):
 
 def run(args: Comm) -> int:
     mesh, layout, model_cfg, args = setup(args)
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.planning import traffic
     from jaxdist.step import build
     from models.inventory import plan_model
     from models.presets import model_spec
 
     model = model_spec(model_cfg)
-    tx, lr = make_optimizer(OptimConfig(), 100)
+    tx, lr = make_optimizer(args.optim, 100)
     jitted = build(model.init, tx, lr, layout, mesh, args.seed)
-    report = traffic.report(jitted, plan_model(model_cfg), layout)
+    report = traffic.report(jitted, plan_model(model_cfg), layout, args.optim.optimizer)
     if args.json:
         print(json.dumps(report))
     else:

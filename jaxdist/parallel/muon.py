@@ -9,12 +9,18 @@ momentum moves in one all-to-all over the mesh axes that split its matrix dims, 
 device owns whole matrices of a slice of a batch dim (`layers`, `expert`): Newton-Schulz runs
 locally, and the reverse all-to-all brings the result back, each device's share moving twice.
 Where no batch dim divides among those devices (fewer layers than devices), the matrices are
-gathered instead, the fallback. Outside a step traced under jaxdist.rules.activation_rules
-there is no mesh, and the update is optax.contrib.muon's as the arrays lie.
+gathered instead, the fallback: one all-gather in a shard_map, each device keeping its own
+block of the result. Pinning the gathered layout and leaving the rest to XLA moved 10x that
+(15.5 MB against 1.6 MB a step, tiny at 2 layers on data=2,fsdp=2,tensor=2): its partitioner
+spread the Newton-Schulz matmuls over the devices anyway, `data` among them (all-gathers and
+collective-permutes over data, fsdp and tensor). Outside a step traced under
+jaxdist.rules.activation_rules there is no mesh, and the update is optax.contrib.muon's as the
+arrays lie.
 """
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +31,16 @@ from optax.contrib import MuonDimensionNumbers, MuonState
 # optax.contrib.muon's iteration itself (optax is pinned; 0.2.8 has no public name for it).
 from optax.contrib._muon import _DEFAULT_NS_COEFFS, orthogonalize_via_newton_schulz
 
-from jaxdist.rules import as_tuple, entered, is_variable, logical_axes, pin, shard_map_here
+from jaxdist.rules import (
+    AxisRules,
+    as_tuple,
+    entered,
+    is_variable,
+    logical_axes,
+    shard_map_here,
+    variables,
+    ways,
+)
 
 DimsOf = Callable[[tuple[str | None, ...]], MuonDimensionNumbers]
 
@@ -52,6 +67,48 @@ def _moves(stored: PartitionSpec, dims: MuonDimensionNumbers) -> list[tuple[int,
     return [(d, a) for d in matrix if d < len(stored) for a in as_tuple(stored[d])]
 
 
+def _route(stored: PartitionSpec, shape, dims: MuonDimensionNumbers, mesh_shape):
+    """(owner dim or None: the fallback, moves): how a momentum stored as `stored` reaches
+    whole matrices, the one decision that both the step and its pricing (`moved`) read."""
+    return owner_dim(stored, shape, dims, mesh_shape), _moves(stored, dims)
+
+
+class Moved(NamedTuple):
+    """One Muon weight's momentum moved in a step: `kind` over the mesh `axes` that split its
+    matrix dims, `nbytes` per device (planning.hlo's convention: an all-to-all's buffer, a
+    gather's output), in `count` collectives."""
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: float
+    count: int
+
+
+def moved(abstract_params, rules: AxisRules, mesh_shape, dims_of: DimsOf) -> list[Moved]:
+    """What Newton-Schulz moves a step, weight by weight (`dims_of`: None for AdamW's): the
+    all-to-all there and back, twice the stored shard; in the fallback, the gather of the
+    matrices of the device's batch slice (the way back is a slice, no traffic)."""
+    out = []
+    for var in variables(abstract_params):
+        axes = logical_axes(var)
+        dims = dims_of(axes)
+        if dims is None:
+            continue
+        stored = rules.spec(axes, "param")
+        batch, moves = _route(stored, var.shape, dims, mesh_shape)
+        over = tuple(a for _, a in moves if mesh_shape.get(a, 1) > 1)
+        if not over:  # the matrices already lie whole on each device
+            continue
+        split = [a for entry in stored for a in as_tuple(entry)]
+        # The momentum is stored as its weight is, in the weight's dtype.
+        shard = math.prod(var.shape) / ways(mesh_shape, split) * var.get_value().dtype.itemsize
+        if batch is None:
+            out.append(Moved("all-gather", over, shard * ways(mesh_shape, over), 1))
+        else:
+            out.append(Moved("all-to-all", over, 2 * shard, 2))
+    return out
+
+
 def _to_owner(x, batch: int, moves: list[tuple[int, str]], sizes: list[int]):
     """Inside shard_map: this device's block of x -> whole matrices of its 1/n of the block's
     `batch` slice (n: the devices of `moves`), in one all-to-all."""
@@ -59,15 +116,38 @@ def _to_owner(x, batch: int, moves: list[tuple[int, str]], sizes: list[int]):
     x = jnp.moveaxis(x, batch, 0)
     x = x.reshape(n, x.shape[0] // n, *x.shape[1:])
     x = jax.lax.all_to_all(x, tuple(a for _, a in moves), 0, 0)  # [source, my slice, block]
+    return jnp.moveaxis(_assemble(x, rest, moves, sizes), 0, batch)
+
+
+def _assemble(x, rest: list[int], moves: list[tuple[int, str]], sizes: list[int]):
+    """[source, slice, block of each `rest` dim] -> [slice, whole dims]: each source's block in
+    its place, a dim's block indices just before it."""
     x = x.reshape(*sizes, *x.shape[1:])
     m = len(moves)
-    # Each source's block goes back to its place: a dim's block indices just before it.
     order = [m]
     for j, d in enumerate(rest):
         order += [k for k, (dim, _) in enumerate(moves) if dim == d] + [m + 1 + j]
     x = x.transpose(order)
-    x = x.reshape(x.shape[0], *_whole(x.shape[1:], rest, moves))
-    return jnp.moveaxis(x, 0, batch)
+    return x.reshape(x.shape[0], *_whole(x.shape[1:], rest, moves))
+
+
+def _gathered(x, moves: list[tuple[int, str]], sizes: list[int]):
+    """Inside shard_map, the fallback: this device's block of x -> the whole matrices of its
+    slice of the other dims, in one all-gather over every axis of `moves`."""
+    x = jax.lax.all_gather(x, tuple(a for _, a in moves), axis=0)  # [source, block]
+    return _assemble(x[:, None], list(range(x.ndim - 1)), moves, sizes)[0]
+
+
+def _own_block(y, moves: list[tuple[int, str]], sizes: list[int]):
+    """Inside shard_map: this device's block of whole matrices y (`_gathered` undone)."""
+    for d in sorted({dim for dim, _ in moves}):
+        index, n = 0, 1  # the linear index over the dim's axes, major first
+        for (dim, a), size in zip(moves, sizes, strict=True):
+            if dim == d:
+                index, n = index * size + jax.lax.axis_index(a), n * size
+        block = y.shape[d] // n
+        y = jax.lax.dynamic_slice_in_dim(y, index * block, block, axis=d)
+    return y
 
 
 def _whole(shape, rest: list[int], moves: list[tuple[int, str]]) -> list[int]:
@@ -110,14 +190,16 @@ def _orthogonalized(x, axes, dims: MuonDimensionNumbers, coeffs, ns_steps: int, 
         return ns(x)
     stored = layout.rules.spec(axes, "param")
     mesh_shape = dict(mesh.shape)
-    batch, moves = owner_dim(stored, x.shape, dims, mesh_shape), _moves(stored, dims)
-    if batch is None:  # the fallback: every device gathers the matrices of its batch slice
-        matrix = set(dims.reduction_axis) | set(dims.output_axis)
-        whole = [None if d in matrix else e for d, e in enumerate((*stored, *[None] * x.ndim))]
-        return pin(ns(pin(x, PartitionSpec(*whole[: x.ndim]))), stored)
+    batch, moves = _route(stored, x.shape, dims, mesh_shape)
     sizes = [mesh_shape[a] for _, a in moves]
+    if math.prod(sizes) == 1:  # the matrices already lie whole on each device
+        return ns(x)
 
     def local(x, coeffs):
+        if batch is None:  # the fallback: every device of `moves` orthogonalizes them all
+            y = _gathered(x, moves, sizes)
+            y = orthogonalize_via_newton_schulz(y, coeffs, ns_steps, "frobenius", eps, dims)
+            return _own_block(y, moves, sizes)
         owned = _to_owner(x, batch, moves, sizes)
         y = orthogonalize_via_newton_schulz(owned, coeffs, ns_steps, "frobenius", eps, dims)
         return _from_owner(y, batch, moves, sizes)

@@ -34,7 +34,8 @@ from rich.table import Table
 
 from jaxdist.config import Layout
 from jaxdist.kernels.lookup import Route, routed_table
-from jaxdist.parallel import pipeline, replica
+from jaxdist.optim import muon_dims
+from jaxdist.parallel import muon, pipeline, replica
 from jaxdist.parallel.collective_matmul import check as collective_matmul_check
 from jaxdist.parallel.collective_matmul import shards_sent
 from jaxdist.planning import hlo, memory, sync
@@ -102,6 +103,7 @@ def expected(
     collective_matmul: str = "one-way",
     fused_loss: bool = True,
     messages: dict | None = None,
+    optimizer: str = "adamw",
 ) -> dict[tuple[str, str], float]:
     """Analytic bytes per step, keyed like hlo.summarize: (axis label, kind), as `platform`'s
     compiler emits them; `messages`, where given, gets how many collectives a key issues a
@@ -109,7 +111,7 @@ def expected(
     sequence length. `reruns`: the logical axes of the layer weights whose forward matmul the
     backward reruns (the remat policy's). `collective_matmul`: the TPU's streamed rings,
     one-way or two-way. `fused_loss`: the step's loss is jaxdist.kernels.fused_loss
-    (loss_chunk_tokens > 0)."""
+    (loss_chunk_tokens > 0). `optimizer`: muon adds its momenta's moves (parallel.muon)."""
     collective_matmul_check(collective_matmul)
     tally = _Tally()
     add = tally.add
@@ -158,6 +160,9 @@ def expected(
         axes = (gather, act_axes, set(batch_axes), set(seq_axes))
         _gradient(add, mesh, logical, axes, compute_size, microbatches, platform)
     _activations(add, mesh, rules, partial_sums)
+    if optimizer == "muon":  # once a step, after the gradients' reductions
+        for m in muon.moved(abstract_params, rules, dict(mesh.shape), muon_dims):
+            add(_label(mesh, m.axes), m.kind, m.nbytes, m.count)
     # Not modelled: scalar reductions (loss, norms), a few bytes that show as unexpected rows.
     if messages is not None:
         messages.update({k: n for k, n in tally.counts.items() if n})
@@ -300,7 +305,11 @@ def _stage_weight(add, mesh: Mesh, var, named, param_axes, moved_axes, compute_b
 
 
 def layout_bytes(
-    model: PlanModel, layout: Layout, platform: str, messages: dict | None = None
+    model: PlanModel,
+    layout: Layout,
+    platform: str,
+    messages: dict | None = None,
+    optimizer: str = "adamw",
 ) -> dict[tuple[str, str], float]:
     """Collective bytes per step of one layout by (axis label, kind), as `platform`'s compiler
     emits them: the one price of a layout's traffic, which `plan` and `jaxdist comm` read.
@@ -319,6 +328,7 @@ def layout_bytes(
         collective_matmul=layout.step.collective_matmul,
         fused_loss=layout.step.loss_chunk_tokens > 0,
         messages=messages,
+        optimizer=optimizer,
     )
     if layout.stages > 1:
         out[("pipeline", "collective-permute")] = pipeline.send_bytes(
@@ -340,9 +350,9 @@ def schedule_of(layout: Layout) -> pipeline.Schedule:
     )
 
 
-def report(jitted, model: PlanModel, layout: Layout) -> dict:
+def report(jitted, model: PlanModel, layout: Layout, optimizer: str = "adamw") -> dict:
     """Compiles the step for abstract inputs and puts measured beside expected bytes (a
-    pipeline's tick branches counted on their own ticks only)."""
+    pipeline's tick branches counted on their own ticks only); `optimizer`: the step's."""
     mesh = jitted.batch_sharding.mesh
     shape = (layout.batch_size, layout.seq_len + 1)
     text = jitted.compile_abstract(shape).as_text()
@@ -351,12 +361,13 @@ def report(jitted, model: PlanModel, layout: Layout) -> dict:
     platform = mesh.devices.flat[0].platform
     # Replica groups: each group's step (the outer step is compiled apart, below).
     inner = sync.group_layout(layout) if sync.grouped(layout) else layout
-    exp = layout_bytes(model, inner, platform)
+    exp = layout_bytes(model, inner, platform, optimizer=optimizer)
     out = {
         "mesh": dict(mesh.shape),
         "batch_size": layout.batch_size,
         "seq_len": layout.seq_len,
         "microbatches": layout.microbatches,
+        "optimizer": optimizer,
         "rows": _rows(measured, exp),
     }
     if sync.grouped(layout):
