@@ -58,6 +58,20 @@ CONFIGS = {  # name: (mesh, SyncConfig kwargs or None)
 DEFAULT = ("DP", "H16", "H4", "H64", "stream", "H16-bf16", "H16-int8", "H16-fp8", "H8")
 
 
+def config(name: str, devices: int = 8) -> tuple[str, dict | None]:
+    """(mesh, SyncConfig kwargs) of a named config, or of `H<H>@<outer lr>:<momentum>` (an
+    outer step swept). With fewer devices than 8 the sites hold devices/2 each: the same math,
+    fewer fake devices to run on two cores (the bytes are then per device of that mesh)."""
+    if "@" in name:
+        h, outer = name.split("@")
+        lr, mom = outer.split(":")
+        mesh, kwargs = "replica=2,fsdp=4", {"sync_every": int(h[1:])}
+        kwargs |= {"outer_lr": float(lr), "outer_momentum": float(mom)}
+    else:
+        mesh, kwargs = CONFIGS[name]
+    return mesh.replace("fsdp=4", f"fsdp={devices // 2}"), kwargs
+
+
 def compile_config(name: str, args):
     """(build for a seed, the seed-0 JittedStep, {action: (compiled program, its collectives
     over the slow axis)}, SyncConfig or None, model config): one compile per distinct action."""
@@ -73,11 +87,12 @@ def compile_config(name: str, args):
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config, model_spec
 
-    mesh_text, kwargs = CONFIGS[name]
+    mesh_text, kwargs = config(name, args.devices)
     sync = SyncConfig(**kwargs) if kwargs else None
     mc = get_model_config(args.model)
     mesh = make_mesh(mesh_text)
-    tx, lr = make_optimizer(OptimConfig(), args.steps)
+    optim = OptimConfig(learning_rate=args.lr) if args.lr else OptimConfig()
+    tx, lr = make_optimizer(optim, args.steps)
     B, T = args.batch_size, mc.seq_len
     layout = Layout.on(mesh, STANDARD_RULES, StepConfig(), batch_size=B, seq_len=T, sync=sync)
 
@@ -224,12 +239,13 @@ def crossover(speed, ratio: float, dp_speed) -> float | None:
     return lo
 
 
-def config_row(name: str, rs, dp, tr: dict, compute: float, alpha, scale: float) -> dict:
+def config_row(name: str, rs, dp, tr: dict, compute: float, alpha, scale: float, devices: int):
     import numpy as np
 
     from jaxdist.metrics.records import distribution
 
-    kwargs = CONFIGS[name][1] or {}
+    mesh, kwargs = config(name, devices)
+    kwargs = kwargs or {}
     extra = {  # the outer step's own CPU time beyond its run's inner step
         k: scale
         * max(0.0, float(np.median([r["outer_step_s"][k] - r["inner_step_s"] for r in rs])))
@@ -246,7 +262,7 @@ def config_row(name: str, rs, dp, tr: dict, compute: float, alpha, scale: float)
     total = sum(t["runs"] for t in tr.values())
     delay = kwargs.get("sync_delay", 0)
     return {
-        "mesh": CONFIGS[name][0],
+        "mesh": mesh,
         "sync": kwargs or None,
         "seeds": [r["seed"] for r in rs],
         "eval_loss": distribution(finals),
@@ -281,14 +297,17 @@ def summarize(runs: list[dict], tr_all: dict, args, compute_s: float | None = No
     alpha = alphas(args)
     measured = float(np.median([r["inner_step_s"] for r in runs]))
     compute = compute_s or measured  # compute_s: a what-if, the outer steps' extra scaled too
-    by = {n: [r for r in runs if r["config"] == n] for n in CONFIGS}
-    by = {n: rs for n, rs in by.items() if rs}
+    by = {
+        n: [r for r in runs if r["config"] == n] for n in dict.fromkeys(r["config"] for r in runs)
+    }
     steps_at = [s for s, _ in runs[0]["eval_curve"]]
     curves = {
         n: np.median([[v for _, v in r["eval_curve"]] for r in rs], 0) for n, rs in by.items()
     }
     rows = {
-        n: config_row(n, rs, by.get("DP", []), tr_all[n], compute, alpha, compute / measured)
+        n: config_row(
+            n, rs, by.get("DP", []), tr_all[n], compute, alpha, compute / measured, args.devices
+        )
         for n, rs in by.items()
     }
     for n, row in rows.items():
@@ -369,7 +388,13 @@ def plot(panels: list[tuple[dict, str, str]], path: pathlib.Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default=",".join(DEFAULT), help=f"of {', '.join(CONFIGS)}")
+    ap.add_argument(
+        "--configs",
+        default=",".join(DEFAULT),
+        help=f"of {', '.join(CONFIGS)}, or H<H>@<outer lr>:<outer momentum> (e.g. H16@1:0)",
+    )
+    ap.add_argument("--devices", type=int, default=8, help="fake CPU devices (2 sites of half)")
+    ap.add_argument("--lr", type=float, default=None, help="inner (and DP's) AdamW peak lr")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -387,6 +412,7 @@ def main() -> None:
     if args.from_json:  # the runs as saved, summarized with this file's model of the link
         record = json.loads((out / "overhead_shift.json").read_text())
         args.steps = record["args"]["steps"]
+        args.devices = record["args"].get("devices", 8)
     else:
         record = run_all(args, out)
     record["summary"] = summarize(record["runs"], record["traffic"], args)
@@ -405,7 +431,7 @@ def main() -> None:
 def run_all(args, out: pathlib.Path) -> dict:
     from jaxdist.mesh import setup_devices
 
-    setup_devices("cpu:8")
+    setup_devices(f"cpu:{args.devices}")
     names, seeds = args.configs.split(","), [int(s) for s in args.seeds.split(",")]
     t_start = time.perf_counter()
     built, tr_all, runs, compile_s = {}, {}, [], {}

@@ -89,7 +89,7 @@ class SyncConfig:
     sync_every: int = 32
     """H: inner steps between two outer steps (of each fragment)"""
     outer_lr: float = 0.7
-    """the outer Nesterov step's learning rate"""
+    """the outer Nesterov step's lr (DiLoCo's 0.7; short runs did best at 1, no momentum)"""
     outer_momentum: float = 0.9
     """the outer step's Nesterov momentum (torch.optim.SGD(nesterov=True)); 0: plain SGD"""
     sync_fragments: int = 1
