@@ -183,6 +183,7 @@ def open_attempt(run: Run, extra: dict | None = None, init_state=None) -> tuple[
     tiers = Tiers(checkpointer, local, config.checkpoint, ckpt_meta, timer, ledger, log, console)
     if restored is not None:
         tiers.resume(restored.step, past)
+    tiers.prepare(jitted.abstract_state)
     attempt = Attempt(
         run=run, start=start, t_start=t_start, ledger=ledger, log=log, capture=capture,
         watchdog=watchdog, timer=timer, faults=faults, tiers=tiers,

@@ -258,32 +258,64 @@ def test_daly_matches_the_paper_and_auto_interval_adapts():
     for mtbf_h, want_min in ((24, 116.7), (6, 56.7), (0.25, 9.1)):
         assert daly_interval_s(dump, mtbf_h * 3600) / 60 == pytest.approx(want_min, abs=0.1)
     iv = Interval(CheckpointConfig(every="auto", mtbf_hours_per_device=8.0), num_devices=8)
-    assert iv.due(0)  # nothing measured yet: save once to learn the cost
-    iv.observe(0, blocked_s=2.0, step_time_s=0.1)  # first save pays setup; not used later
-    chosen = iv.observe(10, blocked_s=0.5, step_time_s=0.1)
-    # system MTBF = 8 h / 8 devices = 3600 s; tau ~ sqrt(2 * 0.5 * 3600) = 60 s = ~600 steps
+    # Nothing timed: no save, not even at step 0 to learn its cost.
+    assert iv.choose(None) is None and not iv.due(0) and not iv.due(100)
+    # Timed, no cost yet: the first save waits the 10-minute cap (the 3600 s MTBF is longer),
+    # 6000 steps of 0.1 s; that is no Young-Daly choice, so nothing is returned to log.
+    assert iv.choose(0.1) is None and iv.steps == 6000
+    assert not iv.due(5998) and iv.due(5999)
+    iv.observe(5999, blocked_s=2.0, step_time_s=0.1)  # first save pays setup; not used later
+    chosen = iv.observe(6010, blocked_s=0.5, step_time_s=0.1)
+    # system MTBF = 8 h / 8 devices = 3600 s; tau ~ sqrt(2 * 0.5 * 3600) = 60 s = ~600 steps,
+    # under the cap: kept as it is.
     assert chosen["mtbf_system_s"] == 3600 and 580 <= chosen["interval_steps"] <= 620
-    assert not iv.due(10 + chosen["interval_steps"] - 1) and iv.due(10 + chosen["interval_steps"])
+    assert chosen["interval_s"] == chosen["young_daly_s"] and chosen["cap_s"] == 600
+    assert not iv.due(6010 + chosen["interval_steps"] - 1) and iv.due(
+        6010 + chosen["interval_steps"]
+    )
+
+
+def test_auto_interval_is_capped_only_while_the_cap_costs_under_one_percent():
+    # One device of the default MTBF (50,000 h): tau for a 0.2 s save is 2.4 h, capped at 10
+    # minutes, which costs 0.03%.
+    small = Interval(CheckpointConfig(every="auto"), num_devices=1)
+    chosen, tau = small.interval_s(0.2)
+    assert chosen == 600 and tau == daly_interval_s(0.2, 50_000 * 3600) and tau > 8000
+    # A big fleet's slow save (30 s, system MTBF 100 h: tau ~ 1.3 h): the cap would cost 5%;
+    # the interval stops where saving costs 1% (3000 s), not at the cap.
+    fleet = Interval(CheckpointConfig(every="auto", mtbf_hours_per_device=100.0), num_devices=1)
+    big, big_tau = fleet.interval_s(30.0)
+    assert big == pytest.approx(3000) and big_tau > 4000
+    # Young-Daly already under the cap (system MTBF 1 h, 0.5 s saves: 60 s): kept.
+    short = Interval(CheckpointConfig(every="auto", mtbf_hours_per_device=8.0), num_devices=8)
+    assert short.interval_s(0.5)[0] == short.interval_s(0.5)[1] == daly_interval_s(0.5, 3600)
+    # Through choose: its log names the interval kept, Young-Daly's and the cap.
+    small.observe(9, blocked_s=0.2, step_time_s=0.05)
+    logged = small.observe(20, blocked_s=0.2, step_time_s=0.05)
+    assert logged["interval_s"] == 600 and logged["interval_steps"] == 12_000
+    assert logged["young_daly_s"] == tau and logged["expected_overhead"] < 0.001
 
 
 @pytest.mark.slow
 def test_auto_interval_is_logged_with_its_inputs(tmp_path):
-    # Six steps (the NaN of step 6 is not reached): a save at step 0 to learn the cost, then,
-    # with the step time known, the final one, which sets the interval.
+    # Six steps (the NaN of step 6 is not reached) of a 22.5 s system MTBF: the first save
+    # waits 22.5 s of steps, so the only save is the final one, which sets the interval.
     _fit(tmp_path, 6, CheckpointConfig(every="auto", mtbf_hours_per_device=0.05), log_every=4)
     records = read_metrics(tmp_path / "metrics.jsonl")
     events = [r for r in records if r.get("event") == "checkpoint_interval"]
-    assert events and {"interval_steps", "save_blocked_s", "mtbf_system_s"} <= set(events[0])
+    want = {"interval_steps", "interval_s", "young_daly_s", "cap_s", "save_blocked_s"}
+    assert events and want | {"mtbf_system_s", "step_time_s"} <= set(events[0])
     saves = [r for r in records if r.get("event") == "save"]
-    assert saves and all(r["blocked_s"] > 0 for r in saves) and saves[-1]["step"] == 5
+    assert [r["step"] for r in saves] == [5] and saves[0]["blocked_s"] > 0  # none at step 0
     assert pathlib.Path(tmp_path / "checkpoints" / "5").is_dir()  # the final step is saved
 
 
 def test_auto_interval_is_chosen_once_the_step_time_is_known_and_saves_on_it(tmp_path):
-    """The first save comes at step 0, before any step time: the interval must still be
-    chosen (as soon as three steady steps are timed) and saves then follow it, not only the
-    final step. A 0.00005 h device MTBF on 8 devices is a 0.0225 s system MTBF: the interval
-    is a few steps however fast they run (at 0.0005 h, CI's 10 ms steps made it 22 of 20)."""
+    """No save comes at step 0, before any step time: the first waits for one (as soon as a
+    steady step is timed) and then the MTBF's worth of steps, the interval is chosen from its
+    cost, and saves then follow it, not only the final step. A 0.00005 h device MTBF on 8
+    devices is a 0.0225 s system MTBF: the interval is a few steps however fast they run (at
+    0.0005 h, CI's 10 ms steps made it 22 of 20)."""
     steps = 20
     auto = CheckpointConfig(every="auto", mtbf_hours_per_device=0.00005)
     _fit(tmp_path, steps, auto, log_every=8)
@@ -291,6 +323,7 @@ def test_auto_interval_is_chosen_once_the_step_time_is_known_and_saves_on_it(tmp
     chosen = [r for r in records if r.get("event") == "checkpoint_interval"]
     assert chosen and chosen[0]["step"] < steps - 1, chosen
     saved = [r["step"] for r in records if r.get("event") == "save"]
+    assert saved[0] >= 2, saved  # not before a steady step (step 2) is timed
     between = [s for s in saved if 0 < s < steps - 1]
     assert len(between) >= 2, (saved, chosen)  # before the fix: [0, 15]
     every = max(c["interval_steps"] for c in chosen)  # it adapts, save by save

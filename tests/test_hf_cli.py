@@ -97,7 +97,9 @@ def fine_tune(tmp_path_factory):
             tmp = tmp_path_factory.mktemp(name)
             _tokenized(tmp, name, "def main(args):\n    return [arg for arg in args]\n")
             run, export = tmp / "run", tmp / "export"
-            jaxdist(*_fine_tune_args(name, tmp), "--devices", "cpu:8", "--run-dir", str(run))
+            # Checkpoints before the last: auto saves only the last step of so short a run.
+            args = [*_fine_tune_args(name, tmp), "--checkpoint-every", "1"]
+            jaxdist(*args, "--devices", "cpu:8", "--run-dir", str(run))
             out, _ = jaxdist("export-hf", str(run), str(export), *COMMON)
             made[name] = tmp, run, export, json.loads(out.splitlines()[-1])
         return made[name]
@@ -262,20 +264,21 @@ def test_model_hf_is_the_architecture_randomly_initialized(fine_tune, tmp_path):
 
 @pytest.mark.slow
 def test_init_from_run_resumes_from_its_own_checkpoint(fine_tune, tmp_path):
-    """A copy of the fine-tuned run as if stopped after its first checkpoint (step 0; the last,
-    of step 2, removed), rerun with the same --init-from: it resumes from its own checkpoint,
-    not the Hugging Face weights, and recomputes steps 1 and 2 bit for bit."""
+    """A copy of the fine-tuned run as if stopped after its first checkpoint (step 0; those of
+    steps 1 and 2 removed), rerun with the same --init-from: it resumes from its own
+    checkpoint, not the Hugging Face weights, and recomputes steps 1 and 2 bit for bit."""
     tmp, run, _, _ = fine_tune("llama-gqa")
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     assert sorted(p.name for p in (copy / "checkpoints").iterdir() if p.name.isdigit()) == [
         "0",
+        "1",
         "2",
     ]
+    shutil.rmtree(copy / "checkpoints" / "1")
     shutil.rmtree(copy / "checkpoints" / "2")
-    _, err = jaxdist(
-        *_fine_tune_args("llama-gqa", tmp), "--devices", "cpu:8", "--run-dir", str(copy)
-    )
+    args = [*_fine_tune_args("llama-gqa", tmp), "--checkpoint-every", "1"]
+    _, err = jaxdist(*args, "--devices", "cpu:8", "--run-dir", str(copy))
     assert "resuming from checkpoint step 0" in err
     logged = [json.loads(x) for x in (copy / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r] == [0, 1, 2, 1, 2]
@@ -301,7 +304,7 @@ def test_export_of_a_given_step(fine_tuned, capsys):
     from jaxdist.errors import ConfigError
 
     _, tmp, run, export, _ = fine_tuned
-    with pytest.raises(ConfigError, match=r"no checkpoint of step 7; it has \[0, 2\]"):
+    with pytest.raises(ConfigError, match=r"no checkpoint of step 7; it has \[0, 1, 2\]"):
         _run_source(run, step=7)
     out = tmp / f"export-step-2-{os.getpid()}"
     jaxdist(

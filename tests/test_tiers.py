@@ -5,6 +5,7 @@ milliseconds; the real stores are checked against the `Tier` protocol they share
 import io
 
 import jax.numpy as jnp
+import pytest
 from rich.console import Console
 
 from jaxdist.checkpoint.interval import CheckpointConfig
@@ -95,25 +96,60 @@ def test_fixed_intervals_one_tier_a_step_the_persistent_first():
 def test_a_signal_saves_to_the_persistent_tier_at_once():
     tiers, persistent, local, _, _ = _tiers(CheckpointConfig(every="100", local_dir="x"))
     _run(tiers, 50, stop_at=5)
-    assert persistent.saved == [5] and local.saved == [0]  # local auto: saves once to learn
+    assert persistent.saved == [5] and local.saved == []  # local auto: no save only to learn
 
 
-def test_an_auto_interval_is_chosen_once_the_step_time_is_known():
-    config = CheckpointConfig(every="auto", mtbf_hours_per_device=0.001)
+def _printed(tiers) -> int:
+    return tiers.console.file.getvalue().count("persistent checkpoint interval")
+
+
+def test_auto_saves_first_on_the_cap_once_the_step_time_is_known_and_prints_once():
+    # The default MTBF (50,000 h a device): Young-Daly's interval is minutes, the cap 0.3 s.
+    config = CheckpointConfig(every="auto", auto_cap_minutes=0.005)
     tiers, persistent, _, timer, log = _tiers(config, local=False)
-    _run(tiers, 3)  # step 0 saves to learn the cost; no step time yet: nothing chosen
-    assert persistent.saved == [0, 2] and not [r for r in log if r["event"] != "save"]
+    persistent.blocked_s = 0.001  # saving every 0.3 s costs 0.3%: the cap holds
+    for s in range(3):  # no step time yet: no save, none at step 0 to learn its cost
+        tiers.save_if_due(s, jnp.zeros(()), last=False, stopping=False)
+    assert persistent.saved == [] and not log.records
     timer.step_time_s = 0.1
-    tiers.save_if_due(3, jnp.zeros(()), last=False, stopping=False)
+    for s in range(3, 9):
+        tiers.save_if_due(s, jnp.zeros(()), last=False, stopping=False)
+    # The cap's 3 steps were trained by step 2 but timed only at 3: the first save there; then
+    # every 3 steps (0.3 s).
+    assert persistent.saved == [3, 6] and timer.excluded == [0.001, 0.001]
     chosen = [r for r in log if r["event"] == "checkpoint_interval"]
-    assert chosen and chosen[0]["tier"] == "persistent" and chosen[0]["step"] == 3
+    assert [(c["tier"], c["step"], c["interval_steps"]) for c in chosen] == [
+        ("persistent", 3, 3),
+        ("persistent", 6, 3),
+    ]
+    assert chosen[0]["interval_s"] == 0.3 and chosen[0]["young_daly_s"] > 200
+    assert _printed(tiers) == 1  # chosen after every save, printed once
+    # Saves of 50 ms (median of the later ones 25.5 ms): the cap would cost 8%, so the interval
+    # grows to where saving costs 1%, 2.55 s: more than 2x the last printed, printed again.
+    persistent.blocked_s = 0.05
+    tiers.save_if_due(9, jnp.zeros(()), last=False, stopping=False)
+    chosen = [r for r in log if r["event"] == "checkpoint_interval"]
+    assert chosen[-1]["interval_s"] == pytest.approx(2.55) and chosen[-1]["interval_steps"] == 26
+    assert _printed(tiers) == 2
 
 
 def test_a_resumed_attempt_takes_the_logged_costs_and_does_not_save_at_once():
-    config = CheckpointConfig(every="auto", local_dir="x")
+    config = CheckpointConfig(every="auto", local_dir="x", auto_cap_minutes=0.005)
     tiers, persistent, local, timer, log = _tiers(config)
     past = [{"event": "save", "tier": "persistent", "step": 7, "blocked_s": 0.5}]
     tiers.resume(7, past)
     tiers.save_if_due(8, jnp.zeros(()), last=False, stopping=False)
-    # The persistent tier knows its cost (no save to learn it); the local one logged none.
-    assert persistent.saved == [] and local.saved == [8]
+    # No step time yet: neither tier saves, the local one (no cost logged) not even to learn it.
+    assert persistent.saved == [] and local.saved == [] and not log.records
+    timer.step_time_s = 0.1
+    for s in range(9, 12):
+        tiers.save_if_due(s, jnp.zeros(()), last=False, stopping=False)
+    # The persistent interval is chosen from the logged cost at once (0.5 s a save: 50 s, where
+    # saving costs 1%); the local tier waits the cap's 3 steps from the restored step.
+    chosen = [r for r in log if r["event"] == "checkpoint_interval"]
+    assert [(c["tier"], c["step"], c["interval_steps"]) for c in chosen][0] == (
+        "persistent",
+        9,
+        500,
+    )
+    assert persistent.saved == [] and local.saved == [10]

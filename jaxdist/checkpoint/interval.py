@@ -4,6 +4,17 @@ Young-Daly: the interval that minimises (checkpoint cost + expected lost work) i
 tau = sqrt(2 * C * M) (Daly's higher-order form below), with C the time the loop is blocked per
 save and M the system's mean time between failures. M falls as the fleet grows (M_device / N),
 so the interval shrinks with it; C is measured, save by save, so the interval adapts.
+
+Two terms are traded: save overhead (C per interval) and work lost to an interruption (half an
+interval on average). Young-Daly balances them for failures at the MTBF, but a run is also
+stopped by what the MTBF does not count (a kill, a preempted node, an out-of-memory), and a
+small run's MTBF is years: its tau would leave hours unsaved. So auto caps the interval at
+`auto_cap_minutes` of training, paying in overhead only while that stays under
+`CAP_OVERHEAD` (1%); past that, Young-Daly's interval is kept (a big fleet's long interval is
+not shortened into heavy overhead). No save is made only to learn its cost (a step-0 save paid
+the save's one-off setup while the loop waited): until a cost is known, the first save waits
+for a cap's worth of steps at the measured step time, or an MTBF's if shorter (Daly's interval
+never exceeds the MTBF, whatever the cost).
 """
 
 import dataclasses
@@ -19,20 +30,25 @@ from jaxdist.errors import ConfigError
 # Llama 3 (arXiv:2407.21783): 419 unexpected interruptions in 54 days on 16,384 GPUs, i.e. one
 # per ~3.1 h for the job and ~50,700 hours per GPU.
 DEFAULT_MTBF_HOURS_PER_DEVICE = 50_000.0
+# The most save overhead the cap may add to shorten Young-Daly's interval: above it, losing
+# more work on an interruption is the cheaper side.
+CAP_OVERHEAD = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     # The aliases are the command line's names (jaxdist.cli reads these dataclasses).
     every: Annotated[str, tyro.conf.arg(aliases=("--checkpoint-every",))] = "auto"
-    """steps between checkpoints, or auto: Young-Daly from the measured save cost and MTBF;
-    the final step is always saved"""
+    """steps between checkpoints, or auto: Young-Daly from the measured save cost and MTBF,
+    at most --checkpoint-cap-minutes apart; the final step is always saved"""
     keep: Annotated[int, tyro.conf.arg(aliases=("--checkpoint-keep",))] = 3
     """newest checkpoints kept; older ones are deleted once a newer one commits"""
     mtbf_hours_per_device: Annotated[float, tyro.conf.arg(aliases=("--mtbf-hours-per-device",))] = (
         DEFAULT_MTBF_HOURS_PER_DEVICE
     )
     """device MTBF for the auto interval (Llama 3 saw ~50,700 GPU-hours per interruption)"""
+    auto_cap_minutes: Annotated[float, tyro.conf.arg(aliases=("--checkpoint-cap-minutes",))] = 10.0
+    """minutes of training at most between auto checkpoints, while saving that often costs <1%"""
     allow_fresh_start: Annotated[bool, tyro.conf.arg(prefix_name=False)] = False
     """restart at step 0 if no checkpoint restores (they stay)"""
     local_dir: Annotated[str | None, tyro.conf.arg(aliases=("--local-checkpoint-dir",))] = None
@@ -68,6 +84,8 @@ class CheckpointConfig:
             raise ConfigError(f"--checkpoint-keep {self.keep} must be at least 1")
         if self.mtbf_hours_per_device <= 0:
             raise ConfigError(f"--mtbf-hours-per-device {self.mtbf_hours_per_device} must be > 0")
+        if self.auto_cap_minutes <= 0:
+            raise ConfigError(f"--checkpoint-cap-minutes {self.auto_cap_minutes} must be > 0")
 
 
 def daly_interval_s(cost_s: float, mtbf_s: float) -> float:
@@ -79,7 +97,12 @@ def daly_interval_s(cost_s: float, mtbf_s: float) -> float:
 
 
 class Interval:
-    """Decides, step by step, whether to save; refines itself from each measured save."""
+    """Decides, step by step, whether to save; refines itself from each measured save.
+
+    Auto passes through two phases: before any save cost is known, `steps` is the first save's
+    wait, min(cap, MTBF) in steps at the measured step time (None until a step is timed: no
+    save is due); once one is known, it is the interval `interval_s` chooses. `choose` sets
+    both."""
 
     def __init__(self, config: CheckpointConfig, num_devices: int, tier: str = "persistent"):
         """tier "local": the node-local tier (every failure but a lost node is restored from
@@ -91,8 +114,10 @@ class Interval:
         self.mtbf_s = config.mtbf_hours_per_device * 3600 / num_devices
         if not local and config.local_dir is not None:
             self.mtbf_s /= config.local_loss_share
+        self.cap_s = config.auto_cap_minutes * 60
         self.blocked_s: list[float] = []
         self.steps = self.fixed
+        self.priced = False  # auto: `steps` comes from a measured save cost
         self.last_saved: int | None = None
 
     def resume(self, step: int, records: list[dict], tier: str) -> None:
@@ -106,9 +131,16 @@ class Interval:
         ]
         self.blocked_s = logged[-16:]
 
+    def pending(self) -> bool:
+        """Auto, and `choose` has more to say: no interval yet, or one from before a save cost
+        was known while one now is (a resumed attempt's logged costs)."""
+        return self.fixed is None and (
+            self.steps is None or (bool(self.blocked_s) and not self.priced)
+        )
+
     def due(self, step: int) -> bool:
-        if self.steps is None:  # auto, no save cost known yet: save once to learn it
-            return self.last_saved is None or not self.blocked_s
+        if self.steps is None:  # auto before any step is timed: nothing to price a save by
+            return False
         return step - (self.last_saved if self.last_saved is not None else -1) >= self.steps
 
     def observe(self, step: int, blocked_s: float, step_time_s: float | None) -> dict | None:
@@ -117,24 +149,39 @@ class Interval:
         self.blocked_s.append(blocked_s)
         return self.choose(step_time_s)
 
+    def interval_s(self, cost_s: float) -> tuple[float, float]:
+        """(the interval chosen, Young-Daly's) in seconds for a save that blocks `cost_s`:
+        min(tau, max(cap, cost / CAP_OVERHEAD)). tau minimises overhead plus work lost to
+        failures at the MTBF; the cap shortens it, paying overhead for restartability against
+        what the MTBF does not count, but only down to where that overhead reaches 1%."""
+        tau = daly_interval_s(cost_s, self.mtbf_s)
+        return min(tau, max(self.cap_s, cost_s / CAP_OVERHEAD)), tau
+
     def choose(self, step_time_s: float | None) -> dict | None:
-        """For auto: the interval from the save costs measured and the step time, once both
-        are known (the first save, at the first step, comes before any step time is: Tiers
-        asks again each step until it is); its inputs, to log."""
-        if self.fixed is not None or not step_time_s or not self.blocked_s:
+        """For auto, once a step time is known: the interval in steps, and, once a save cost
+        is known too, its inputs, to log (None before: a cap's worth of steps is not a choice
+        of Young-Daly's and has nothing measured to report)."""
+        if self.fixed is not None or not step_time_s:
+            return None
+        if not self.blocked_s:
+            _, step_time_s = _agreed(0.0, step_time_s)
+            first_s = min(self.cap_s, self.mtbf_s)  # the longest any cost could make tau
+            self.steps = max(1, math.ceil(first_s / step_time_s))
             return None
         # The first save also pays one-off setup (threads, directories): use the later ones.
         cost = statistics.median(self.blocked_s[1:] or self.blocked_s)
         cost, step_time_s = _agreed(cost, step_time_s)
-        tau = daly_interval_s(cost, self.mtbf_s)
-        self.steps = max(1, round(tau / step_time_s))
+        chosen, tau = self.interval_s(cost)
+        self.steps, self.priced = max(1, round(chosen / step_time_s)), True
         return {
             "interval_steps": self.steps,
-            "interval_s": tau,
+            "interval_s": chosen,
+            "young_daly_s": tau,
+            "cap_s": self.cap_s,
             "save_blocked_s": cost,
             "mtbf_system_s": self.mtbf_s,
             "step_time_s": step_time_s,
-            "expected_overhead": cost / (tau + cost),
+            "expected_overhead": cost / (chosen + cost),
         }
 
 

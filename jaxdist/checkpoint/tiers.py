@@ -7,6 +7,7 @@ and decides after each step which of them is due: the loop makes one call, `save
 torchtitan's checkpointer does (`save(curr_step, last_step)`).
 """
 
+import concurrent.futures
 import hashlib
 import pathlib
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -17,7 +18,7 @@ from rich.console import Console
 from jaxdist.checkpoint.interval import CheckpointConfig, Interval
 from jaxdist.checkpoint.local import LocalTier
 from jaxdist.checkpoint.resume import rerun_hint
-from jaxdist.checkpoint.store import Checkpointer
+from jaxdist.checkpoint.store import Checkpointer, compile_fingerprint
 from jaxdist.cluster.faults import Faults
 from jaxdist.metrics.goodput import Ledger
 from jaxdist.metrics.records import MetricsLog
@@ -95,6 +96,8 @@ class Tiers:
         if local is not None:
             self._local = _Scheduled("local", local, Interval(config, n, tier="local"))
         self.saves: list[float] = []  # the persistent tier's blocked seconds, for summary.json
+        self._shown: dict[str, float] = {}  # per tier, the interval last printed (seconds)
+        self._compiling = None  # the fingerprint's compile, beside the loop (`prepare`)
 
     @property
     def shapes(self) -> dict[str, list[int]]:
@@ -107,6 +110,11 @@ class Tiers:
         steps are timed."""
         for tier in self._scheduled():
             tier.interval.resume(step, past, tier.name)
+
+    def prepare(self, abstract_state) -> None:
+        """Starts compiling what the first save would otherwise compile while the loop waits
+        (the state's fingerprint), in a thread beside the first steps."""
+        self._compiling = compile_fingerprint(abstract_state)
 
     def save_if_due(self, step: int, state, *, last: bool, stopping: bool) -> float:
         """Saves after `step` to the tier that is due, if one is; the seconds the loop was
@@ -127,6 +135,8 @@ class Tiers:
 
     def close(self) -> None:
         """Commits the last saves (the attempt's end)."""
+        if self._compiling is not None:  # no thread left compiling as the process ends
+            concurrent.futures.wait([self._compiling])
         with self.ledger.part("checkpoint"):
             close_stores(self.checkpointer, self.local)
 
@@ -134,10 +144,11 @@ class Tiers:
         return [self._persistent] + ([self._local] if self._local is not None else [])
 
     def _due(self, tier: _Scheduled, step: int) -> bool:
-        """Whether tier's save is due after step; an auto interval not yet chosen (the first
-        save came before any step time) is chosen as soon as the step time is known."""
+        """Whether tier's save is due after step. An auto interval is chosen as soon as a step
+        time is known (before any save cost is, as the first save's wait: no save is made at
+        step 0 only to learn its cost), and again once a resumed attempt's logged cost is."""
         interval = tier.interval
-        if interval.steps is None and interval.last_saved is not None:
+        if interval.pending():
             self._log_interval(tier.name, step, interval.choose(self.timer.p50()))
         return interval.due(step)
 
@@ -155,12 +166,20 @@ class Tiers:
         return blocked
 
     def _log_interval(self, tier: str, step: int, chosen: dict | None) -> None:
-        if chosen and self.log:
-            self.log.write({"event": "checkpoint_interval", "tier": tier, "step": step, **chosen})
-            self.console.print(
-                f"{tier} checkpoint interval (Young-Daly): every {chosen['interval_steps']} "
-                f"steps = {chosen['interval_s']:.1f} s, from save cost "
-                f"{chosen['save_blocked_s'] * 1e3:.0f} ms and MTBF "
-                f"{chosen['mtbf_system_s'] / 3600:.1f} h",
-                highlight=False,
-            )
+        """Logs every interval chosen; prints the first, and then only one more than 2x off the
+        last printed (the interval is chosen again after every save)."""
+        if not chosen or not self.log:
+            return
+        self.log.write({"event": "checkpoint_interval", "tier": tier, "step": step, **chosen})
+        shown = self._shown.get(tier)
+        if shown is not None and 0.5 <= chosen["interval_s"] / shown <= 2:
+            return
+        self._shown[tier] = chosen["interval_s"]
+        tau = chosen["young_daly_s"]
+        why = "Young-Daly" if chosen["interval_s"] >= tau else f"capped; Young-Daly {tau:.0f} s"
+        self.console.print(
+            f"{tier} checkpoint interval ({why}): every {chosen['interval_steps']} steps = "
+            f"{chosen['interval_s']:.1f} s, from save cost {chosen['save_blocked_s'] * 1e3:.0f} "
+            f"ms and MTBF {chosen['mtbf_system_s'] / 3600:.1f} h",
+            highlight=False,
+        )
