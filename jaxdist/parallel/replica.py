@@ -12,8 +12,9 @@ computation (H inner steps each group spends on its own, slightly worse, gradien
   per device: what data parallelism holds, 12 bytes a parameter with Adam);
 - float32 / bfloat16 sync: the outer weights and Nesterov momentum split over `replica` too
   (each device 1/M of them: (12 + 8/M) / 12 of data parallelism's state). The outer step is a
-  reduce of the groups' weights onto their owner (`_up`: an all-to-all of the weights in the
-  sync type, summed in float32), the update on the owner, an all-gather back (`_down`);
+  reduce of the groups' weights onto their owner (`exchange.up`: an all-to-all of the weights
+  in the sync type, summed in float32), the update on the owner, an all-gather back
+  (`exchange.down`; jaxdist.parallel.exchange: how the weights travel);
 - 8-bit sync: the change since the last outer step is what travels, and forming it needs the
   outer weights where each group trains: every group keeps them (4 bytes a parameter), the
   momentum stays split. Up: the change in 8 bits with a float32 scale per row; down: the
@@ -37,10 +38,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.config import Layout, SyncConfig
 from jaxdist.errors import ConfigError
+from jaxdist.parallel.exchange import AXIS, EIGHT_BIT, down, group_spec, pinned, up
 from jaxdist.rules import activation_rules, as_tuple, logical_axes, variables, ways
-
-AXIS = "replica"
-_EIGHT_BIT = {"int8": (jnp.int8, 127.0), "float8": (jnp.float8_e4m3fn, 448.0)}
 
 
 class OuterState(NamedTuple):
@@ -64,7 +63,7 @@ class Action(NamedTuple):
 
 def anchored(sync: SyncConfig) -> bool:
     """Whether every group keeps the outer weights (the 8-bit types send changes)."""
-    return sync.sync_dtype in _EIGHT_BIT
+    return sync.sync_dtype in EIGHT_BIT
 
 
 def action(sync: SyncConfig, step: int) -> Action | None:
@@ -140,11 +139,6 @@ def recorded(record: dict, mesh_shape, run_dir) -> SyncConfig | None:
 
 
 # --- Layouts ---------------------------------------------------------------------------------
-
-
-def group_spec(spec: PartitionSpec) -> PartitionSpec:
-    """A group-stacked leaf [M, ...]: one group's per device row of `replica`."""
-    return PartitionSpec(AXIS, *spec)
 
 
 def owner_spec(
@@ -225,67 +219,6 @@ def _put(x, new, dim: int | None, F: int, f: int, lead: int):
     split = x.reshape(*x.shape[:d], x.shape[d] // F, F, *x.shape[d + 1 :])
     index = (slice(None),) * (d + 1) + (f,)
     return split.at[index].set(new).reshape(x.shape)
-
-
-# --- The exchange --------------------------------------------------------------------------------
-
-
-def _quantized(x, dtype: str):
-    """x as it travels: in the sync type (its bits as unsigned integers, so that XLA, allowed
-    excess precision, cannot fold the cast and its inverse away and send float32), with a
-    float32 scale per row (last dim) for the 8-bit types."""
-    if dtype == "float32":
-        return x.astype(jnp.float32), None
-    if dtype == "bfloat16":
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16), None
-    kind, top = _EIGHT_BIT[dtype]
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32)
-    scale = jnp.where(amax > 0, amax / top, 1.0)
-    q = x / scale
-    q = jnp.clip(jnp.round(q), -top, top) if dtype == "int8" else q
-    return jax.lax.bitcast_convert_type(q.astype(kind), jnp.uint8), scale
-
-
-def _dequantized(q, scale, dtype: str):
-    if dtype == "bfloat16":
-        q = jax.lax.bitcast_convert_type(q, jnp.bfloat16)
-    elif dtype in _EIGHT_BIT:
-        q = jax.lax.bitcast_convert_type(q, _EIGHT_BIT[dtype][0])
-    return q.astype(jnp.float32) if scale is None else q.astype(jnp.float32) * scale
-
-
-def _pinned(x, mesh: Mesh, spec: PartitionSpec):
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
-def _moved(x, mesh: Mesh, here: PartitionSpec, there: PartitionSpec):
-    """x laid out `here`, then `there`: pinned at both ends, the move is made in x's own type
-    (one constraint alone lets the partitioner move the float32 value it was cast from)."""
-    if x is None:
-        return None
-    return _pinned(_pinned(x, mesh, here), mesh, there)
-
-
-def _rows(spec: PartitionSpec) -> PartitionSpec:
-    """The spec of a per-row scale (last dim 1): the tensor's, its last dim whole."""
-    return PartitionSpec(*spec[:-1], None) if len(spec) else spec
-
-
-def _up(x_M, leaf: "Leaf", dtype: str, mesh: Mesh):
-    """The mean over groups of x_M [M, ...], on its owners: each group's piece sent in the
-    sync type to the device that owns it (an all-to-all over `replica`), summed in float32."""
-    q, scale = _quantized(x_M, dtype)
-    here, there = group_spec(leaf.spec), PartitionSpec(None, *leaf.owner)
-    q, scale = _moved(q, mesh, here, there), _moved(scale, mesh, _rows(here), _rows(there))
-    return jnp.mean(_dequantized(q, scale, dtype), axis=0)
-
-
-def _down(x, leaf: "Leaf", dtype: str, mesh: Mesh):
-    """The owners' x, in the sync type, to every group (an all-gather over `replica`)."""
-    q, scale = _quantized(x, dtype)
-    q = _moved(q, mesh, leaf.owner, leaf.spec)
-    scale = _moved(scale, mesh, _rows(leaf.owner), _rows(leaf.spec))
-    return _dequantized(q, scale, dtype)
 
 
 def _fetched(x, spec: PartitionSpec, sync: SyncConfig, mesh: Mesh):
@@ -371,11 +304,13 @@ def _send_leaf(f: int, sync: SyncConfig, mesh: Mesh, theta_M, outer, mom, leaf: 
     )
     own, m = _take(outer, leaf.dim, F, f, 0), _take(mom, leaf.dim, F, f, 0)
     if anchored(sync):  # each group's change from its copy of the outer weights, in 8 bits
-        step, m = _nesterov(_up(own[None] - theta_M, leaf, dtype, mesh), m, sync)
-        own = own - _down(step, leaf, dtype, mesh)  # every copy takes the same update
+        step, m = _nesterov(up(own[None] - theta_M, leaf.spec, leaf.owner, dtype, mesh), m, sync)
+        own = own - down(
+            step, leaf.spec, leaf.owner, dtype, mesh
+        )  # every copy takes the same update
     else:  # the groups' weights, meeting on their owners
-        mean = _up(theta_M, leaf, dtype, mesh)
-        step, m = _nesterov(_pinned(own, mesh, leaf.owner) - mean, m, sync)
+        mean = up(theta_M, leaf.spec, leaf.owner, dtype, mesh)
+        step, m = _nesterov(pinned(own, mesh, leaf.owner) - mean, m, sync)
         own = own - step
     return _put(outer, own, leaf.dim, F, f, 0), _put(mom, m, leaf.dim, F, f, 0)
 
@@ -400,9 +335,9 @@ def _apply_leaf(f: int, sync: SyncConfig, mesh: Mesh, mix: float, theta_M, outer
     outer = _fetched(outer, leaf.spec if anchored(sync) else leaf.owner, sync, mesh)
     own = _take(outer, leaf.dim, F, f, 0)
     if not anchored(sync):  # the owners' pieces, gathered in the sync type
-        own = _down(own, leaf, sync.sync_dtype, mesh)
+        own = down(own, leaf.spec, leaf.owner, sync.sync_dtype, mesh)
     new_M = jnp.broadcast_to(own[None], (theta_M.shape[0], *own.shape))
-    new_M = _pinned(new_M, mesh, group_spec(leaf.spec))  # each group's copy is its own
+    new_M = pinned(new_M, mesh, group_spec(leaf.spec))  # each group's copy is its own
     if mix < 1:
         new_M = mix * new_M + (1 - mix) * _take(theta_M, leaf.dim, F, f, 1)
     return _put(theta_M, new_M.astype(theta_M.dtype), leaf.dim, F, f, 1)
