@@ -28,7 +28,7 @@ from jaxdist.optim import OptimConfig, make_optimizer, muon_dims, muon_labels, s
 from jaxdist.planning import hlo, traffic
 from jaxdist.rules import is_variable
 from jaxdist.step import build
-from meshes.presets import STANDARD_RULES
+from meshes.presets import STANDARD_RULES, get_mesh_preset
 from models.inventory import plan_model
 from models.presets import get_model_config
 from models.transformer import Transformer
@@ -158,6 +158,21 @@ def _compiled(optimizer: str, mesh_text: str, layers: int):
     tx, lr = make_optimizer(OptimConfig(optimizer=optimizer, warmup_steps=2), STEPS)
     layout = Layout.on(mesh, STANDARD_RULES, StepConfig(), batch_size=16, seq_len=mc.seq_len)
     return mc, build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["gpu8", "gpu8-tp"])
+def test_the_other_eight_device_presets_equal_one_device(preset):
+    # cpu8 is the default layout above; gpu8 (fsdp=8, also v5p-16's) and gpu8-tp (fsdp=4 x
+    # tensor=2) split the matrix dims over all 8 devices: with 8 layers each device owns one
+    # layer's matrices. gpu2x8 and v5p-128 need 16 and 64 devices, more than the tests have.
+    layout = ",".join(f"{a}={n}" for a, n in get_mesh_preset(preset).mesh.ici)
+    _assert_same_run(_run(layout, layers=8), _single(8), 1e-5)
+
+
+@functools.cache
+def _single(layers: int):
+    return _run("single", layers=layers)
 
 
 def _step_traffic(optimizer: str, mesh_text: str, layers: int) -> dict[str, int]:
