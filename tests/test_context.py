@@ -77,19 +77,30 @@ def _assert_matches(got, reference):
 LAYOUTS = ("context=4,fsdp=2", "context=2,data=2,tensor=2", "pipeline=2,context=2,data=2")
 
 
-def _marks(i: int, j: int, packed: bool):
-    """The suite runs 9 of the 18 cases, every (layout, strategy), (layout, packed) and
-    (strategy, packed) pair once (packed where i + j is odd); the other 9 are a study
-    (-m experiment). The quick loop keeps one: ring (the most machinery) over packed documents."""
-    if (i, j, packed) == (0, 1, True):
+# The suite runs 4 of the 18 cases (compiling a layout's step is each case's cost): every
+# layout, every strategy, packed documents and plain rows each at least once, and the ring
+# both as permutes (context=4,fsdp=2) and as all-gathers inside pipeline stages
+# (context.carrier). All-gather over packed documents is checked against one device too, by
+# test_learned_positions_travel_with_the_tokens and, inside a pipeline, by
+# test_experts_beside_context_route_each_devices_own_tokens. The other 14 are a study
+# (-m experiment). The quick loop keeps one: ring (the most machinery) over packed documents.
+SUITE = {
+    ("context=2,data=2,tensor=2", "all-gather", False),
+    ("pipeline=2,context=2,data=2", "ulysses", True),
+    ("pipeline=2,context=2,data=2", "ring", False),
+}
+
+
+def _marks(layout: str, strategy: str, packed: bool):
+    if (layout, strategy, packed) == ("context=4,fsdp=2", "ring", True):
         return ()
-    return SLOW if packed == bool((i + j) % 2) else pytest.mark.experiment
+    return SLOW if (layout, strategy, packed) in SUITE else pytest.mark.experiment
 
 
 CASES = [
-    pytest.param(layout, strategy, packed, marks=_marks(i, j, packed))
-    for i, layout in enumerate(LAYOUTS)
-    for j, strategy in enumerate(context.STRATEGIES)
+    pytest.param(layout, strategy, packed, marks=_marks(layout, strategy, packed))
+    for layout in LAYOUTS
+    for strategy in context.STRATEGIES
     # plain rows (no document ids: zeros inside attention) and packed documents
     for packed in (True, False)
 ]
@@ -123,9 +134,16 @@ def test_experts_beside_context_route_each_devices_own_tokens():
     _assert_matches(piped, unsplit)
 
 
+# Both strategies the kernel runs under and both kinds of rows once each in the suite; Ulysses
+# over packed documents (its kernel gets the document ids as all-gather's does) is a study.
 @SLOW
 @pytest.mark.parametrize(
-    "strategy,packed", [("all-gather", True), ("ulysses", True), ("ulysses", False)]
+    "strategy,packed",
+    [
+        ("all-gather", True),
+        pytest.param("ulysses", True, marks=pytest.mark.experiment),
+        ("ulysses", False),
+    ],
 )
 def test_splash_attention_across_context_equals_xla_on_one_device(strategy, packed):
     # TPU's kernel (Pallas interpret mode here). All-gather: one kernel for the whole balanced
@@ -230,18 +248,24 @@ def test_ulysses_refuses_heads_that_do_not_divide():
         jitted.step_fn(state, tokens)
 
 
+# The suite prices 5 of the 8 (each compiles a layout's step): every layout, every strategy,
+# the ring's hops as all-gathers inside stages, experts beside context. Ring and Ulysses on
+# context=4,fsdp=2 are priced against the compiled step by
+# test_plan_prices_a_context_split_as_the_compiler_builds_it as well, and a pipeline's stage
+# weights moved over context by its Ulysses and ring cases, so those three are a study
+# (-m experiment).
 COMM = [
-    pytest.param(layout, strategy, model, marks=() if quick else SLOW)
-    for layout, strategy, model, quick in (
-        ("context=4,fsdp=2", "all-gather", "tiny-llama", True),
-        ("context=4,fsdp=2", "ring", "tiny-llama", False),
-        ("context=4,fsdp=2", "ulysses", "tiny-llama", False),
-        ("context=2,data=2,tensor=2", "all-gather", "tiny-llama", False),
-        ("pipeline=2,context=2,data=2", "all-gather", "tiny-llama", False),
-        ("pipeline=2,context=2,data=2", "ulysses", "tiny-llama", False),
+    pytest.param(layout, strategy, model, marks=marks)
+    for layout, strategy, model, marks in (
+        ("context=4,fsdp=2", "all-gather", "tiny-llama", ()),
+        ("context=4,fsdp=2", "ring", "tiny-llama", pytest.mark.experiment),
+        ("context=4,fsdp=2", "ulysses", "tiny-llama", pytest.mark.experiment),
+        ("context=2,data=2,tensor=2", "all-gather", "tiny-llama", SLOW),
+        ("pipeline=2,context=2,data=2", "all-gather", "tiny-llama", pytest.mark.experiment),
+        ("pipeline=2,context=2,data=2", "ulysses", "tiny-llama", SLOW),
         # on CPU inside stages the ring's hops are all-gathers (context.carrier)
-        ("pipeline=2,context=2,data=2", "ring", "tiny-llama", False),
-        ("context=2,expert=2,fsdp=2", "all-gather", "tiny-moe", False),
+        ("pipeline=2,context=2,data=2", "ring", "tiny-llama", SLOW),
+        ("context=2,expert=2,fsdp=2", "all-gather", "tiny-moe", SLOW),
     )
 ]
 

@@ -80,6 +80,15 @@ def _plan(args: tuple[str, ...], verify: int) -> tuple[str, ...]:
     return (*base, *args, "--verify", str(verify))
 
 
+def _preset(model: str, target: str, batch: int, mesh: str) -> tuple[str, ...]:
+    """A preset's compile, the one command both the module's start and its test name (two
+    spellings of it once compiled each preset twice). The presets' remat "dots", as the
+    torch.compile peer's memory was measured with it (--remat auto would keep everything where
+    it fits, and hold more)."""
+    args = ("--model", model, "--target", target, "--batch-size", str(batch), "--remat", "dots")
+    return _train(*args, "--mesh", mesh)
+
+
 TWO_HOSTS = _train("--model", "tiny", "--target", "h100:2x8", "--mesh", "data=2,fsdp=8")
 FP32 = _train("--model", "tiny", "--target", "h200:1", "--compute-dtype", "float32")
 
@@ -90,8 +99,7 @@ def _command(item) -> tuple[str, ...] | None:
     p = callspec.params if callspec else {}
     name = getattr(item, "originalname", item.name)
     if name == "test_preset_compiles_for_gpu_with_fused_attention_in_memory":
-        args = ("--model", p["model"], "--target", p["target"], "--batch-size", str(p["batch"]))
-        return _train(*args, "--mesh", p["mesh"])
+        return _preset(p["model"], p["target"], p["batch"], p["mesh"])
     if name == "test_planner_agrees_with_the_gpu_compiler":
         return _plan(p["args"], p["verify"])
     if name == "test_two_hosts_put_data_across_hosts_and_fsdp_inside":
@@ -162,10 +170,7 @@ CASES = [
 def test_preset_compiles_for_gpu_with_fused_attention_in_memory(
     compiles, model, target, batch, mesh
 ):
-    # The presets' remat "dots", as the torch.compile peer's memory was measured with it
-    # (--remat auto would keep everything where it fits, and hold more).
-    args = ("--model", model, "--target", target, "--batch-size", str(batch), "--remat", "dots")
-    r = _report(compiles, _train(*args, "--mesh", mesh))
+    r = _report(compiles, _preset(model, target, batch, mesh))
     assert r["platform"] == "gpu" and target[:4].upper() in r["device_kind"]
     k = r["kernels"]
     # cuDNN's fused attention, forward and backward; remat "dots" keeps its output, so the

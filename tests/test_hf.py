@@ -78,15 +78,24 @@ def logits_of(config, mesh, params, ids: np.ndarray, dense_moe: bool = True) -> 
     return np.asarray(forward(state, jnp.asarray(ids, jnp.int32)))
 
 
-LAYOUTS = [
-    pytest.param("data=8", marks=SLOW),
-    pytest.param("fsdp=8", marks=SLOW),
-    "data=2,fsdp=2,tensor=2",
-]
+# Every architecture on the mesh of every strategy at once (each case compiles its forward);
+# on one axis of 8 the suite keeps a dense and a mixture-of-experts model each: the weights
+# replicated (data=8: llama-gqa, mixtral) and sharded eight ways (fsdp=8: gpt2, qwen3-moe).
+# The other 16 are a study (-m experiment).
+ONE_AXIS = {"data=8": ("llama-gqa", "mixtral"), "fsdp=8": ("gpt2", "qwen3-moe")}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("name", MODELS)
+def _logit_cases():
+    cases = []
+    for name in MODELS:
+        for layout, suite in ONE_AXIS.items():
+            marks = SLOW if name in suite else pytest.mark.experiment
+            cases.append(pytest.param(name, layout, marks=marks))
+        cases.append(pytest.param(name, "data=2,fsdp=2,tensor=2"))
+    return cases
+
+
+@pytest.mark.parametrize("name, layout", _logit_cases())
 def test_imported_logits_equal_transformers(name, layout):
     ref = reference(name)
     model, mesh, params = load_on(name, layout)

@@ -29,10 +29,17 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def test_srun_two_tasks_train_like_one_process(cluster, tmp_path):
-    ref = tmp_path / "ref"
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """TRAIN's losses in one process of 8 devices, once for both runs it is the reference of
+    (the sbatch run's checkpoints every 2 steps change nothing a run computes)."""
+    ref = tmp_path_factory.mktemp("ref")
     r = cli(*TRAIN, "--devices", "cpu:8", "--run-dir", str(ref), timeout=300)
     assert r.returncode == 0, r.stderr
+    return losses(ref)
+
+
+def test_srun_two_tasks_train_like_one_process(cluster, reference, tmp_path):
     run_dir = tmp_path / "slurm"
     r = cluster.run(
         [
@@ -54,9 +61,9 @@ def test_srun_two_tasks_train_like_one_process(cluster, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["devices"]["processes"] == 2 and config["devices"]["count"] == 8
-    np.testing.assert_allclose(
-        list(losses(run_dir).values()), list(losses(ref).values()), rtol=1e-5
-    )
+    got = losses(run_dir)
+    assert list(got) == list(reference) == list(range(6))
+    np.testing.assert_allclose(list(got.values()), list(reference.values()), rtol=1e-5)
 
 
 def test_sbatch_accepts_the_rendered_script(cluster, tmp_path):
@@ -70,11 +77,8 @@ def test_sbatch_accepts_the_rendered_script(cluster, tmp_path):
     assert "to start at" in r.stderr
 
 
-def test_sbatch_restarts_a_killed_task_in_the_allocation(cluster, tmp_path):
+def test_sbatch_restarts_a_killed_task_in_the_allocation(cluster, reference, tmp_path):
     train = [*tiny_train(6, checkpoint_every=2), "--devices", "cpu:4"]
-    ref = tmp_path / "ref"
-    r = cli(*train[:-2], "--devices", "cpu:8", "--run-dir", str(ref), timeout=300)
-    assert r.returncode == 0, r.stderr
     rendered = cli(
         "slurm",
         "--nodes",
@@ -110,6 +114,6 @@ def test_sbatch_restarts_a_killed_task_in_the_allocation(cluster, tmp_path):
     assert f"jaxdist: attempt 1: {rec['cause']}; restart 1 of 2" in log
     config = json.loads((run_dir / "config.json").read_text())
     assert config["devices"]["processes"] == 2 and config["devices"]["count"] == 8
-    got, want = losses(run_dir), losses(ref)
-    assert list(got) == list(want) == list(range(6))
-    np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=1e-5)
+    got = losses(run_dir)
+    assert list(got) == list(reference) == list(range(6))
+    np.testing.assert_allclose(list(got.values()), list(reference.values()), rtol=1e-5)
