@@ -53,6 +53,15 @@ class StepConfig:
     """TPU: how the compiler streams an FSDP weight through its matmuls, each shard once round
     the ring or both ways (XLA's default: 2n + 1 shards of 1/n per use against n - 1, about
     twice a step's bytes); jaxdist.parallel.collective_matmul"""
+    fp8: Literal["off", "current", "delayed"] = "off"
+    """FP8 GEMMs for the attention and MLP projections (Hopper): operands in e4m3, gradients in
+    e5m2, one scale per tensor, from the tensor itself (current) or from an amax history
+    (delayed); off: the compute dtype"""
+    fp8_history: int = 16
+    """--fp8 delayed: steps of amax history a scale is taken from"""
+    fp8_filter: Literal["auto", "none"] = "auto"
+    """auto: projections too small to gain stay in the compute dtype
+    (jaxdist.kernels.fp8.worth_fp8); none: every projection in FP8"""
     fault_nan_steps: tuple[int, ...] = ()
     """fault injection, for testing recovery: make these steps' loss and gradients NaN"""
 
@@ -70,6 +79,8 @@ class StepConfig:
                 f"--context-strategy {self.context_strategy!r}: choose from {', '.join(STRATEGIES)}"
             )
         collective_matmul.check(self.collective_matmul)
+        if self.fp8_history < 1:
+            raise ConfigError(f"--fp8-history {self.fp8_history} must be at least 1")
         if self.virtual_stages > 1 and self.pipeline_schedule != "interleaved":
             raise ConfigError(
                 f"--virtual-stages {self.virtual_stages} applies to the interleaved schedule; "
