@@ -9,6 +9,8 @@ refused in one line."""
 import functools
 import json
 import math
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -169,6 +171,28 @@ def test_the_other_eight_device_presets_equal_one_device(preset):
     # layer's matrices. gpu2x8 and v5p-128 need 16 and 64 devices, more than the tests have.
     layout = ",".join(f"{a}={n}" for a, n in get_mesh_preset(preset).mesh.ici)
     _assert_same_run(_run(layout, layers=8), _single(8), 1e-5)
+
+
+_LARGER = """
+import jaxdist
+jaxdist.setup_devices("cpu:{n}")
+from tests import test_muon as t
+t._assert_same_run(t._run("{layout}", layers=8), t._run("single", layers=8), 1e-5)
+print("equal")
+"""
+
+
+@pytest.mark.experiment  # minutes on two cores: 16 and 64 fake devices in a process of their own
+@pytest.mark.parametrize("preset", ["gpu2x8", "v5p-128"])
+def test_the_larger_presets_equal_one_device(preset):
+    # More devices than the suite's 8: a process of its own with as many fake CPU devices.
+    mesh = get_mesh_preset(preset).mesh
+    axes = (*mesh.dcn, *mesh.ici)
+    layout = ",".join(f"{a}={n}" for a, n in axes)
+    n = math.prod(size for _, size in axes)
+    code = _LARGER.format(n=n, layout=layout)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and "equal" in result.stdout, result.stderr[-3000:]
 
 
 @functools.cache
