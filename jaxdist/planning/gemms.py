@@ -1,0 +1,219 @@
+"""A census of a compiled program's GEMMs by the element types they read: whether the FP8
+projections really multiply FP8 operands, or fell back to 16 bits.
+
+Only the optimized program can say it. Quantize-dequantize patterns (an f8 cast and back
+around a bf16 dot) are XLA's to rewrite into an f8 GEMM or not, and it does so silently either
+way (jax#22313, xla#17887). Each GEMM counts once in the program's text: a layer scan's body
+once, however many layers it runs (as MaxText's check counts them: 21 for Llama-2-7B's seven
+projections x forward, data-gradient and weight-gradient GEMMs).
+
+What XLA 0.11.2's GPU compiler (jax-cuda13-plugin, compiled for the H100 target config from a
+CPU host) emits, for `flax.linen.fp8_ops.fp8_scaled_dot_general` forward and backward on bf16
+[1024, 2048] x [2048, 4096] (and jaxdist's model steps):
+- with Triton GEMMs on (XLA's default, and jaxdist's: planning.gpu sets only the tiling cost
+  model): every GEMM is a `fusion(...), kind=kCustom` whose backend_config names
+  `"kind":"__triton_nested_gemm_fusion"`; the fused computation holds the `dot`, and its
+  operands are that computation's parameters (or nested fusions): f8e4m3fn x f8e4m3fn for the
+  forward GEMM, f8e5m2 x f8e4m3fn (data gradient) and f8e4m3fn x f8e5m2 (weight gradient), the
+  scales passed in as scalar parameters and applied in the GEMM's epilogue;
+- with `--xla_gpu_enable_triton_gemm=false`: `custom-call`s to `__cublas$lt$matmul$f8` with
+  the same operand types (bf16 GEMMs: `__cublas$lt$matmul`); MaxText counts these;
+- the quantize-dequantize pattern (flax's Fp8DotGeneralOp: `in_qdq` around a bf16 dot) becomes
+  `__cublas$lt$matmul$f8` with Triton GEMMs off, but stays three bf16 Triton GEMMs with them on:
+  the fallback that only counting operand types catches;
+- Triton fusions of kind `"__triton"` are element-wise or reduction kernels, without a dot;
+  cuDNN's fused attention is one `__cudnn$fmha*` custom call forward and one backward, each
+  counted here as one GEMM kernel of its operands' type.
+
+A GEMM's precision is its widest operand's: an f8 x bf16 dot runs as a 16-bit one.
+"""
+
+import dataclasses
+import re
+
+_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
+_NAME = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
+_OP = re.compile(r"\s*([\w\-]+)\(")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_BACKEND_KIND = re.compile(r'"kind":"([^"]+)"')
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
+_EINSUM = re.compile(r"([a-z]+(?:,[a-z]+)*->[a-z]*)")
+# Dots as the compiler leaves them: TPU programs write matmuls as convolutions; MoE's grouped
+# matmul is a ragged dot.
+_DOT_OPS = ("dot", "convolution", "ragged-dot")
+# Bits per element of each precision class: a GEMM runs at its widest operand's.
+_BITS = {"f8": 8, "int8": 8, "bf16": 16, "f16": 16, "f32": 32, "f64": 64}
+# Path segments of an op_name that JAX adds (transformations, control flow), not the model.
+_JAX_SEGMENTS = {"while", "body", "cond", "eval_jaxpr", "checkpoint", "remat", "closed_call"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One GEMM kernel of the program: how it runs (`kind`: cublas, triton, cudnn, or a plain
+    dot the compiler left), its operands' element types, and what made it (`label`: the
+    einsum or op of its metadata; `backward`: made by differentiation)."""
+
+    name: str
+    kind: str
+    operands: tuple[str, ...]
+    label: str
+    backward: bool
+
+    @property
+    def precision(self) -> str:
+        """f8, int8, bf16, f16, f32 or f64: the widest operand's class ("?" where unknown)."""
+        classes = [precision_of(t) for t in self.operands]
+        known = [c for c in classes if c in _BITS]
+        if not known or len(known) < len(classes):
+            return "?"
+        return max(known, key=lambda c: _BITS[c])
+
+
+def precision_of(dtype: str) -> str:
+    """An HLO element type's class: every FP8 format (e4m3, e5m2 and their variants) is f8."""
+    if dtype.startswith("f8"):
+        return "f8"
+    return {"s8": "int8", "u8": "int8"}.get(dtype, dtype)
+
+
+def _label(line: str) -> tuple[str, bool]:
+    """(what made an instruction, whether differentiation did): the einsum of its op_name
+    where it has one (models write projections as einsums), else the last segment that is the
+    model's (a named scope), else the primitive."""
+    m = _OP_NAME.search(line)
+    if not m:
+        return "", False
+    path = m.group(1)
+    backward = "transpose(" in path
+    spec = _EINSUM.findall(path)
+    if spec:
+        return spec[-1], backward
+    parts = path.split("/")
+    named = [p for p in parts[1:-1] if re.fullmatch(r"[\w.\-]+", p) and p not in _JAX_SEGMENTS]
+    return (named[-1] if named else parts[-1]), backward
+
+
+def _instruction(line: str) -> tuple[str, tuple[str, ...], str, int] | None:
+    """(name, element types of its result: one per tuple element, op, where its operand list
+    opens) of an HLO instruction line, or None."""
+    m = _NAME.match(line)
+    if not m:
+        return None
+    at = m.end()
+    if line.startswith("(", at):  # a tuple: up to its closing parenthesis
+        depth = 0
+        for end in range(at, len(line)):
+            depth += {"(": 1, ")": -1}.get(line[end], 0)
+            if depth == 0:
+                break
+        shape, at = line[m.end() : end + 1], end + 1
+    else:
+        space = line.find(" ", at)
+        shape, at = line[at:space], space
+    op = _OP.match(line, at)
+    if not op:
+        return None
+    # Tuple elements in order (/*index=5*/ comments carry no type); nested tuples flattened.
+    types = tuple(re.findall(r"(\w+)\[", shape))
+    return m.group(1), types, op.group(1), op.end() - 1
+
+
+def _operand_types(line: str, start: int, types: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The element types of an instruction's first two operands (a GEMM's matrices), read in
+    its computation: `%t#7` is element 7 of tuple `%t`; "?" where not found."""
+    operands = line[start : line.find(")", start) + 1]
+    out = []
+    for name, index in re.findall(r"%([\w.\-]+)(?:#(\d+))?", operands)[:2]:
+        elements = types.get(name, ())
+        i = int(index or 0)
+        out.append(elements[i] if i < len(elements) else "?")
+    return tuple(out)
+
+
+def _fusion_kind(line: str) -> str:
+    """The library a fusion's computation runs in, from its backend_config: triton for Triton
+    GEMMs (any Triton fusion's dot), cudnn for cuDNN GEMM fusions, "" otherwise."""
+    m = _BACKEND_KIND.search(line)
+    kind = m.group(1) if m else ""
+    if kind.startswith("__triton"):
+        return "triton"
+    if kind.startswith("__cudnn"):
+        return "cudnn"
+    return ""
+
+
+def gemms(hlo_text: str) -> list[Gemm]:
+    """Every GEMM kernel of an optimized HLO program (see the module's docstring)."""
+    types: dict[str, tuple[str, ...]] = {}  # this computation's instruction -> element types
+    caller_kind: dict[str, str] = {}  # fused computation -> the kind of the fusion calling it
+    found: list[tuple[Gemm, str]] = []  # each GEMM, and for a dot the computation it is in
+    computation = ""
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            computation, types = header.group(1), {}
+            continue
+        parsed = _instruction(line)
+        if not parsed:
+            continue
+        name, result, op, start = parsed
+        types[name] = result
+        target = _TARGET.search(line)
+        target = target.group(1) if target else ""
+        if op == "fusion":
+            called = _CALLS.search(line)
+            if called:
+                caller_kind[called.group(1)] = _fusion_kind(line)
+        elif op == "custom-call" and target.startswith(("__cublas", "__cudnn")):
+            label, backward = _label(line)
+            if target.startswith("__cudnn$fmha"):  # q, k and v (or their gradients) first
+                label, backward = "attention (cuDNN)", "Backward" in target
+            kind = "cublas" if target.startswith("__cublas") else "cudnn"
+            gemm = Gemm(name, kind, _operand_types(line, start, types), label, backward)
+            found.append((gemm, ""))
+        elif op in _DOT_OPS:
+            label, backward = _label(line)
+            gemm = Gemm(name, "dot", _operand_types(line, start, types), label, backward)
+            found.append((gemm, computation))
+    # A dot runs in the library of the fusion that calls its computation.
+    return [
+        dataclasses.replace(g, kind=caller_kind.get(where) or g.kind) if where else g
+        for g, where in found
+    ]
+
+
+def census(hlo_text: str) -> dict:
+    """The GEMMs counted by precision (`by_precision`: {"f8": 21, "bf16": 6}), by kind and
+    precision (`by_kind`), and the labels of those that read no FP8 (`not_f8`: label ->
+    count), e.g. the head's and attention's where the projections run in FP8."""
+    by_precision: dict[str, int] = {}
+    by_kind: dict[str, dict[str, int]] = {}
+    not_f8: dict[str, int] = {}
+    for g in gemms(hlo_text):
+        p = g.precision
+        by_precision[p] = by_precision.get(p, 0) + 1
+        kind = by_kind.setdefault(g.kind, {})
+        kind[p] = kind.get(p, 0) + 1
+        if p != "f8":
+            not_f8[g.label] = not_f8.get(g.label, 0) + 1
+    order = sorted(by_precision, key=lambda p: _BITS.get(p, 99))
+    return {
+        "by_precision": {p: by_precision[p] for p in order},
+        "by_kind": by_kind,
+        "not_f8": not_f8,
+    }
+
+
+def summary(counts: dict, labels: int = 4) -> str:
+    """One line: "GEMMs: 21 f8, 7 bf16 (sbtd,dv->sbtv, attention (cuDNN), ...)"; the labels of
+    the GEMMs that read no FP8 only where some do (what stayed 16-bit beside them)."""
+    by = counts["by_precision"]
+    if not by:
+        return "GEMMs: none"
+    line = "GEMMs: " + ", ".join(f"{n} {p}" for p, n in by.items())
+    if by.get("f8") and counts["not_f8"]:
+        names = list(counts["not_f8"])
+        shown = ", ".join(names[:labels]) + (", ..." if len(names) > labels else "")
+        line += f" (not f8: {shown})"
+    return line
