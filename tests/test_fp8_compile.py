@@ -123,3 +123,28 @@ def test_census_reads_each_kind_of_gemm_by_its_operands():
     assert gemms.summary(counts, labels=2) == (
         "GEMMs: 2 f8, 3 bf16, 1 f32 (not f8: sbtd,dv->sbtv, router, ...)"
     )
+
+
+def test_compile_report_shows_the_census_under_its_memory():
+    from rich.console import Console
+
+    from jaxdist.cli.compile_report import print_report
+
+    gib = 2**30
+    report = {
+        "model": "tiny",
+        "device_kind": "NVIDIA H100 80GB HBM3",
+        "mesh": {"fsdp": 8},
+        "batch_size": 16,
+        "seq_len": 128,
+        "remat": "none",
+        "per_device_bytes": {"peak_estimate": gib},
+        "predicted_peak_bytes": gib,
+        "collectives": [],
+        "gemms": gemms.census(PROGRAM),
+    }
+    console = Console(width=100, record=True)
+    print_report(report, console)
+    text = console.export_text()
+    assert "GEMMs: 2 f8, 3 bf16, 1 f32 (not f8: sbtd,dv->sbtv, router" in text
+    assert text.index("compiled peak") < text.index("GEMMs:") < text.index("collectives")

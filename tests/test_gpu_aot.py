@@ -187,6 +187,12 @@ def test_preset_compiles_for_gpu_with_fused_attention_in_memory(
     wide = [op for op in k["dots_not_16bit_ops"] if "btd,de->bte" not in op]
     assert wide == [], wide
     assert (k["dots_not_16bit"] > 0) == model.startswith("moe")
+    # The GEMM census agrees: no FP8 (--fp8 off), bf16 but the router, cuDNN's attention
+    # counted once per call.
+    g = r["gemms"]
+    assert set(g["by_precision"]) == ({"bf16", "f32"} if model.startswith("moe") else {"bf16"})
+    fused = a["cudnn_fused_forward"] + a["cudnn_fused_backward"]
+    assert g["by_kind"]["cudnn"] == {"bf16": fused}
     assert k["host_transfers"] == 0
     # XLA's GPU target config's memory (84.9 GB on an H100), 90% of it a program's budget.
     budget = 0.9 * r["device_memory_bytes"]
@@ -214,6 +220,7 @@ def test_report_flags_fp32_matmuls_and_unfused_attention(compiles):
     r = _report(compiles, FP32)
     assert r["attention_kernel"].startswith("xla")
     assert r["kernels"]["dots_not_16bit"] > 0
+    assert r["gemms"]["by_precision"]["f32"] > 0
     text = " ".join(r["warnings"])
     assert "attention is not fused" in text and "32-bit operands" in text
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from jaxdist.cli.remat_auto import device_memory, order, target_hardware
 from jaxdist.errors import ConfigError
-from jaxdist.planning import aot, fit
+from jaxdist.planning import aot, fit, gemms
 
 
 def compile_only(args, model_cfg, mesh, layout, vocab: tuple[int, int | None]) -> int:
@@ -90,8 +90,8 @@ def _report(args, model_cfg, mesh, layout, vocab, memory) -> dict:
 
 
 def print_report(report: dict, console: Console) -> None:
-    """The short table: memory per device (compiled, predicted, the device's) and the
-    collectives per mesh axis."""
+    """The short table: memory per device (compiled, predicted, the device's) with the GEMMs
+    by the types they read, and the collectives per mesh axis."""
     gib = 2**30
     mem = report["per_device_bytes"]
     title = (
@@ -113,6 +113,8 @@ def print_report(report: dict, console: Console) -> None:
         table.add_row("a program may hold on the device", f"{report['usable_gib']:.2f}")
         verdict = "fits" if report["fits"] else "DOES NOT FIT"
         table.add_row("verdict", verdict)
+    if "gemms" in report:  # what the step's GEMMs read, beside its memory
+        table.caption, table.caption_justify = gemms.summary(report["gemms"]), "left"
     console.print(table)
     comm = Table(title="collectives per step", title_justify="left")
     for col in ("axis", "kind", "count", "GB"):

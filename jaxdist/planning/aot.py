@@ -31,7 +31,7 @@ from jaxdist.mesh import MeshConfig, build_mesh
 from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.parallel.pipeline import branch_share
-from jaxdist.planning import fit, hlo, kernels
+from jaxdist.planning import fit, gemms, hlo, kernels
 from jaxdist.planning.memory import xla_peak
 from jaxdist.planning.traffic import schedule_of
 from jaxdist.step import JittedStep, build
@@ -63,7 +63,10 @@ def compile_only(jitted: JittedStep) -> dict:
     collectives = hlo.summarize(hlo.collectives(text, dict(mesh.shape), share))
     platform = mesh.devices.flat[0].platform
     seq_len = layout.seq_len
-    accelerator = {"kernels": kernels.analyze(text, seq_len)} if platform in ("gpu", "tpu") else {}
+    accelerator = {}
+    if platform in ("gpu", "tpu"):
+        # The GEMMs by the types they read: FP8 projections that fell back to 16 bits show.
+        accelerator = {"kernels": kernels.analyze(text, seq_len), "gemms": gemms.census(text)}
     hosts = np.vectorize(lambda d: d.process_index)(mesh.devices)
     if hosts.max() > 0:
         # Axes whose neighbours sit on other hosts: their collectives cross the network.
