@@ -1,6 +1,7 @@
 """The hardware table: one preset per device type, with everything jaxdist needs to know of it.
 
-Peak FLOP/s (for MFU and the planner's compute time), memory per device, and the alpha-beta
+Peak FLOP/s (for MFU and the planner's compute time; FP8's beside bf16's where the chip has
+FP8 units), memory per device, and the alpha-beta
 costs of its links (for the cost model), plus the device-kind strings JAX reports for it, so a
 running job finds its own preset. The figures, with their sources, are data: hardware.toml.
 """
@@ -54,6 +55,9 @@ class Hardware:
     # The passes frameworks make over element-wise tensors, as a multiple of the fused count
     # (jaxdist.planning.compute.ELEMENTWISE_PER_D): work that grows with d, not d^2.
     elementwise_passes: float = 1.0
+    # Per device, FP8 dense (e4m3/e5m2 operands, as --fp8 runs the projections); 0: the chip
+    # has no FP8 matmul units.
+    fp8_peak_flops: float = 0.0
     # A Google Cloud slice name (v5p-16) this preset was asked for by; "" otherwise.
     slice_name: str = ""
     # A cloud GPU machine type (a3-highgpu-8g) this preset was asked for by; "" otherwise.
@@ -91,6 +95,7 @@ def _load(table: dict[str, dict]) -> dict[str, Hardware]:
             matmul_half_width=row["matmul_half_width"],
             attention_efficiency=row["attention_efficiency"],
             elementwise_passes=row.get("elementwise_passes", 1.0),
+            fp8_peak_flops=row.get("fp8_peak_flops", 0.0),
             slow_link=row["slow_link"],
         )
         for name, row in table.items()

@@ -130,7 +130,8 @@ def print_plan(result: dict, console: Console, wide: bool = False) -> None:
     columns += ["comm", "-ovl"] if wide else ["comm*"]
     outer = any("sync" in r for _, r in rows)
     columns += (["outer"] if outer else []) + ["sync", "step", "MFU"]
-    columns += ["tok/s"] if wide else []
+    fp8 = any("fp8" in r for _, r in rows)
+    columns += (["tok/s"] if wide else []) + (["vs bf16"] if fp8 else [])
     for col in columns:
         text = col in ("layout", "remat")
         # Nothing is cut: a layout too long for its column folds onto a second line.
@@ -147,6 +148,7 @@ def print_plan(result: dict, console: Console, wide: bool = False) -> None:
             cells += [_ms(r["outer_exposed_s"]) if "sync" in r else "-"]
         cells += [_ms(r["sync_s"]), _ms(r["step_s"]), f"{r['mfu']:.0%}"]
         cells += [f"{r['tokens_per_s']:,.0f}"] if wide else []
+        cells += [f"{r['fp8']['speedup']:.2f}x"] if fp8 else []
         table.add_row(*cells)
     console.print(table)
     notes = ["mb: microbatches", "ms per step"]
@@ -154,6 +156,8 @@ def print_plan(result: dict, console: Console, wide: bool = False) -> None:
         notes.append("comm*: what compute does not hide (--wide: both apart)")
     if outer:
         notes.append(_outer_note(rows))
+    if fp8:
+        notes.append(_fp8_note(rows))
     if not all(r["fits"] for _, r in rows):
         notes.append("GB!: too big for the device")
     console.print("; ".join(notes), highlight=False)
@@ -169,6 +173,16 @@ def _outer_note(rows) -> str:
     return (
         f"outer: replica groups' exchange ({s['sync_dtype']}, {s['sync_fragments']} "
         f"fragment(s)) over the slow link every {s['sync_every']} steps, per step{hidden}"
+    )
+
+
+def _fp8_note(rows) -> str:
+    """What the FP8 column is, and how many projections run in FP8."""
+    f = rows[0][1]["fp8"]
+    return (
+        f"vs bf16: the same layout's predicted speedup with {f['projections']} of {f['of']} "
+        "projection kinds in FP8 (forward and both backward GEMMs; the casts priced), the "
+        "head and attention in the compute dtype"
     )
 
 

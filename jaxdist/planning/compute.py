@@ -17,6 +17,9 @@ reaches on it (hardware.toml, where each figure's source is written):
   the optimizer update): memory-bound, so priced as bytes moved at `hbm_bandwidth`, the passes
   a framework makes over each tensor (`elementwise_passes` times the fused count below).
 
+With --fp8, the projections planning.fp8 admits run their three GEMMs at the FP8 peak, on the
+same efficiency curve, and their operands' casts are priced as HBM traffic (fp8_cast_bytes).
+
 Rematerialization adds the forward FLOPs of what the policy recomputes: a share of each
 layer's weight matmuls (models/remat.py's RECOMPUTE: 0 for dots, the MLP's share for
 dots_except_mlp, 1 for full) and, where the policy reruns it, attention's forward. Published
@@ -57,6 +60,12 @@ class Matmul:
     embed: int
     other: int
     in_layers: bool  # rerun by the remat policy's share (the head is not)
+    # The forward GEMM reads `embed` and writes `other` (q, k, v, the MLP's up and gate; the
+    # head); False: it writes `embed` (attention's output, the MLP's down projection).
+    embed_in: bool = True
+    expert: bool = False
+    # Its GEMMs run on FP8 operands (planning.fp8 admits it): at the FP8 peak, plus the casts.
+    fp8: bool = False
 
     def width(self, tensor_ways: int) -> float:
         """The GEMM's narrow side on one device: the side that is not `embed` is split over
@@ -131,7 +140,8 @@ def work_of(model) -> Work:
         if "expert" in logical:
             experts = var.shape[logical.index("expert")]
             weights = weights / experts * model.top_k * model.expert_slots
-        matmuls.append(Matmul(weights, D, other, "layers" in logical))
+        expert = "expert" in logical
+        matmuls.append(Matmul(weights, D, other, "layers" in logical, names[0] == "embed", expert))
     if ("embed", "vocab") not in tables and ("vocab", "embed") in tables:  # a tied head
         matmuls.append(Matmul(D * vocab, D, vocab, False))
     return Work(
@@ -147,8 +157,45 @@ def work_of(model) -> Work:
     )
 
 
+def _passes(work: Work, m: Matmul) -> float:
+    """FLOPs per weight and token: forward and two backward GEMMs, and the remat policy's
+    rerun of the forward."""
+    return 6 + (2 * work.recompute_matmul if m.in_layers else 0)
+
+
 def matmul_efficiency(hw: Hardware, width: float) -> float:
     return hw.matmul_efficiency * width / (width + hw.matmul_half_width)
+
+
+# Bytes moved per element of a tensor cast to FP8: a pass reads it for its amax, a second reads it
+# again and writes one byte (the scale needs the amax first). Delayed scaling could fold the
+# amax into the cast's pass where XLA fuses them; priced alike.
+def _cast_bytes_per_element(compute_bytes: int) -> int:
+    return 2 * compute_bytes + 1
+
+
+def fp8_cast_bytes(
+    work: Work, tokens: float, tensor_ways: int, compute_bytes: int, weight_passes: float
+) -> float:
+    """HBM bytes one device moves casting its FP8 projections' operands, per step: each of a
+    projection's three tensors (input, weight, output gradient) is cast once and its FP8 copy
+    read by both GEMMs that take it (flax's direct FP8 op keeps the casts for the backward);
+    the FP8 outputs are rescaled in the GEMMs' epilogues, free. The `embed` side of a GEMM is
+    whole on every tensor-parallel device, the other side split. The forward's casts rerun
+    where the remat policy reruns the forward; a layer's weights are cast `weight_passes`
+    times a step (microbatches over pipeline stages)."""
+    total = 0.0
+    for m in work.matmuls:
+        if not m.fp8:
+            continue
+        layers = m.weights / (m.embed * m.other)
+        rerun = 1 + (work.recompute_matmul if m.in_layers else 0.0)
+        embed, other = m.embed, m.other / tensor_ways
+        x_width, g_width = (embed, other) if m.embed_in else (other, embed)
+        activations = tokens * layers * (rerun * x_width + g_width)
+        weights = layers * embed * other * weight_passes * rerun
+        total += activations + weights
+    return total * _cast_bytes_per_element(compute_bytes)
 
 
 def seconds(
@@ -159,22 +206,29 @@ def seconds(
     compute_bytes: int = 2,
     param_bytes: float = 0.0,
     override: float | None = None,
+    weight_passes: float = 1.0,
 ) -> dict[str, float]:
     """Seconds one device spends on `tokens` tokens of the step (its share of the batch, times
     the layers it runs: the caller divides by pipeline stages), by kind of work.
 
     `param_bytes`: this device's fp32 parameter shard (the optimizer update reads it);
     `override`: one flat share of peak for every FLOP, and no element-wise term (the planner's
-    `--compute-efficiency`)."""
+    `--compute-efficiency`); `weight_passes`: how often a step runs a layer's weights through
+    a device (FP8 casts them each time). Matmuls marked fp8 run at the FP8 peak, scaled as
+    bf16's; `fp8_cast` is their operands' casts, at HBM bandwidth."""
     mm_extra, att_extra = work.recompute_flops()
     if override is not None:
-        flops = (work.matmul_flops + work.attention_flops + mm_extra + att_extra) * tokens
-        t = flops / tensor_ways / (hw.peak_flops * override)
-        return {"matmul": t, "attention": 0.0, "elementwise": 0.0, "total": t}
+        # FP8 GEMMs' FLOPs at the same flat share of the FP8 peak.
+        fp8 = sum(_passes(work, m) * m.weights for m in work.matmuls if m.fp8)
+        flops = work.matmul_flops + work.attention_flops + mm_extra + att_extra - fp8
+        t = flops / hw.peak_flops + (fp8 / hw.fp8_peak_flops if fp8 else 0.0)
+        t *= tokens / tensor_ways / override
+        return {"matmul": t, "attention": 0.0, "elementwise": 0.0, "fp8_cast": 0.0, "total": t}
     matmul = 0.0
     for m in work.matmuls:
-        passes = 6 + (2 * work.recompute_matmul if m.in_layers else 0)
-        rate = hw.peak_flops * matmul_efficiency(hw, m.width(tensor_ways))
+        passes = _passes(work, m)
+        peak = hw.fp8_peak_flops if m.fp8 else hw.peak_flops
+        rate = peak * matmul_efficiency(hw, m.width(tensor_ways))
         matmul += passes * m.weights * tokens / tensor_ways / rate
     # Fused kernels skip the masked half; XLA's attention (CPU) computes every block.
     causal = 1.0 if hw.platform == "cpu" else 0.5
@@ -189,5 +243,15 @@ def seconds(
         elementwise = (moved * tokens + OPTIMIZER_BYTES_PER_PARAM_BYTE * param_bytes) / (
             hw.hbm_bandwidth
         )
-    total = matmul + attention + elementwise
-    return {"matmul": matmul, "attention": attention, "elementwise": elementwise, "total": total}
+    cast = 0.0
+    if any(m.fp8 for m in work.matmuls):
+        cast = fp8_cast_bytes(work, tokens, tensor_ways, compute_bytes, weight_passes)
+        cast /= hw.hbm_bandwidth
+    total = matmul + attention + elementwise + cast
+    return {
+        "matmul": matmul,
+        "attention": attention,
+        "elementwise": elementwise,
+        "fp8_cast": cast,
+        "total": total,
+    }

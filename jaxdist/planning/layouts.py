@@ -76,6 +76,8 @@ def why_not(layout: Layout, model: PlanModel, hw) -> str | None:
     cp = layout.seq_ways
     if cp > 1 and layout.seq_len % (2 * cp):
         return "sequence not a multiple of 2 x context (each device holds two equal chunks)"
+    if stages > 1 and layout.step.fp8 != "off":  # jaxdist.kernels.fp8.check refuses it
+        return "a pipeline axis with --fp8 (not runnable)"
     if stages > 1 and m < stages:
         return f"{m} microbatches fewer than {stages} stages"
     v = layout.virtual_stages

@@ -35,7 +35,7 @@ from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import Hardware, get_hardware, with_slow_link
 from jaxdist.mesh import MESH_AXES
-from jaxdist.planning import compute, costmodel, fit, layouts, memory, sync, traffic
+from jaxdist.planning import compute, costmodel, fit, fp8, layouts, memory, sync, traffic
 from jaxdist.planning.inputs import PlanConfig, PlanModel
 from jaxdist.rules import AxisRules, ways
 
@@ -94,23 +94,33 @@ def evaluate(
     mem: dict | None = None,
 ):
     """Predicted memory and step time of one layout, `model` at the layout's remat policy
-    (`mem`: its memory, where the caller priced it already)."""
+    (`mem`: its memory, where the caller priced it already); with --fp8, beside the same
+    layout's in the compute dtype (`fp8`: planning.fp8.comparison)."""
     mem = mem or memory.device_peak(model, layout, hw.platform)
+    row = _evaluate(layout, model, hw, efficiency, mem)
+    if layout.step.fp8 != "off":
+        bf16 = _evaluate(fp8.without(layout), model, hw, efficiency, mem)
+        row["fp8"] = fp8.comparison(fp8.admit(compute.work_of(model), layout, hw), row, bf16)
+    return row
+
+
+def _evaluate(layout: Layout, model: PlanModel, hw: Hardware, efficiency, mem: dict) -> dict:
     if sync.grouped(layout):  # one group's step, then the outer exchange beside it
-        inner = evaluate(sync.group_layout(layout), model, hw, efficiency, mem)
+        inner = _evaluate(sync.group_layout(layout), model, hw, efficiency, mem)
         return sync.with_outer(inner, model.abstract_params, layout, hw)
     issued: dict = {}
     expected = traffic.layout_bytes(model, layout, hw.platform, issued)
     tokens = layout.batch_size * layout.seq_len
     tensor = layout.mesh_shape.get("tensor", 1)
     priced = compute.seconds(
-        compute.work_of(model),
+        fp8.admit(compute.work_of(model), layout, hw),
         tokens * tensor / layout.devices,  # each device's tokens through every layer
         hw,
         tensor,
         model.compute_bytes,
         mem["params"],
         efficiency,
+        weight_passes=layout.microbatches / layout.stages,
     )
     compute_s = priced["total"]
     # The schedule's own idle share b of stage-ticks stretches the step by b / (1 - b):
