@@ -12,8 +12,12 @@ time no longer fits the budget is skipped and named in the file):
   5. five profiled steps of gpt2-124m (`train --profile` turns command buffers off), trimmed
      to a test fixture with its raw-kernel truth (tests/make_gpu_trace.py), and the parser's
      busy time per step beside the truth's; the raw trace comes back too, gzipped;
-  6. if time is left: remat auto (none), the plain-JAX peer, the Llama presets;
-  7. the deviceless compile's memory estimate (`train --compile-only --target h200:1`, run on
+  6. FP8 (issue 42): `jaxdist bench` of 1b with `--fp8 delayed` and `--fp8 current` beside
+     `--fp8 off` (part 2's run), tokens/s and peak memory over off's, beside the planner's
+     predicted speedup (`plan --fp8`, on the CPU); the deviceless compiles of both recipes
+     give their GEMM census (every projection's GEMMs on f8 operands) and peak estimates;
+  7. if time is left: remat auto (none), the plain-JAX peer, the Llama presets;
+  8. the deviceless compile's memory estimate (`train --compile-only --target h200:1`, run on
      four CPU cores in the background from the start) beside each measured peak.
 
 Prepare on the CPU host (the two folders are git-ignored and travel with the call's `carry`):
@@ -26,7 +30,9 @@ Prepare on the CPU host (the two folders are git-ignored and travel with the cal
       docstring-parser==0.18.0 typeguard==4.6.1 array-record==0.8.6 portpicker==1.6.0
     python experiments/h200.py --smoke --torch-python PYTHON_WITH_TORCH   # all parts, tiny, CPU
 
-The call (device tool: carry [".peers", ".whl"], timeout_s 600; about 8 minutes):
+The call (device tool: carry [".peers", ".whl"], timeout_s 600; about 8 minutes; the FP8
+part's two benches and plans, about 160 s by ESTIMATE_S, come before part 7, which the budget
+skips first):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
       --target .site .whl/*.whl && export PYTHONPATH=.site:. || exit; \\
@@ -60,9 +66,12 @@ class Plan:
     checkpoint: str
     profile: tuple  # (model, batch)
     extra_models: tuple  # (model, batch): jaxdist only, if time is left
+    fp8: tuple  # (model, batch): --fp8 delayed and current beside off
     remat: str = "dots"
     steps: int = 30
     bench_flags: tuple = ()
+    # With --fp8: the smoke run's tiny projections are below worth_fp8's bar, so it forces them.
+    fp8_flags: tuple = ()
     devices: str = "auto"
 
     @property
@@ -77,6 +86,7 @@ FULL = Plan(
     checkpoint="1b",
     profile=("gpt2-124m", 32),
     extra_models=(("llama-124m", 32), ("llama-1b", 8)),
+    fp8=("1b", 8),
 )
 # Every code path on one fake CPU device in a few minutes: the tiny presets, the peers on CPU.
 SMOKE = Plan(
@@ -85,14 +95,17 @@ SMOKE = Plan(
     checkpoint="tiny",
     profile=("tiny", 8),
     extra_models=(("tiny-llama", 8),),
+    fp8=("tiny", 8),
     steps=3,
     bench_flags=("--devices", "cpu:1", "--mesh", "data=1"),
+    fp8_flags=("--fp8-filter", "none"),
     devices="cpu:1",
 )
 # Seconds each part is expected to take on the H200 (compile included), for the budget: a
 # part starts only if its estimate fits what is left, and is stopped at twice its estimate
 # plus a minute, so that one hang cannot take the whole call.
-ESTIMATE_S = {"bench": 60, "torch": 90, "jax": 45, "checkpoint": 110, "profile": 75}
+ESTIMATE_S = {"bench": 60, "torch": 90, "jax": 45, "checkpoint": 110, "profile": 75, "plan": 20}
+FP8_RECIPES = ("delayed", "current")
 
 
 class Run:
@@ -139,20 +152,23 @@ def deviceless_thread(configs: list, results: dict, smoke: bool):
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, cpus[-4:] if len(cpus) > 8 else cpus)
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        for model, batch, remat in configs:
+        for model, batch, remat, *flags in configs:  # flags: --fp8's, where given
             cmd = [
                 sys.executable,
                 *("-m", "jaxdist.cli", "train", "--model", model, "--batch-size", str(batch)),
                 *("--remat", remat, "--compile-only", "--target", "h200:1", "--json", "-"),
                 *(("--compile-cache", "off") if smoke else ()),
+                *flags,
             ]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
             procs.append(proc)
             stdout, stderr = proc.communicate()
             lines = [x for x in stdout.decode().splitlines() if x.startswith("{")]
             rep = json.loads(lines[-1]) if lines else {"error": stderr.decode()[-2000:]}
-            keep = ("peak_gib", "per_device_bytes", "remat", "kernels", "compile_s", "error")
-            results[(model, batch, remat)] = {k: rep[k] for k in keep if k in rep}
+            keep = ("peak_gib", "per_device_bytes", "remat", "kernels", "gemms", "compile_s")
+            results[(model, batch, remat, *flags)] = {
+                k: rep[k] for k in (*keep, "error") if k in rep
+            }
 
     t = threading.Thread(target=work, daemon=True)
     t.start()
@@ -175,6 +191,32 @@ def compare(run: Run, plan: Plan, py_torch: str, py_jax: str, peers: str, models
     return rows
 
 
+def fp8(run: Run, plan: Plan, rows: list[dict]) -> dict:
+    """The FP8 part's model (1b) with --fp8 delayed and current, each in its own `jaxdist
+    bench` process as every bench here; off is part 2's run of the same model, batch and
+    remat (run again where it is missing). Tokens/s (the loop's and the synced) and peak
+    memory over off's, and the planner's predicted speedup beside them."""
+    model, batch = plan.fp8
+    same = (model, batch, plan.remat)
+    off = next((r["jaxdist"] for r in rows if (r["model"], r["batch"], r["remat"]) == same), None)
+    if not off or "error" in off:
+        cmd = vs.ours_cmd(model, batch, plan.steps, plan.remat, plan.bench_flags)
+        off = run.part(f"bench {model} {plan.remat}", "bench", vs.run_json, cmd)
+    out = {"model": model, "batch": batch, "remat": plan.remat, "off": off, "ratios": {}}
+    for recipe in FP8_RECIPES:
+        flags = (*plan.bench_flags, "--fp8", recipe, *plan.fp8_flags)
+        cmd = vs.ours_cmd(model, batch, plan.steps, plan.remat, flags)
+        out[recipe] = run.part(
+            f"bench {model} {plan.remat} --fp8 {recipe}", "bench", vs.run_json, cmd
+        )
+        predicted = run.part(f"plan {model} --fp8 {recipe}", "plan", checks.fp8_plan, plan, recipe)
+        out["ratios"][recipe] = checks.fp8_ratios(off, out[recipe], predicted)
+        print(f"--fp8 {recipe} over off, {model} batch {batch}: {out['ratios'][recipe]}")
+    run.data["fp8"] = out
+    run.save()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="h200-out", help="the results folder ($OUT in the call)")
@@ -191,8 +233,10 @@ def main() -> None:
         run.save()
         raise SystemExit(f"preflight failed: {run.data['preflight']}")
     estimates: dict = {}
+    # The FP8 compiles last: the measured steps' estimates come first.
+    fp8_compiles = [(*plan.fp8, plan.remat, "--fp8", r, *plan.fp8_flags) for r in FP8_RECIPES]
     worker, compilers = deviceless_thread(
-        [(m, b, plan.remat) for m, b in plan.measured], estimates, args.smoke
+        [(m, b, plan.remat) for m, b in plan.measured] + fp8_compiles, estimates, args.smoke
     )
     run.part("target config", "config", checks.target_config, out)
 
@@ -200,6 +244,7 @@ def main() -> None:
     rows += compare(run, plan, "", "", args.peers, [plan.moe], plan.remat)
     run.part("checkpoint", "checkpoint", checks.checkpoint, plan.checkpoint, plan.devices)
     run.part("profile", "profile", checks.profile, out, *plan.profile, plan.remat, plan.bench_flags)
+    fp8(run, plan, rows)
     # What is left of the budget: the default policy (auto: none when it fits), plain JAX.
     rows += compare(run, plan, "", sys.executable, args.peers, plan.core, "auto")
     rows += compare(run, plan, "", "", args.peers, plan.extra_models, plan.remat)

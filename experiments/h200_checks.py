@@ -1,5 +1,6 @@
 """The parts of experiments/h200.py that are not a benchmark beside a peer: the results file's
-header, the device's target config, checkpoint blocking, the profiled fixture, and the targets.
+header, the device's target config, checkpoint blocking, the profiled fixture, FP8's prediction
+and ratios, and the targets.
 
 None of this initializes a JAX backend in the driver's own process: on a GPU, JAX would take
 most of the card's memory, and every measurement runs in a process of its own.
@@ -152,6 +153,57 @@ def profile(out, model: str, batch: int, remat: str, flags: tuple, timeout: floa
     return {"fixture_bytes": size, "busy": busy, "summary": report["summary"]}
 
 
+def fp8_plan(plan, recipe: str, timeout: float) -> dict:
+    """The planner's FP8 figures for the FP8 part's step on one H200 (`jaxdist plan --fp8`,
+    on the CPU backend: the GPU stays free), and its predicted tokens/s."""
+    model, batch = plan.fp8
+    with tempfile.TemporaryDirectory() as d:
+        path = pathlib.Path(d) / "plan.json"
+        cmd = [
+            sys.executable,
+            *("-m", "jaxdist.cli", "plan", "--model", model, "--hardware", "h200"),
+            *("--devices", "1", "--mesh", "data=1", "--batch-size", str(batch)),
+            *("--remat", plan.remat, "--fp8", recipe, *plan.fp8_flags, "--json", str(path)),
+        ]
+        _run(cmd, timeout, {**os.environ, "JAX_PLATFORMS": "cpu"})
+        row = json.loads(path.read_text())["layouts"][0]
+    return row["fp8"] | {"tokens_per_s": row["tokens_per_s"]}
+
+
+def fp8_ratios(off: dict | None, fp8: dict | None, predicted: dict | None) -> dict:
+    """An FP8 run over the same step with --fp8 off: tokens/s (the loop's and the synced, as
+    the peers are compared) and peak memory; the planner's predicted speedup beside them."""
+    from gpu_vs_peers import mem_gib
+
+    out = {}
+    if off and fp8 and "tokens_per_s" in off and "tokens_per_s" in fp8:
+        out["tokens_per_s"] = fp8["tokens_per_s"] / off["tokens_per_s"]
+        if off.get("tokens_per_s_synced") and fp8.get("tokens_per_s_synced"):
+            out["tokens_per_s_synced"] = fp8["tokens_per_s_synced"] / off["tokens_per_s_synced"]
+        if mem_gib(off) and mem_gib(fp8):
+            out["peak_memory"] = mem_gib(fp8) / mem_gib(off)
+    if predicted and "speedup" in predicted:
+        out["predicted_speedup"] = predicted["speedup"]
+        if "tokens_per_s_synced" in out:
+            out["measured_over_predicted"] = out["tokens_per_s_synced"] / predicted["speedup"]
+    return out
+
+
+def _fp8_targets(data: dict) -> list[dict]:
+    """FP8 pays (synced tokens/s over off's above 1), holds no more than 5% more memory, and
+    gains what the planner predicted (within 10%)."""
+    f = data.get("fp8") or {}
+    out = []
+    for recipe, r in (f.get("ratios") or {}).items():
+        name = f"{f['model']} --fp8 {recipe}"
+        out.append(_target(f"{name} tokens/s over off", r.get("tokens_per_s_synced"), 1.0, True))
+        out.append(_target(f"{name} peak memory over off", r.get("peak_memory"), 1.05, False))
+        out.append(
+            _target(f"{name} measured / predicted speedup", r.get("measured_over_predicted"))
+        )
+    return out
+
+
 def targets(data: dict, rows: list[dict], plan) -> list[dict]:
     """Each of the issue's targets with what this call measured for it (None: not measured)."""
     from gpu_vs_peers import TARGETS, mem_gib
@@ -186,7 +238,7 @@ def targets(data: dict, rows: list[dict], plan) -> list[dict]:
             # the same program on both sides: the policy each compile ended with
             t["remat"] = {"device": ours.get("remat"), "deviceless": est.get("remat")}
             out.append(t)
-    return out
+    return out + _fp8_targets(data)
 
 
 def _target(name: str, value, need=None, higher_is_better=None) -> dict:
