@@ -217,6 +217,13 @@ def active_layout():
     return entered()[0]
 
 
+def current_layout():
+    """The Layout being traced under, or None outside activation_rules: for what a model may
+    also be built or called without (FP8 projections are off there, jaxdist.kernels.fp8)."""
+    value = getattr(_ACTIVE, "value", None)
+    return None if value is None else value[0]
+
+
 def active() -> tuple[AxisRules, Mesh]:
     """The rules and mesh the step is being traced under."""
     layout, mesh = entered()
