@@ -55,8 +55,9 @@ class StepConfig:
     twice a step's bytes); jaxdist.parallel.collective_matmul"""
     fp8: Literal["off", "current", "delayed"] = "off"
     """FP8 GEMMs for the attention and MLP projections (Hopper): operands in e4m3, gradients in
-    e5m2, one scale per tensor, from the tensor itself (current) or from an amax history
-    (delayed); off: the compute dtype"""
+    e5m2, one scale per tensor, from the tensor itself (current) or from an amax history kept
+    in the checkpointed state (delayed); off: the compute dtype. Emulated on the CPU; refused
+    on TPUs and with a pipeline axis"""
     fp8_history: int = 16
     """--fp8 delayed: steps of amax history a scale is taken from"""
     fp8_filter: Literal["auto", "none"] = "auto"
@@ -64,6 +65,14 @@ class StepConfig:
     (jaxdist.kernels.fp8.worth_fp8); none: every projection in FP8"""
     fault_nan_steps: tuple[int, ...] = ()
     """fault injection, for testing recovery: make these steps' loss and gradients NaN"""
+
+    @staticmethod
+    def recorded_state(step: dict) -> dict:
+        """The settings of a run's recorded `step` (config.json) that shape its train state,
+        to read its checkpoints: --fp8 delayed's (its FP8 state); {} for every other run."""
+        if step.get("fp8") != "delayed":
+            return {}
+        return {k: step[k] for k in ("fp8", "fp8_history", "fp8_filter") if k in step}
 
     def validate(self) -> None:
         if self.microbatches < 1:

@@ -3,10 +3,19 @@
 Stage 2 (compute forward/backward locally) and stage 4 (synchronize the update) of a step live
 here. Stage 3 (move the tensors) is implicit: XLA inserts the collectives that the parameter
 and batch shardings imply; jaxdist.planning.traffic reads them back out of the compiled program.
+
+With --fp8 delayed the model holds its FP8 projections' scales and amax histories
+(jaxdist.kernels.fp8.Fp8Meta). The state keeps them apart from the weights (`TrainState.fp8`),
+so the optimizer, its clipping and weight decay, and the replica groups' outer step never see
+them. The step differentiates both, and the "gradient" of the FP8 state is its new value
+(Flax's overwrite-with-gradient), written into the state as it is, or kept where the step is
+skipped as not finite. Over microbatches it is their max, not their sum or mean: each
+microbatch starts from the same state, so they agree on every scale and on the history but its
+newest amax, whose max over the microbatches is the whole batch's amax, what one microbatch of
+the whole batch records (Flax's fm32 type adds by max for the same reason).
 """
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,8 +25,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist import step_checks
 from jaxdist.config import Layout, StepConfig
-from jaxdist.errors import ConfigError
+from jaxdist.kernels import fp8
 from jaxdist.kernels.loss import Vocab, model_loss, stage_loss
 from jaxdist.parallel import collective_matmul, context, pipeline, replica
 from jaxdist.rules import (
@@ -33,6 +43,7 @@ class TrainState(NamedTuple):
     params: nnx.State  # with replica groups: each group's own, [M, ...]
     opt_state: Any
     outer: Any = None  # with replica groups: their outer state (jaxdist.parallel.replica)
+    fp8: Any = None  # --fp8 delayed: the FP8 scales and amax histories, not weights (above)
 
 
 def forward_loss(model, tokens_BT1, vocab: Vocab, document_mask: bool, chunk_tokens: int = 0):
@@ -67,24 +78,27 @@ def _pipelined_grads(
         eos_id=eos,
     )
     grads = jax.tree_util.tree_map_with_path(lambda path, _: by_name[path[0].key], state.params)
-    return grads, {"loss": loss, "aux_loss": aux_loss}
+    return (grads, None), {"loss": loss, "aux_loss": aux_loss}
 
 
-def _accumulated_grads(value_and_grad: Callable, params, tokens_BT1, scale, M: int):
-    """(mean gradients, mean metrics) over M microbatches run one after the other."""
+def _accumulated_grads(value_and_grad: Callable, inputs, tokens_BT1, scale, M: int):
+    """((mean gradients, new FP8 state), mean metrics) over M microbatches run one after the
+    other; `inputs`: (params, FP8 state or None). The FP8 state's max, as the module says."""
     B = tokens_BT1.shape[0]
     # Microbatch m takes rows m, m+M, ...: each device keeps its own rows, no reshuffle.
     micro_MBT1 = tokens_BT1.reshape(B // M, M, -1).swapaxes(0, 1)
 
-    def accumulate(grad_sum, tokens_bT1):
-        (_, extra), grads = value_and_grad(params, tokens_bT1, scale)
-        return jax.tree.map(jnp.add, grad_sum, grads), extra
+    def accumulate(total, tokens_bT1):
+        (_, extra), (grads, new_fp8) = value_and_grad(inputs, tokens_bT1, scale)
+        # Scales and amaxes are >= 0, so the zeros below start the max.
+        fp8_max = jax.tree.map(jnp.maximum, total[1], new_fp8)
+        return (jax.tree.map(jnp.add, total[0], grads), fp8_max), extra
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    grad_sum, extras = jax.lax.scan(accumulate, zeros, micro_MBT1)
+    zeros = jax.tree.map(jnp.zeros_like, inputs)
+    (grad_sum, new_fp8), extras = jax.lax.scan(accumulate, zeros, micro_MBT1)
     extra = jax.tree.map(lambda v: jnp.mean(v, axis=0), extras)
     grads = jax.tree.map(lambda g: g / M, grad_sum)
-    return grads, extra
+    return (grads, new_fp8), extra
 
 
 def _update(
@@ -93,9 +107,11 @@ def _update(
     state: TrainState,
     grads,
     extra: dict,
+    new_fp8=None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """The optimizer's update, skipped where the loss or gradients are not finite, and the
-    step's metrics."""
+    step's metrics. `new_fp8`: the FP8 state's new value (--fp8 delayed), taken as it is, not
+    a gradient, and kept out of the norm and the optimizer."""
     loss = extra["loss"]
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -106,8 +122,13 @@ def _update(
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     params = jax.tree.map(keep, params, state.params)
     opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+    # A skipped step keeps the old FP8 state too: its amaxes (NaN, Inf) would poison the
+    # scales for a whole history.
+    fp8_state = state.fp8 if new_fp8 is None else jax.tree.map(keep, new_fp8, state.fp8)
     # state.step counts batches consumed (the data position), skipped or not.
-    new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
+    new_state = state._replace(
+        step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8_state
+    )
     count = optax.tree_utils.tree_get_all_with_path(state.opt_state, "count")[0][1]
     metrics = {**extra, "grad_norm": grad_norm, "finite": finite, "lr": lr_schedule(count)}
     return new_state, metrics
@@ -125,8 +146,9 @@ def make_train_step(
     with a pipeline `schedule`, the model's stages run pipelined over the microbatches."""
     vocab = vocab or Vocab()
 
-    def loss_fn(params: nnx.State, tokens_BT1: jax.Array, scale: jax.Array):
-        model = nnx.merge(graphdef, params)
+    def loss_fn(inputs: tuple, tokens_BT1: jax.Array, scale: jax.Array):
+        # inputs: (params, FP8 state or None); their gradients come back as the same pair.
+        model = nnx.merge(graphdef, *(s for s in inputs if s is not None))
         ce, aux = forward_loss(
             model, tokens_BT1, vocab, config.document_mask, config.loss_chunk_tokens
         )
@@ -143,16 +165,17 @@ def make_train_step(
     def train_step(state: TrainState, tokens_BT1: jax.Array):
         faulty = jnp.isin(state.step, jnp.asarray(config.fault_nan_steps or (-1,)))
         scale = jnp.where(faulty, jnp.nan, 1.0)
-        M = config.microbatches
+        M, inputs = config.microbatches, (state.params, state.fp8)
         if schedule is not None:
             grads, extra = _pipelined_grads(
                 graphdef, state, tokens_BT1, scale, config, schedule, vocab
             )
         elif M == 1:
-            (_, extra), grads = value_and_grad(state.params, tokens_BT1, scale)
+            (_, extra), grads = value_and_grad(inputs, tokens_BT1, scale)
         else:
-            grads, extra = _accumulated_grads(value_and_grad, state.params, tokens_BT1, scale, M)
-        return _update(tx, lr_schedule, state, grads, extra)
+            grads, extra = _accumulated_grads(value_and_grad, inputs, tokens_BT1, scale, M)
+        (grads, new_fp8) = grads
+        return _update(tx, lr_schedule, state, grads, extra, new_fp8)
 
     return train_step
 
@@ -201,34 +224,16 @@ class JittedStep(NamedTuple):
         return self.step_fn.lower(self.abstract_state, batch, act).compile()
 
 
-def _check_documents(abstract_model: nnx.Module, layout: Layout, vocab: Vocab) -> None:
-    """Packed documents, and a sequence split over devices, need a model whose __call__ takes
-    `docs` (the latter: each token's place in the row, jaxdist.parallel.context)."""
-    params = inspect.signature(type(abstract_model).__call__).parameters
-    takes = "docs" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
-    seq_axes = layout.seq_axes
-    if not takes and layout.seq_ways > 1:
-        raise ConfigError(
-            f"{type(abstract_model).__name__} takes no `docs`, which carry each token's place "
-            f"in the row when the sequence is split over {'x'.join(seq_axes)}; add "
-            "`docs: jaxdist.kernels.documents.Documents | None = None` to its __call__, or use "
-            "a mesh without a context axis"
-        )
-    if layout.step.document_mask and vocab.eos_id is not None:
-        if not takes:
-            raise ConfigError(
-                f"{type(abstract_model).__name__} is called without document masks (its "
-                "__call__ takes no `docs`), and this data packs documents; add "
-                "`docs: jaxdist.kernels.documents.Documents | None = None` to it, or pass "
-                "--no-document-mask (StepConfig(document_mask=False))"
-            )
-
-
 def _state_sharding(
-    tx: optax.GradientTransformation, abstract_params: nnx.State, rules: AxisRules, mesh: Mesh
+    tx: optax.GradientTransformation,
+    abstract_params: nnx.State,
+    abstract_fp8: nnx.State | None,
+    rules: AxisRules,
+    mesh: Mesh,
 ) -> tuple[TrainState, Any]:
     """The train state's shardings (the optimizer's moments sharded like their parameters,
-    its scalars replicated) and the optimizer's abstract state."""
+    its scalars replicated; the FP8 state by its own logical axes) and the optimizer's
+    abstract state."""
     param_sharding = state_shardings(abstract_params, rules, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
@@ -243,7 +248,8 @@ def _state_sharding(
         transform_non_params=lambda _: replicated,
         is_leaf=masked,
     )
-    return TrainState(step=replicated, params=param_sharding, opt_state=opt_sharding), abstract_opt
+    fp8_sharding = None if abstract_fp8 is None else state_shardings(abstract_fp8, rules, mesh)
+    return TrainState(replicated, param_sharding, opt_sharding, fp8=fp8_sharding), abstract_opt
 
 
 def _abstract_state(shapes: TrainState, sharding: TrainState) -> TrainState:
@@ -253,36 +259,6 @@ def _abstract_state(shapes: TrainState, sharding: TrainState) -> TrainState:
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
 
     return jax.tree.map(placed, shapes, sharding)
-
-
-def _pipeline_schedule(
-    mesh: Mesh, config: StepConfig, abstract_params: nnx.State
-) -> pipeline.Schedule | None:
-    """The schedule over the `pipeline` axis, checked against the layers; None without one."""
-    if "pipeline" not in mesh.shape or mesh.shape["pipeline"] <= 1:
-        return None
-    schedule = pipeline.make_schedule(
-        config.pipeline_schedule,
-        mesh.shape["pipeline"],
-        config.microbatches,
-        config.virtual_stages,
-    )
-    pipeline.check_layers(abstract_params, schedule)
-    return schedule
-
-
-def _check(layout: Layout, mesh: Mesh) -> None:
-    """Everything about the layout that can be wrong, before any shape is traced."""
-    layout.step.validate()
-    layout.rules.validate(mesh.axis_names)
-    replica.check(layout)
-    if layout.mesh_shape != dict(mesh.shape):
-        raise ConfigError(f"a layout for mesh {layout.mesh_shape} built on mesh {dict(mesh.shape)}")
-    if layout.seq_len:
-        context.balanced_order(layout.seq_len, layout.seq_ways)
-    problem = layout.batch_problem()
-    if problem:
-        raise ConfigError(problem)
 
 
 def build(
@@ -300,26 +276,35 @@ def build(
     when the step traces)."""
     vocab = vocab or Vocab()
     config, rules = layout.step, layout.rules
-    _check(layout, mesh)
+    step_checks.check(layout, mesh)
     tokens_sharding = batch_sharding(rules, mesh, layout.replicas > 1 and layout.sync is not None)
-    abstract_model = nnx.eval_shape(lambda: init_model(nnx.Rngs(seed)))
-    _check_documents(abstract_model, layout, vocab)
-    graphdef, abstract_params = nnx.split(abstract_model)
-    state_sharding, abstract_opt = _state_sharding(tx, abstract_params, rules, mesh)
+
+    def built(at: Layout) -> nnx.Module:
+        # Built under the layout: with --fp8 delayed the model holds its FP8 state.
+        with activation_rules(at, mesh):
+            return init_model(nnx.Rngs(seed))
+
+    abstract_model = nnx.eval_shape(lambda: built(layout))
+    step_checks.check_documents(abstract_model, layout, vocab)
+    graphdef, abstract_fp8, abstract_params = _split(abstract_model)
+    state_sharding, abstract_opt = _state_sharding(tx, abstract_params, abstract_fp8, rules, mesh)
     replicated = state_sharding.step
     param_sharding = state_sharding.params
-    schedule = _pipeline_schedule(mesh, config, abstract_params)
+    schedule = step_checks.pipeline_schedule(mesh, config, abstract_params)
     step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab)
     groups = layout.sync is not None
 
     def start(params) -> TrainState:
+        # The FP8 state starts afresh (scales 1, empty histories) whatever the weights.
+        fp8_state = None if abstract_fp8 is None else _split(built(layout))[1]
         if groups:
             first = replica.first_state(params, tx.init(params), layout.replicas)
-            return TrainState(jnp.zeros((), jnp.int32), *first)
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+            fp8_state = replica.stacked(fp8_state, layout.replicas)
+            return TrainState(jnp.zeros((), jnp.int32), *first, fp8=fp8_state)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), fp8=fp8_state)
 
     def init() -> TrainState:
-        return start(nnx.state(init_model(nnx.Rngs(seed))))
+        return start(_split(built(layout))[2])
 
     weights = JittedStep._field_defaults["weights"]
     if groups:
@@ -329,25 +314,12 @@ def build(
         weights = jax.jit(lambda state: state.outer.params, out_shardings=param_sharding)
     init_fn = jax.jit(init, out_shardings=state_sharding)
     start_fn = jax.jit(start, out_shardings=state_sharding, donate_argnums=0)
-    # Held-out loss: the whole batch at once, no microbatches (the lookup weighs them).
-    whole = dataclasses.replace(layout, step=dataclasses.replace(config, microbatches=1))
+    eval_fn = _eval_fn(built, layout, mesh, vocab, (param_sharding, tokens_sharding))
 
     def traced_step(state, batch, act=None):
         with activation_rules(layout, mesh):
             return step(state, batch, act) if groups else step(state, batch)
 
-    def eval_loss(params: nnx.State, tokens_BT1: jax.Array) -> jax.Array:
-        with activation_rules(whole, mesh):
-            model = nnx.merge(graphdef, params)
-            return forward_loss(
-                model, tokens_BT1, vocab, config.document_mask, config.loss_chunk_tokens
-            )[0]
-
-    eval_fn = jax.jit(
-        eval_loss,
-        in_shardings=(param_sharding, tokens_sharding),
-        out_shardings=replicated,
-    )
     metrics_sharding = replica.metrics_sharding(mesh) if groups else replicated
     step_fn = jax.jit(
         traced_step,
@@ -365,6 +337,31 @@ def build(
         *(step_fn, init_fn, state_sharding, tokens_sharding, abstract_state, num_params),
         *(eval_fn, layout, weights, start_fn),
     )
+
+
+def _eval_fn(built: Callable, layout: Layout, mesh: Mesh, vocab: Vocab, in_shardings):
+    """The held-out loss `eval_fn(params, tokens_BT1)`: the whole batch at once, no
+    microbatches (the lookup weighs them), in the compute dtype (FP8 is how the step trains,
+    not the model: its model holds no FP8 state)."""
+    config = layout.step
+    whole = dataclasses.replace(layout, step=dataclasses.replace(config, microbatches=1, fp8="off"))
+    graphdef = nnx.split(nnx.eval_shape(lambda: built(whole)))[0]
+
+    def eval_loss(params: nnx.State, tokens_BT1: jax.Array) -> jax.Array:
+        with activation_rules(whole, mesh):
+            model = nnx.merge(graphdef, params)
+            return forward_loss(
+                model, tokens_BT1, vocab, config.document_mask, config.loss_chunk_tokens
+            )[0]
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(eval_loss, in_shardings=in_shardings, out_shardings=replicated)
+
+
+def _split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State | None, nnx.State]:
+    """(graphdef, FP8 state or None where the model holds none, parameters)."""
+    graphdef, fp8_state, params = nnx.split(model, fp8.Fp8Meta, ...)
+    return graphdef, fp8_state if jax.tree.leaves(fp8_state) else None, params
 
 
 def _grouped_step(step, layout: Layout, mesh: Mesh, where):

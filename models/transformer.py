@@ -17,6 +17,12 @@ scaled RoPE frequencies (models/rope.py). The configuration: models/transformer_
 Layers are stored stacked along L and run with `lax.scan`, so compile time does not grow with
 depth and every per-layer weight carries the `layers` logical axis.
 
+The attention and dense MLP projections are einsums through jaxdist.kernels.fp8 (`_project`):
+in the compute dtype, or in FP8 where the step's --fp8 runs them so; with --fp8 delayed the
+model holds their scales and amax histories (Fp8Meta, stacked over L like the weights; A: the
+history's length), which the step keeps apart from the weights. The head, the embeddings, the
+router, the norms, attention itself and MoE experts stay in the compute dtype.
+
 Packed documents (jaxdist.kernels.documents): given `docs`, attention stays inside each document
 (block-diagonal causal mask) and positions, learned or RoPE, restart at each document; without
 them a row is one causal sequence at positions 0..T-1.
@@ -28,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdist.kernels import fp8
 from jaxdist.kernels.documents import Documents
 from jaxdist.kernels.lookup import lookup
 from jaxdist.model import Stages
@@ -61,6 +68,14 @@ LOGICAL = {
     "bias_down_LD": ("layers", "embed"),
     **MOE_LOGICAL,
 }
+# The projections that may run in FP8: each weight's einsum with its input (one layer's).
+PROJECTIONS = {
+    "wqkv_LDGQH": "btd,dgqh->btgqh",
+    "wo_LNHD": "btnh,nhd->btd",
+    "w_up_LDF": "btd,df->btf",
+    "w_gate_LDF": "btd,df->btf",
+    "w_down_LFD": "btf,fd->btd",
+}
 
 
 class Transformer(nnx.Module):
@@ -78,10 +93,19 @@ class Transformer(nnx.Module):
                 scale = out_std if name in ("wo_LNHD", "w_down_LFD", "w_down_LEFD") else std
                 value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
             setattr(self, name, nnx.Param(value, logical_axes=LOGICAL[name]))
+        # --fp8 delayed (the layout the model is built under): the projections' FP8 state.
+        shapes = _param_shapes(config)
+        mine = {k: (spec, shapes[k][1:]) for k, spec in PROJECTIONS.items() if k in shapes}
+        for name, meta in fp8.delayed_state(mine, config.num_layers).items():
+            setattr(self, name, meta)
 
     def weights(self) -> dict[str, jax.Array]:
         """Every parameter by name, as stored (fp32)."""
         return {name: getattr(self, name)[...] for name in _param_shapes(self.config)}
+
+    def fp8_state(self) -> dict[str, jax.Array]:
+        """The FP8 projections' delayed state by name ({} but for --fp8 delayed)."""
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, fp8.Fp8Meta)}
 
     def __call__(
         self, tokens_BT: jax.Array, docs: Documents | None = None
@@ -90,7 +114,7 @@ class Transformer(nnx.Module):
         with `docs`, each document of a row is seen alone (see the module docstring)."""
         c, p = self.config, self.weights()
         x_BTD = embed(c, p, tokens_BT, docs)
-        x_BTD, aux = run_layers(c, {k: v for k, v in p.items() if "_L" in k}, x_BTD, docs)
+        x_BTD, aux = run_layers(c, _layers(p), x_BTD, docs, self.fp8_state())
         aux = moe.summarize(c, aux) if c.num_experts else {"loss": 0.0, "metrics": {}}
         return logits(c, p, x_BTD), aux
 
@@ -99,7 +123,7 @@ class Transformer(nnx.Module):
         for a loss that never holds all logits at once (jaxdist.kernels.fused_loss)."""
         c, p = self.config, self.weights()
         x_BTD = embed(c, p, tokens_BT, docs)
-        x_BTD, aux = run_layers(c, {k: v for k, v in p.items() if "_L" in k}, x_BTD, docs)
+        x_BTD, aux = run_layers(c, _layers(p), x_BTD, docs, self.fp8_state())
         aux = moe.summarize(c, aux) if c.num_experts else {"loss": 0.0, "metrics": {}}
         return final_norm(c, p, x_BTD), head_weight(c, p), aux
 
@@ -145,8 +169,19 @@ def embed(
     return constrain(x_BTD, ("batch", "seq", "embed"))
 
 
-def run_layers(c: TransformerConfig, layers: dict, x_BTD: jax.Array, docs: Documents | None = None):
-    """The stacked layers given (all of them, or a pipeline stage's share), in order."""
+def _layers(p: dict) -> dict:
+    return {k: v for k, v in p.items() if "_L" in k}
+
+
+def run_layers(
+    c: TransformerConfig,
+    layers: dict,
+    x_BTD: jax.Array,
+    docs: Documents | None = None,
+    fp8_state: dict | None = None,
+):
+    """The stacked layers given (all of them, or a pipeline stage's share), in order; with
+    their FP8 state (--fp8 delayed), stacked as they are, kept in float32."""
     layers = {k: _compute(c, v) for k, v in layers.items()}
     if docs is None:
         positions_BT, mask_B1TS = jnp.arange(x_BTD.shape[1])[None], None  # B of 1: broadcast
@@ -155,11 +190,12 @@ def run_layers(c: TransformerConfig, layers: dict, x_BTD: jax.Array, docs: Docum
         # segment ids for splash attention).
         positions_BT, mask_B1TS = docs.positions_BT, document_mask(c.attention, docs)
 
-    def block(x_BTD, w):
-        return _block(c, x_BTD, w, positions_BT, mask_B1TS)
+    def block(x_BTD, w_and_state):
+        w, state = w_and_state
+        return _block(c, x_BTD, w, positions_BT, mask_B1TS, state)
 
     block = jax.checkpoint(block, policy=remat.POLICIES[c.remat])
-    return jax.lax.scan(block, x_BTD, layers)
+    return jax.lax.scan(block, x_BTD, (layers, fp8_state or {}))
 
 
 def _stage_body(c: TransformerConfig, layers: dict, x_BTD: jax.Array, docs: Documents | None):
@@ -220,10 +256,11 @@ def _attention(c: TransformerConfig, q_BTNH, k_BTGH, v_BTGH, mask_B1TS):
     return attention(q_BTNH, k_BTGH, v_BTGH, mask_B1TS, c.attention)
 
 
-def _block(c: TransformerConfig, x_BTD, w, positions_BT, mask_B1TS):
+def _block(c: TransformerConfig, x_BTD, w, positions_BT, mask_B1TS, fp8_state=None):
     # Each layer's weights in their stored layout, as _cast explains. Expert weights stay as
     # stored too: jaxdist.parallel.experts gathers them inside its shard_map.
     w = {k: v if k in EXPERT_WEIGHTS else _stored(v, LOGICAL[k][1:]) for k, v in w.items()}
+    w |= fp8_state or {}
     q_BTNH, k_BTGH, v_BTGH = qkv(c, x_BTD, w, positions_BT)
     return after_attention(c, x_BTD, _attention(c, q_BTNH, k_BTGH, v_BTGH, mask_B1TS), w)
 
@@ -238,12 +275,18 @@ def _stored(v: jax.Array, logical: tuple[str, ...]) -> jax.Array:
     return constrain(v, logical, "param")
 
 
+def _project(x, w: dict, name: str) -> jax.Array:
+    """x through the layer's weight `name` (its einsum in PROJECTIONS): in FP8 where the
+    step's --fp8 runs this projection so, else in the compute dtype."""
+    return fp8.einsum(PROJECTIONS[name], x, w[name], fp8.layer_meta(w, name))
+
+
 def qkv(c: TransformerConfig, x_BTD, w, positions_BT):
     """A layer's queries [B, T, N, H], keys and values [B, T, G, H] (RoPE applied, Llama)
     from its input; models/decode.py shares it with the training layer."""
     B, T, _ = x_BTD.shape
     h_BTD = _norm(c, x_BTD, w["norm1_scale_LD"], w.get("norm1_bias_LD"))
-    qkv_BTGQH = jnp.einsum("btd,dgqh->btgqh", h_BTD, w["wqkv_LDGQH"])
+    qkv_BTGQH = _project(h_BTD, w, "wqkv_LDGQH")
     qkv_BTGQH = remat.checkpoint_name(qkv_BTGQH, remat.QKV_PROJ)
     if c.attention_bias:
         qkv_BTGQH = qkv_BTGQH + w["bias_qkv_LGQH"]
@@ -265,7 +308,7 @@ def after_attention(c: TransformerConfig, x_BTD, attn_BTNH, w):
     """The rest of the layer from its attention output: output projection, residual, MLP (or
     MoE); returns the layer's output and its MoE statistics ({} for a dense MLP)."""
     attn_BTNH = constrain(attn_BTNH, ("batch", "seq", "heads", "head_dim"))
-    out_BTD = jnp.einsum("btnh,nhd->btd", attn_BTNH, w["wo_LNHD"])
+    out_BTD = _project(attn_BTNH, w, "wo_LNHD")
     out_BTD = remat.checkpoint_name(out_BTD, remat.OUT_PROJ)
     if c.out_bias:
         out_BTD = out_BTD + w["bias_o_LD"]
@@ -275,12 +318,12 @@ def after_attention(c: TransformerConfig, x_BTD, attn_BTNH, w):
     if c.num_experts:
         y_BTD, aux = moe.moe_mlp(c, h_BTD, w)
         return x_BTD + constrain(y_BTD, ("batch", "seq", "embed")), aux
-    up_BTF = jnp.einsum("btd,df->btf", h_BTD, w["w_up_LDF"]) + w.get("bias_up_LF", 0)
+    up_BTF = _project(h_BTD, w, "w_up_LDF") + w.get("bias_up_LF", 0)
     if c.style == "llama":
-        gate_BTF = jnp.einsum("btd,df->btf", h_BTD, w["w_gate_LDF"]) + w.get("bias_gate_LF", 0)
+        gate_BTF = _project(h_BTD, w, "w_gate_LDF") + w.get("bias_gate_LF", 0)
         up_BTF = jax.nn.silu(gate_BTF) * up_BTF
     else:
         up_BTF = jax.nn.gelu(up_BTF, approximate=True)
     up_BTF = constrain(up_BTF, ("batch", "seq", "mlp"))
-    down_BTD = jnp.einsum("btf,fd->btd", up_BTF, w["w_down_LFD"]) + w.get("bias_down_LD", 0)
+    down_BTD = _project(up_BTF, w, "w_down_LFD") + w.get("bias_down_LD", 0)
     return x_BTD + constrain(down_BTD, ("batch", "seq", "embed")), {}

@@ -22,8 +22,9 @@ class Eval:
     data: str | None = None
     """held-out data (a tokenized directory: its eval split, else all of it); default: the
     eval split of the data the run trained on"""
-    batches: int = 50
-    """batches of the run's batch size to average over"""
+    batches: int | None = None
+    """batches of the run's batch size to average over; default: as many as the run's own
+    evaluations read (its --eval-batches), so the two losses compare"""
     mesh: Annotated[str, tyro.conf.arg(help=MESH_HELP)] = "auto"
     devices: str = "auto"
     """cpu:N for N fake CPU devices; auto uses the accelerators present, else cpu:8"""
@@ -42,8 +43,11 @@ def evaluate(args: Eval) -> int:
             f"{run_dir}/config.json is missing or unreadable ({e}); pass a run directory "
             "made by jaxdist train"
         ) from None
-    if args.batches < 1:
-        raise ConfigError(f"--batches {args.batches} must be at least 1")
+    num_batches = args.batches
+    if num_batches is None:
+        num_batches = record.get("eval", {}).get("eval_batches", 20)
+    if num_batches < 1:
+        raise ConfigError(f"--batches {num_batches} must be at least 1")
     batch_size = args.batch_size or record["data"]["batch_size"]
     common = Common(
         mesh=args.mesh,
@@ -90,12 +94,15 @@ def evaluate(args: Eval) -> int:
             f"the run was trained on tokenizer {trained['tokenizer']!r} data, --data holds "
             f"{batches.tokenizer!r}; evaluate on data made with the run's tokenizer"
         )
-    warning = small_data_warning(batches, args.batches, "--batches")
+    warning = small_data_warning(batches, num_batches, "--batches")
     if warning and jax.process_index() == 0:
         print(f"jaxdist: warning: {warning}", file=sys.stderr)
     # The optimizer's structure must match the checkpoint's, though only parameters are used.
     tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
-    step_cfg = StepConfig(document_mask=record["step"].get("document_mask", True))
+    step_cfg = StepConfig(
+        document_mask=record["step"].get("document_mask", True),
+        **StepConfig.recorded_state(record["step"]),  # --fp8 delayed: its state's shape
+    )
     vocab = Vocab(batches.vocab_size, batches.eos_id)
     sync = replica.recorded(record, mesh.shape, run_dir)  # replica groups: the outer weights
     layout = Layout.on(
@@ -106,9 +113,9 @@ def evaluate(args: Eval) -> int:
     restored = restore(run_dir, jitted.abstract_state)
     if restored is None:
         raise ConfigError(f"{run_dir} holds no valid checkpoint to evaluate")
-    loss = evaluate(jitted, jitted.weights(restored.state), batches, range(args.batches))
+    loss = evaluate(jitted, jitted.weights(restored.state), batches, range(num_batches))
     out = {"run_dir": str(run_dir), "step": int(restored.state.step)}
-    out |= report(loss, batches, args.batches)
+    out |= report(loss, batches, num_batches)
     out |= {"mesh": dict(mesh.shape), "data": held.path or "embedded"}
     if jax.process_index() == 0:
         print(json.dumps(out))

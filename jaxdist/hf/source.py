@@ -195,7 +195,7 @@ def _restore_params(run_dir, record, spec, mesh, rules, step) -> dict:
     import jax
 
     from jaxdist.checkpoint.store import Checkpointer, param_shapes
-    from jaxdist.config import Layout
+    from jaxdist.config import Layout, StepConfig
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.parallel import replica
     from jaxdist.rules import batch_sharding, batch_ways
@@ -214,7 +214,9 @@ def _restore_params(run_dir, record, spec, mesh, rules, step) -> dict:
     # the model's.
     sync = replica.recorded(record, mesh.shape, run_dir)
     groups = mesh.shape.get("replica", 1) if sync else 1
-    layout = Layout.on(mesh, rules, batch_size=rows * groups, sync=sync)
+    # --fp8 delayed: the state holds its FP8 state too.
+    step_cfg = StepConfig(**StepConfig.recorded_state(record.get("step") or {}))
+    layout = Layout.on(mesh, rules, step_cfg, batch_size=rows * groups, sync=sync)
     jitted = build(spec.init, tx, lr, layout, mesh)
     checkpointer = OneStep(run_dir / "checkpoints")
     try:

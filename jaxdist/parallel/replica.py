@@ -180,15 +180,18 @@ def grouped(step, layout: Layout, mesh: Mesh):
     def run(state, tokens_BT1):
         tokens_MbT1 = tokens_BT1.reshape(M, -1, tokens_BT1.shape[-1])  # group r: block r
 
-        def one(params, opt_state, tokens_bT1):
-            new, metrics = step(state._replace(params=params, opt_state=opt_state), tokens_bT1)
-            return new.params, new.opt_state, metrics
+        def one(params, opt_state, fp8, tokens_bT1):
+            mine = state._replace(params=params, opt_state=opt_state, fp8=fp8)
+            new, metrics = step(mine, tokens_bT1)
+            return new.params, new.opt_state, new.fp8, metrics
 
+        # Each group's FP8 state (--fp8 delayed) is its own too: its amaxes are its batches'.
         with activation_rules(group, mesh):
-            params, opt_state, metrics_M = jax.vmap(one, spmd_axis_name=AXIS)(
-                state.params, state.opt_state, tokens_MbT1
+            params, opt_state, fp8, metrics_M = jax.vmap(one, spmd_axis_name=AXIS)(
+                state.params, state.opt_state, state.fp8, tokens_MbT1
             )
-        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), metrics_M
+        new = state._replace(step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8)
+        return new, metrics_M
 
     return run
 
@@ -265,8 +268,8 @@ def leaves(abstract_params, param_sharding, mesh: Mesh, fragments: int) -> Any:
 
 
 def sharding(state_sharding, where, sync: SyncConfig, mesh: Mesh):
-    """The train state's shardings with groups: each group's weights and optimizer state
-    stacked over `replica` (its scalars, such as Adam's count, one per group), the outer
+    """The train state's shardings with groups: each group's weights, optimizer state and FP8
+    state stacked over `replica` (its scalars, such as Adam's count, one per group), the outer
     state on its owners (the outer weights in every group where the 8-bit types need them)."""
 
     def named(spec, memory: str = "device"):
@@ -276,13 +279,14 @@ def sharding(state_sharding, where, sync: SyncConfig, mesh: Mesh):
         return jax.tree.map(lambda leaf: named(fn(leaf), memory), where, is_leaf=_is_leaf)
 
     opt = jax.tree.map(lambda s: named(group_spec(s.spec)), state_sharding.opt_state)
+    fp8 = jax.tree.map(lambda s: named(group_spec(s.spec)), state_sharding.fp8)
     kept = "pinned_host" if sync.outer_memory == "host" else "device"
     outer = OuterState(
         on_leaves(lambda leaf: leaf.spec if anchored(sync) else leaf.owner, kept),
         on_leaves(lambda leaf: leaf.owner, kept),
     )
     params = on_leaves(lambda leaf: group_spec(leaf.spec))
-    return state_sharding._replace(params=params, opt_state=opt, outer=outer)
+    return state_sharding._replace(params=params, opt_state=opt, outer=outer, fp8=fp8)
 
 
 def first_state(params, opt_state, M: int):
