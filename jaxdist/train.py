@@ -30,6 +30,7 @@ from jaxdist.config import Layout, RunConfig
 from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.evaluation import eval_batches, small_data_warning
+from jaxdist.kernels import fp8
 from jaxdist.model import ModelSpec
 from jaxdist.optim import make_optimizer
 from jaxdist.parallel import replica
@@ -80,6 +81,9 @@ def fit(
     console = console or Console(stderr=True)
     if jax.process_index() != 0:
         console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
+    note = fp8.platform_note(jitted.layout, mesh)  # on the CPU, FP8 is emulated: said once
+    if note:
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     held_out = _held_out(model, config, jitted, batches, console)
     run_dir = _run_dir(config.loop.run_dir)
     # One trainer per run directory: a second is refused here, before anything compiles.

@@ -53,7 +53,12 @@ FIXED = (
     # Replica groups: their number and rounds decide what each group's state is.
     "mesh.replica",
     "sync.sync_every",
+    # FP8 changes every step's numerics, and --fp8 delayed the state's structure.
+    "step.fp8",
 )
+# With --fp8 delayed, which projections hold an amax history and its length are the state's
+# shapes too.
+FIXED_DELAYED = ("step.fp8_history", "step.fp8_filter")
 # Bookkeeping, not configuration: never reported as changed.
 _UNREPORTED = ("versions", "cli", "loop.run_dir", "data_source.eos_id", "rules")
 
@@ -106,14 +111,14 @@ def compare_with_checkpoint(run_dir: pathlib.Path, record: dict) -> list[str]:
         return []
     step, old_record = found
     old, new = _flat(old_record), _flat(record)
-    fixed = [
-        f"{k} {old[k]!r} -> {new.get(k)!r}" for k in FIXED if k in old and old[k] != new.get(k)
-    ]
+    keys = FIXED + (FIXED_DELAYED if old.get("step.fp8") == "delayed" else ())
+    fixed = [f"{k} {old[k]!r} -> {new.get(k)!r}" for k in keys if k in old and old[k] != new.get(k)]
     if fixed:
         raise ConfigError(
             f"{run_dir} holds a checkpoint (step {step}) of another model, data stream, "
-            f"optimizer or replica groups: {'; '.join(fixed)}. These decide what the model is, "
-            "which batch each step reads and what the state holds, so the run cannot resume "
+            f"optimizer, replica groups or FP8 recipe: {'; '.join(fixed)}. These decide what "
+            "the model is, which batch each step reads and what the state holds and computes, "
+            "so the run cannot resume "
             "with them changed: use a new --run-dir for a new run, or give the old values to "
             "resume this one"
         )
