@@ -1,11 +1,12 @@
 """`jaxdist launch`: N processes of one run on this host, over loopback, restarted on failure.
 
 Each process gets its own devices (K fake CPU devices, or its share of the local GPUs), the
-coordinator address, its id; their output is streamed with a `[pN]` prefix. The launcher
-returns the exit code of the first process that failed, naming it; SIGTERM/SIGINT are passed
-on to every process (they save and exit, as a preempted run does). With `--max-restarts N` a
-failed attempt is followed by another, up to N times, its cause (a kill, a declared hang, a
-process's own one-line error) printed and recorded in RUN_DIR/restarts.jsonl.
+coordinator address, its id; its stdout and stderr reach the launcher's, each line prefixed
+`[pN]`. The launcher returns the exit code of the first process that failed, naming it;
+SIGTERM/SIGINT are passed on to every process (they save and exit, as a preempted run does).
+With `--max-restarts N` a failed attempt is followed by another, up to N times, its cause (a
+kill, a declared hang, a process's own one-line error) printed and recorded in
+RUN_DIR/restarts.jsonl.
 """
 
 import json
@@ -34,16 +35,18 @@ _STOPPED = "jaxdist: stopped: "  # a process's one line when it stops the run on
 PEER_GONE = "a peer process is gone"  # a stop that follows another process's death
 
 
-def _stream(proc: subprocess.Popen, prefix: str, heard: dict) -> None:
-    """Passes a process's output on, prefixed; keeps the first hang a process declared (its
-    line names the stuck processes, which may not be the first to exit)."""
-    for line in proc.stdout:
+def _stream(source, prefix: str, heard: dict, to) -> None:
+    """Passes one of a process's streams on, prefixed, to the launcher's same stream (its
+    stdout, the run's summary, to stdout: `jaxdist launch ... > result` keeps it, as
+    `jaxdist train > result` does); keeps the first hang a process declared (its line names the
+    stuck processes, which may not be the first to exit)."""
+    for line in source:
         if line.startswith(_HANG):
             heard.setdefault("hang", line[len(_HANG) :].strip())
         elif line.startswith(_STOPPED):
             heard.setdefault("stopped", []).append((prefix, line[len(_STOPPED) :].strip()))
-        sys.stderr.write(f"{prefix}{line}")
-        sys.stderr.flush()
+        to.write(f"{prefix}{line}")
+        to.flush()
 
 
 def _check(processes: int, devices_per_process: int, train_args: list[str]) -> None:
@@ -59,7 +62,8 @@ def _check(processes: int, devices_per_process: int, train_args: list[str]) -> N
 def _start(
     i: int, processes: int, devices_per_process: int, train_args: list[str], platform: str, port
 ) -> subprocess.Popen:
-    """Process i of the run, on its own devices, its output piped for the `[pN]` stream."""
+    """Process i of the run, on its own devices, its stdout and stderr piped for the `[pN]`
+    streams."""
     env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [
@@ -82,9 +86,7 @@ def _start(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(
             str(d) for d in range(first, first + devices_per_process)
         )
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _wait(procs: list[subprocess.Popen], grace_s: float) -> tuple[int, int] | None:
@@ -167,8 +169,9 @@ def _attempt(processes, devices_per_process, train_args, platform, port, grace_s
     ]
     heard: dict = {}
     threads = [
-        threading.Thread(target=_stream, args=(p, f"[p{i}] ", heard), daemon=True)
+        threading.Thread(target=_stream, args=(source, f"[p{i}] ", heard, to), daemon=True)
         for i, p in enumerate(procs)
+        for source, to in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))
     ]
     for t in threads:
         t.start()
