@@ -99,7 +99,10 @@ def evaluate(args: Eval) -> int:
         print(f"jaxdist: warning: {warning}", file=sys.stderr)
     # The optimizer's structure must match the checkpoint's, though only parameters are used.
     tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
-    step_cfg = StepConfig(document_mask=record["step"].get("document_mask", True))
+    step_cfg = StepConfig(
+        document_mask=record["step"].get("document_mask", True),
+        **StepConfig.recorded_state(record["step"]),  # --fp8 delayed: its state's shape
+    )
     vocab = Vocab(batches.vocab_size, batches.eos_id)
     sync = replica.recorded(record, mesh.shape, run_dir)  # replica groups: the outer weights
     layout = Layout.on(
