@@ -1,0 +1,173 @@
+"""Every command block of README.md, run as written in a fresh clone of HEAD, as a new user
+would: exit 0, the result on stdout, and no warning on stderr that the README does not explain.
+
+A fresh clone, not this checkout: a file the README needs but git does not hold (a fixture,
+data, a run directory left over) fails here. The clone's own code runs (PYTHONPATH), through the
+venv's `jaxdist` entry point (the venv's bin first on PATH, as `source .venv/bin/activate`
+does). The blocks run in README order in one clone, so later commands find what earlier ones
+wrote (tokenize, then train, then eval; a run, then its profile, checkpoints and goodput).
+Every command runs unless SKIP names it with the reason; a command added to the README later
+runs by default. 14 minutes (838 s) on a two-core host shared with other jobs, most of it
+training (-m experiment)."""
+
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The README's shell blocks start with one of these (python3.12 too) or with an assignment
+# (M=...); any other block is a Python program.
+SHELL_WORDS = ("jaxdist", "python", "pip", "tensorboard")
+ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=\S*$")
+
+# Commands this CPU-only test cannot run, by how they start (whitespace collapsed), and why.
+SKIP = {
+    # Makes the venv and installs into it: this test runs inside that environment already.
+    "python3.12 -m venv .venv": "the environment it creates is the one running this test",
+    # The suite itself (this file is in it).
+    "python -m pytest -q": "the test suite, which runs this test",
+    # A server that runs until it is stopped; the event files it reads are checked by
+    # tests/test_wandb.py and the TensorBoard tests.
+    "tensorboard --logdir": "a server that runs until stopped",
+    # PATH stands for the user's own Hugging Face model directory.
+    "jaxdist train --model hf:PATH": "hf:PATH is a placeholder for a model directory",
+}
+
+# Paths outside the repository that a command names, redirected into the test's directory:
+# the README's node-local tier on tmpfs would otherwise outlive the test, and a second run of
+# the test would find the first one's shards there.
+REDIRECT = {"/dev/shm/jaxdist": "{tmp}/shm-jaxdist"}
+
+# Warnings the README explains, as (pattern on a stderr line, the README's words that explain
+# it). Any other stderr line holding "warning" fails the command.
+EXPLAINED_WARNINGS: list[tuple[str, str]] = []
+
+
+def readme_blocks(text: str) -> list[tuple[int, str, list[str]]]:
+    """The README's indented code blocks: (first line number, section title, lines)."""
+    blocks, section, current, start, previous = [], "", [], 0, ""
+    for number, line in enumerate([*text.splitlines(), ""], start=1):
+        indented = line.startswith("    ")
+        if current and (indented or not line.strip()):
+            current.append(line[4:])
+            continue
+        if current:
+            while current and not current[-1].strip():
+                current.pop()
+            blocks.append((start, section, current))
+            current = []
+        if line.startswith("#"):
+            section = line.lstrip("#").strip()
+        # Markdown's code block starts after a blank line (else it continues the paragraph).
+        if indented and not previous.strip():
+            current, start = [line[4:]], number
+        previous = line
+    return blocks
+
+
+def commands(lines: list[str]) -> list[str]:
+    """A shell block's commands, each with its backslash-continued lines."""
+    out, pending = [], []
+    for line in lines:
+        if not line.strip():
+            continue
+        pending.append(line)
+        if not line.rstrip().endswith("\\"):
+            out.append("\n".join(pending))
+            pending = []
+    return out
+
+
+def one_line(command: str) -> str:
+    return " ".join(command.replace("\\\n", " ").split())
+
+
+def skipped(command: str) -> str | None:
+    flat = one_line(command)
+    return next((why for start, why in SKIP.items() if flat.startswith(start)), None)
+
+
+def unexplained_warnings(stderr: str) -> list[str]:
+    return [
+        line
+        for line in stderr.splitlines()
+        if "warning" in line.lower()
+        and not any(re.search(pattern, line) for pattern, _ in EXPLAINED_WARNINGS)
+    ]
+
+
+def tail(text: str, n: int = 15) -> str:
+    return "\n".join("    " + line for line in text.rstrip().splitlines()[-n:])
+
+
+@pytest.mark.experiment
+def test_every_readme_command_runs_as_written(tmp_path):
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    env = {
+        **os.environ,
+        "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        # The venv's jaxdist is an editable install of this checkout: the clone's code instead.
+        "PYTHONPATH": str(clone),
+    }
+    # conftest.py sets these for the suite's own processes; a new user's shell has neither.
+    # The compile and font caches it points at the session's directory stay: they keep the
+    # user's home untouched and change no output.
+    env.pop("JAX_PLATFORMS", None)
+    env.pop("XLA_FLAGS", None)
+
+    ran, skips, failures = [], [], []
+
+    def run(shown: str, argv: list[str]) -> None:
+        t0 = time.perf_counter()
+        p = subprocess.run(argv, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
+        ran.append((time.perf_counter() - t0, shown))
+        problems = []
+        if p.returncode != 0:
+            problems.append(f"exit {p.returncode}")
+        if not p.stdout.strip():
+            problems.append("nothing on stdout")
+        warned = unexplained_warnings(p.stderr)
+        if warned:
+            problems.append("unexplained warnings:\n" + tail("\n".join(warned)))
+        if problems:
+            failures.append(
+                f"$ {shown}\n  " + "; ".join(problems)
+                + f"\n  stdout (tail):\n{tail(p.stdout)}\n  stderr (tail):\n{tail(p.stderr)}"
+            )  # fmt: skip
+
+    text = (ROOT / "README.md").read_text()
+    for number, section, lines in readme_blocks(text):
+        first = lines[0].split()[0]
+        if not first.startswith(SHELL_WORDS) and not ASSIGNMENT.match(first):
+            # The Python program (the own-model example), run as a script from the clone.
+            script = tmp_path / f"readme_line_{number}.py"
+            script.write_text("\n".join(lines) + "\n")
+            run(f"python <README line {number}, {section}>", [sys.executable, str(script)])
+            continue
+        assignments = []  # a block's `M=...` lines, in force for its later commands
+        for command in commands(lines):
+            if ASSIGNMENT.match(command.strip()):
+                assignments.append(command.strip())
+                continue
+            why = skipped(command)
+            if why:
+                skips.append(f"{one_line(command)}  ({why})")
+                continue
+            for path, into in REDIRECT.items():
+                command = command.replace(path, into.format(tmp=shlex.quote(str(tmp_path))))
+            script = "\n".join([*assignments, command])
+            run(one_line(command), ["bash", "-e", "-o", "pipefail", "-c", script])
+
+    timings = "\n".join(f"{seconds:7.1f} s  {shown}" for seconds, shown in ran)
+    print(f"ran {len(ran)} commands:\n{timings}\nskipped:\n" + "\n".join(skips))
+    assert len(ran) > 20  # the parser found the README's blocks
+    assert not failures, f"{len(failures)} of {len(ran)} README commands failed:\n\n" + (
+        "\n\n".join(failures)
+    )
