@@ -1,9 +1,11 @@
 """FP8 GEMMs in the compiled GPU program (jaxdist.planning.gemms): a projection quantized the
 direct way (flax's fp8_scaled_dot_general: a dot on f8 operands) compiles, forward and both
 backward GEMMs, to GEMMs that read f8; the quantize-dequantize pattern around a bf16 dot
-(flax's Fp8DotGeneralOp) and a plain bf16 dot count as 16-bit. Compiled in this process for one
-H100 (jaxdist.planning.gpu) at jaxdist's compiler options; skips where the gpu-aot extra is
-absent."""
+(flax's Fp8DotGeneralOp) and a plain bf16 dot count as 16-bit; compiled in this process for one
+H100 (jaxdist.planning.gpu) at jaxdist's compiler options. The model's own step with --fp8
+(`train --compile-only --target h200:1`): every projection's GEMMs read f8, only the head's and
+attention's stay 16-bit, at no more memory than bf16's. The compiles skip where the gpu-aot
+extra is absent."""
 
 import pathlib
 
@@ -148,3 +150,81 @@ def test_compile_report_shows_the_census_under_its_memory():
     text = console.export_text()
     assert "GEMMs: 2 f8, 3 bf16, 1 f32 (not f8: sbtd,dv->sbtv, router" in text
     assert text.index("compiled peak") < text.index("GEMMs:") < text.index("collectives")
+
+
+# --- The model's own step, compiled for one H200 --------------------------------------------
+
+# Two Llama-style layers whose five projections all pass worth_fp8 (d 2048, d_mlp 5632: every
+# GEMM reads or writes more than 1,024 features), a 32K vocabulary; small enough to compile in
+# about 25 s here (remat dots, as the presets).
+SMALL_LLAMA = (
+    *("--model", "custom", "--style", "llama", "--layers", "2", "--d-model", "2048"),
+    *("--heads", "16", "--kv-heads", "8", "--d-mlp", "5632", "--vocab", "32000"),
+    *("--seq-len", "512", "--batch-size", "4", "--remat", "dots"),
+)
+RECIPES = ["off", "current", pytest.param("delayed", marks=pytest.mark.experiment)]
+
+
+def _selected_recipes(request) -> list[str]:
+    """The recipes this session's selected model-level tests compile (off always: the
+    baseline), so that they start at once, side by side."""
+    mine = [i for i in request.session.items if getattr(i, "module", None) is request.module]
+    wanted = {
+        i.callspec.params["recipe"]
+        for i in mine
+        if getattr(i, "originalname", "") == "test_the_models_projections_compile_to_f8_gemms"
+    }
+    return ["off", *sorted(wanted - {"off"})] if wanted else []
+
+
+@pytest.fixture(scope="module")
+def model_reports(request):
+    """recipe -> the compile report (--json) of SMALL_LLAMA's step for one H200, each
+    compile its own `jaxdist train --compile-only` process, all started at once."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.helpers import cli
+
+    def compile_(recipe: str) -> dict:
+        args = ("train", *SMALL_LLAMA, "--fp8", recipe, "--target", "h200:1")
+        r = cli(*args, "--compile-only", "--json", "-", timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    recipes = _selected_recipes(request)
+    with ThreadPoolExecutor(len(recipes) or 1) as pool:
+        futures = {r: pool.submit(compile_, r) for r in recipes}
+        return {r: f.result() for r, f in futures.items()}
+
+
+def _head_or_attention(gemm: dict) -> bool:
+    """The GEMMs --fp8 leaves in the compute dtype: the head's (the fused loss's einsums over
+    the vocabulary, v) and cuDNN's fused attention."""
+    head = "->" in gemm["label"] and "v" in gemm["label"]
+    return head or gemm["label"] == "attention (cuDNN)"
+
+
+@pytest.mark.slow
+@needs_gpu_aot
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "off"])
+def test_the_models_projections_compile_to_f8_gemms(model_reports, recipe):
+    off, fp8 = model_reports["off"], model_reports[recipe]
+    each = fp8["gemms"]["each"]
+    # Nothing but the head and attention in 16 bits: a projection that fell back fails here.
+    wide = [g for g in each if g["precision"] != "f8" and not _head_or_attention(g)]
+    assert wide == [], wide
+    assert {g["precision"] for g in each if _head_or_attention(g)} == {"bf16"}
+    # Forward GEMMs on e4m3 x e4m3; both backward ones read the output gradient in e5m2.
+    forward = [g for g in each if g["precision"] == "f8" and not g["backward"]]
+    backward = [g for g in each if g["precision"] == "f8" and g["backward"]]
+    assert all(g["operands"] == ["f8e4m3fn", "f8e4m3fn"] for g in forward), forward
+    assert all("f8e5m2" in g["operands"] for g in backward), backward
+    # Five projections (q/k/v, out, up, gate, down) x (forward, dgrad, wgrad) = 15 GEMMs, less
+    # those XLA merges: up and gate read the same input (13 here: their forward and wgrad).
+    assert len(forward) >= 4 and len(backward) >= 8 and len(each) - len(forward + backward) == 5
+    # The same step in bf16: its projections 16-bit, none f8.
+    assert "f8" not in off["gemms"]["by_precision"]
+    # FP8 holds no more memory than bf16, within 5%.
+    peak, bf16_peak = (r["per_device_bytes"]["peak_estimate"] for r in (fp8, off))
+    assert peak <= 1.05 * bf16_peak, (peak / 2**30, bf16_peak / 2**30)

@@ -185,12 +185,14 @@ def gemms(hlo_text: str) -> list[Gemm]:
 
 def census(hlo_text: str) -> dict:
     """The GEMMs counted by precision (`by_precision`: {"f8": 21, "bf16": 6}), by kind and
-    precision (`by_kind`), and the labels of those that read no FP8 (`not_f8`: label ->
-    count), e.g. the head's and attention's where the projections run in FP8."""
+    precision (`by_kind`), the labels of those that read no FP8 (`not_f8`: label -> count),
+    e.g. the head's and attention's where the projections run in FP8, and each GEMM (`each`:
+    kind, precision, operand types, label, backward)."""
     by_precision: dict[str, int] = {}
     by_kind: dict[str, dict[str, int]] = {}
     not_f8: dict[str, int] = {}
-    for g in gemms(hlo_text):
+    found = gemms(hlo_text)
+    for g in found:
         p = g.precision
         by_precision[p] = by_precision.get(p, 0) + 1
         kind = by_kind.setdefault(g.kind, {})
@@ -202,6 +204,11 @@ def census(hlo_text: str) -> dict:
         "by_precision": {p: by_precision[p] for p in order},
         "by_kind": by_kind,
         "not_f8": not_f8,
+        "each": [
+            {"kind": g.kind, "precision": g.precision, "operands": list(g.operands)}
+            | {"label": g.label, "backward": g.backward}
+            for g in found
+        ],
     }
 
 
