@@ -15,8 +15,11 @@ the active layout's `--fp8` runs it in FP8, the forward GEMM takes the activatio
 weight in e4m3, both backward GEMMs (dgrad, wgrad) the output gradient in e5m2, each tensor
 with one scale, and every GEMM's result is dequantized to the compute dtype. The GEMMs are
 `lax.dot_general` on f8 operands themselves, not quantize-dequantize around a 16-bit dot: XLA's
-GPU rewriter turns the former into cuBLAS FP8 GEMMs, while the latter silently stays a bf16
-GEMM (jax#22313). Flax's maintained ops (flax.linen.fp8_ops) do the scaling.
+GPU compiler runs the former as FP8 GEMMs (for H100 and H200, XLA 0.11: Triton GEMM fusions
+whose dot reads f8 operands; cuBLASLt's f8 matmul with Triton GEMMs off), while the latter
+silently stays a bf16 GEMM (jax#22313). Flax's maintained pieces (flax.linen.fp8_ops:
+update_fp8_meta, quantize, dequantize, the dot transposes) do the scaling; the two custom VJPs
+are this module's, for the residuals' sake (`_bits`).
 
 - current: each scale from the tensor's own amax in that step (x and w in the forward, the
   output gradient in the backward); no state.
@@ -27,8 +30,9 @@ GEMM (jax#22313). Flax's maintained ops (flax.linen.fp8_ops) do the scaling.
   cotangent) and writes them into the state (jaxdist.step), never through the optimizer.
 
 On the CPU an f8 dot is an honest emulation: XLA's CPU backend converts the f8 operands to f32
-and multiplies those, so the results carry FP8's rounding exactly, without its speed. TPUs
-before v7 have no FP8 matrix units (XLA would emulate it there too, slower than bf16): refused.
+and multiplies those, so the results carry FP8's rounding exactly, without its speed. TPUs (v4,
+v5e, v5p, v6e) have no FP8 matrix units, XLA would emulate it there too, slower than bf16: every
+TPU is refused, as are GPUs before compute capability 8.9 and a pipeline axis (`check`).
 """
 
 import functools
