@@ -324,3 +324,31 @@ def test_hardware_without_fp8_units_and_pipelines_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="pipeline=2: the stages run in a shard_map") as e:
         build(model_spec(mc).init, tx, lr, piped, mesh)
     assert "\n" not in str(e.value) and "--fp8 off" in str(e.value)
+
+
+@pytest.mark.experiment  # a third compile (replica groups): beyond the suite's minute
+def test_replica_groups_keep_their_own_fp8_state():
+    # Each group keeps an FP8 state of its own ([M, ...]) whose amaxes are its own batches'
+    # (DiLoCo: nothing crosses `replica` between syncs); the outer step runs beside it.
+    from jaxdist.config import SyncConfig
+
+    mc = _built("delayed")[0]
+    mesh = mesh_for("replica=2,fsdp=4")
+    layout = Layout.on(
+        mesh, STANDARD_RULES, _step("delayed"), batch_size=BATCH * 2, seq_len=SEQ,
+        sync=SyncConfig(sync_every=2),
+    )  # fmt: skip
+    tx, lr = make_optimizer(OPTIM, STEPS)
+    jitted = build(model_spec(mc).init, tx, lr, layout, mesh, vocab=Vocab(256))
+    data = TokenBatches(DataConfig(batch_size=BATCH * 2), SEQ, mc.vocab_size)
+    state = jitted.init_fn()
+    for s in (0, 1):  # step 1 is NaN (skipped) and ends the first round: the outer step
+        batch = jax.device_put(data.batch(2 * s), jitted.batch_sharding)
+        state, _ = jitted.step_fn(state, batch, jitted.outer_part(s))
+    x_amax_M = np.asarray(state.fp8[fp8.meta_name("wqkv_LDGQH", "x", "amax")][...])[:, 0, 0]
+    w_amax_M = np.asarray(state.fp8[fp8.meta_name("wqkv_LDGQH", "w", "amax")][...])[:, 0, 0]
+    assert x_amax_M.shape == (2,) and x_amax_M[0] != x_amax_M[1]  # the groups' own rows
+    assert w_amax_M[0] == w_amax_M[1]  # the same weights at the start
+    assert state.outer is not None and len(jax.tree.leaves(state.outer)) == 2 * len(
+        jax.tree.leaves(state.params)
+    )
