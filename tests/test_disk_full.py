@@ -185,6 +185,34 @@ def test_write_errors_are_recognised_and_only_theirs_are_silenced():
     assert quiet.filter(task)
 
 
+LATE = (
+    "import asyncio, sys, threading\n"
+    "import tensorstore as ts\n"
+    "from jaxdist.checkpoint.writefail import quiet_late_writer_callbacks\n"
+    "quiet_late_writer_callbacks()\n"
+    "promise, future = ts.Promise.new()\n"
+    "loop = asyncio.new_event_loop()\n"
+    "async def write():\n"
+    "    await future\n"
+    "loop.create_task(write())\n"
+    "loop.run_until_complete(asyncio.sleep(0.01))\n"
+    "loop.close()  # as Orbax's loop, once a save's first write failed\n"
+    "done = threading.Thread(target=promise.set_result, args=(1,))\n"
+    "done.start(); done.join()  # a write ending later, on TensorStore's thread\n"
+    "class Other:\n"
+    "    def __del__(self):\n"
+    "        raise RuntimeError('Event loop is closed')  # not a writer's callback: shown\n"
+    "Other()\n"
+)
+
+
+def test_a_write_ending_after_its_save_was_abandoned_prints_nothing():
+    p = subprocess.run([sys.executable, "-c", LATE], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "call_soon_threadsafe" not in p.stderr, p.stderr
+    assert p.stderr.count("Event loop is closed") == 1 and "__del__" in p.stderr, p.stderr
+
+
 # --- one writer per run directory ---
 
 HOLD = (

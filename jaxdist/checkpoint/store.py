@@ -43,6 +43,7 @@ from jaxdist.checkpoint.writefail import (
     dir_bytes,
     human_bytes,
     make_dir,
+    quiet_late_writer_callbacks,
     quiet_write_errors,
     remove_partial,
     write_errno,
@@ -79,7 +80,14 @@ def _split_only_large_arrays() -> None:
         array_metadata_store=vars(default).get("_array_metadata_store"),
         min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES,
     )
-    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    # Orbax warns of any override (through absl, on every run's stderr): this one is meant.
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl_log.setLevel(level)
 
 
 def compile_fingerprint(abstract_state) -> concurrent.futures.Future:
@@ -164,6 +172,7 @@ class Checkpointer:
         # save() or wait() here can turn it into one message.
         logging.getLogger("absl").addFilter(quiet_write_errors)
         logging.getLogger("asyncio").addFilter(quiet_write_errors)
+        quiet_late_writer_callbacks()
 
     def _open(self, keep: int) -> ocp.CheckpointManager:
         _split_only_large_arrays()

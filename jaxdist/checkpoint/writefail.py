@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import shutil
+import sys
 import time
 
 from jaxdist.checkpoint.abandon import TMP_SUFFIX
@@ -70,6 +71,34 @@ class QuietWriteErrors(logging.Filter):
 
 
 quiet_write_errors = QuietWriteErrors()
+
+
+def _late_writer_callback(exc: BaseException | None) -> bool:
+    """TensorStore's completion callback of a write Orbax no longer awaits: after a save failed
+    (on a full disk, say), Orbax's event loop is closed while the save's other writes are still
+    running, and each one that ends then finds the loop closed."""
+    if not isinstance(exc, RuntimeError) or str(exc) != "Event loop is closed":
+        return False
+    tb = exc.__traceback__
+    return tb is not None and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+
+
+def quiet_late_writer_callbacks() -> None:
+    """Keeps those late callbacks (TensorStore reports them as unraisable, with a bare
+    traceback, during any later step) off stderr; every other unraisable error goes on to the
+    hook that was there. Installed once per process."""
+    previous = sys.unraisablehook
+    if getattr(previous, "jaxdist_quiet", False):
+        return
+
+    def hook(unraisable) -> None:
+        if _late_writer_callback(unraisable.exc_value):
+            log.debug("a write of an abandoned save ended after Orbax closed its event loop")
+            return
+        previous(unraisable)
+
+    hook.jaxdist_quiet = True
+    sys.unraisablehook = hook
 
 
 def human_bytes(n: float) -> str:
