@@ -34,7 +34,7 @@ _API = {
     "make_mesh": "jaxdist.mesh",
     "parse_mesh": "jaxdist.mesh",
     "AxisRules": "jaxdist.rules",
-    "LOGICAL_AXES": "jaxdist.axes",
+    "LOGICAL_AXES": "jaxdist.model",
     "Documents": "jaxdist.kernels.documents",
     # configs, one per component
     "ModelSpec": "jaxdist.model",

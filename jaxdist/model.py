@@ -1,6 +1,6 @@
 """What the trainer needs to know of a model: the contract between models/ and the loop.
 
-Any Flax NNX module whose parameters declare `logical_axes` (jaxdist.axes) and whose call
+Any Flax NNX module whose parameters declare `logical_axes` (LOGICAL_AXES below) and whose call
 `model(tokens_BT, docs=None) -> (logits_BTV, aux)` maps tokens [B, T] to logits [B, T, V] fits:
 aux holds `loss` (added to the objective, e.g. MoE balance) and `metrics` (logged). The step
 passes `docs` (second argument; jaxdist.kernels.documents.Documents: per-token document ids and
@@ -14,15 +14,35 @@ hidden state and the output head (logits = h_BTD @ head_DV). A model that has it
 cross-entropy (jaxdist.kernels.fused_loss: the logits computed chunk by chunk, never whole in
 memory); one that has not is called for its logits. Optional, for pipeline parallelism:
 `model.stages()` (`Stages` below; jaxdist.parallel.pipeline runs them).
+
+Models never name mesh axes; they name each dimension with one of the logical names in
+LOGICAL_AXES, and a rule table (jaxdist.rules) maps each name onto zero or more mesh axes.
+Shape-suffix legend used throughout the code (x_BTD, logits_BTV, ...):
+  B batch      T seq (sequence position)   D embed      F mlp (hidden width)
+  N heads      G kv_heads   Q qkv (query heads of a kv group, then K, then V)
+  H head_dim   V vocab      L layers     E expert     C capacity (slots per expert)
+  K top-k choices of the router
 """
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from flax import nnx
 
-if TYPE_CHECKING:
-    from jaxdist.inference.generate import Decoder
+# The closed vocabulary of logical axes that models name their tensors' dimensions with.
+LOGICAL_AXES: tuple[str, ...] = (
+    "batch",
+    "seq",
+    "embed",
+    "mlp",
+    "heads",
+    "kv_heads",
+    "qkv",
+    "head_dim",
+    "vocab",
+    "layers",
+    "expert",
+)
 
 
 class ModelSpec(NamedTuple):
@@ -33,8 +53,9 @@ class ModelSpec(NamedTuple):
     flops_per_token: float  # training FLOPs per token, for MFU
     config: Any = None  # a dataclass, recorded in the run directory
     # For generation (jaxdist/inference/generate.py): compute dtype -> the model run with a KV
-    # cache. None: the model has no decoder.
-    decoder: Callable[[str], "Decoder"] | None = None
+    # cache (a jaxdist.inference.generate.Decoder, not imported: the model contract comes before
+    # everything that runs a model). None: the model has no decoder.
+    decoder: Callable[[str], Any] | None = None
     # The sizes the tensor mesh axis splits, each a multiple of its ways: generation takes the
     # widest tensor axis they allow (jaxdist/hf/generation.py). (): none.
     tensor_dims: tuple[int, ...] = ()
@@ -48,7 +69,7 @@ class Stages(NamedTuple):
     embed: Callable  # (weights, tokens_bT, docs: Documents | None) -> x_bTD
     body: Callable  # (layer weights, x_bTD, docs) -> (x_bTD, auxiliary loss share)
     head: Callable  # (weights, x_bTD) -> logits_bTV
-    axes: dict  # name -> the weight's logical axes (jaxdist.axes)
+    axes: dict  # name -> the weight's logical axes (LOGICAL_AXES)
     compute_dtype: str = "float32"  # weights are gathered in it
     # (weights, x_bTD) -> (h_bTD, head_DV), logits = h @ head: for the fused loss, which never
     # holds a microbatch's whole logits (jaxdist.kernels.fused_loss); None: the loss takes `head`'s.

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.axes import LOGICAL_AXES
 from jaxdist.errors import ConfigError
+from jaxdist.model import LOGICAL_AXES
 
 MeshAxes = str | tuple[str, ...] | None
 

@@ -1,1 +1,1 @@
-"""Model definitions. They speak logical axes only (jaxdist.axes) and know no mesh."""
+"""Model definitions. They speak logical axes only (jaxdist.model.LOGICAL_AXES) and know no mesh."""

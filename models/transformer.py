@@ -1,6 +1,6 @@
 """A decoder-only transformer family: GPT-2 style and Llama style variants of one code path.
 
-Legend (dims carry logical axes, jaxdist.axes):
+Legend (dims carry logical axes, jaxdist.model.LOGICAL_AXES):
   B batch  T seq  D embed  F mlp  N heads  G kv_heads  Q qkv  H head_dim  V vocab  L layers
   S seq (key position, in attention masks)
 

@@ -4,9 +4,9 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.axes import LOGICAL_AXES
 from jaxdist.errors import ConfigError
 from jaxdist.mesh import MESH_AXES
+from jaxdist.model import LOGICAL_AXES
 from jaxdist.rules import AxisRules, check_divisible
 from meshes.presets import STANDARD_RULES
 from tests.helpers import compiled_for, mesh_for
@@ -64,7 +64,7 @@ def test_model_with_too_few_heads_for_tensor_axis_fails_before_compiling():
 
 
 def test_every_logical_axis_has_a_legend_letter():
-    import jaxdist.axes as axes
+    import jaxdist.model as axes
 
     for name in LOGICAL_AXES:
         assert name in axes.__doc__, name
