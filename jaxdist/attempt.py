@@ -32,6 +32,7 @@ from jaxdist.data.mixture import Tally
 from jaxdist.evaluation import coverage, evaluate
 from jaxdist.metrics import wandb_log
 from jaxdist.metrics.goodput import Ledger, read_report, totals
+from jaxdist.metrics.progress import step_of
 from jaxdist.metrics.records import MetricsLog, print_summary, read_metrics
 from jaxdist.metrics.steptimer import StepTimer, summarize
 from jaxdist.metrics.tensorboard import TensorBoardLog
@@ -114,7 +115,8 @@ class Attempt:
             )
         repeat = f" (batches repeat: {distinct:,} distinct)" if distinct < tokens else ""
         run.console.print(
-            f"step {s:5d}  eval_loss {loss:.4f} over {tokens:,} tokens{repeat} ({seconds:.1f} s)",
+            f"{step_of(s, run.config.loop.steps)}  eval_loss {loss:.4f} over {tokens:,} "
+            f"tokens{repeat} ({seconds:.1f} s)",
             highlight=False,
             soft_wrap=True,
         )

@@ -18,7 +18,6 @@ import time
 import jax
 from jax.sharding import Mesh
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from jaxdist.attempt import Attempt, Run, close_attempt, open_attempt
 from jaxdist.checkpoint.lock import RunLock
@@ -168,30 +167,17 @@ def _finished(run_dir: pathlib.Path, step: int, console) -> dict:
     return {**summary, "already_finished": step}
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-        disable=not console.is_terminal,
-    )
-
-
 def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] | None:
     """Steps a.start..steps-1, then the last evaluation; returns (step, signal) when a signal
     stopped the run after that step (saved), None when it ran to its end."""
     run = a.run
     loop, jitted, console = run.config.loop, run.jitted, run.console
     eval_every = run.config.eval.eval_every or 0
-    progress = _progress(console)
     preempted = None
     pending: tuple[int, dict, dict] | None = None
     a.ledger.mark("startup")
-    with progress, a.watchdog:
-        task = progress.add_task("compiling", total=loop.steps, completed=a.start)
+    # The bar (a terminal only) sits under the step lines; the timer redraws it each step.
+    with a.timer.bar, a.watchdog:
         s = a.start
         while s < loop.steps:
             a.faults.before_step(s)
@@ -204,7 +190,6 @@ def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] |
             # Step s-1's scalars: s is already queued, so the device never idles for logging.
             if pending is not None:
                 rec = a.timer.finish(*pending)
-                progress.update(task, completed=s, description=f"loss {rec['loss']:.3f}")
                 if not rec["finite"]:
                     rolled = apply_nonfinite_policy(
                         loop.nonfinite, rec["step"], a.tiers.checkpointer, jitted,

@@ -76,6 +76,12 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     assert summary["steps"] == 6 and summary["step_time_s"]["n"] == 4
     # Progress on stderr; the result (the summary, the next commands) on stdout.
     assert "loss" in err and "p50" not in err
+    # Not a terminal: the plain lines, each with the step of the total; time left once a
+    # steady step exists (not while step 0 compiles); no bar, no control characters.
+    steps = [x for x in err.splitlines() if re.match(r"step [0-9]/6  loss", x)]
+    assert [x.split()[1] for x in steps] == [f"{s}/6" for s in range(6)], err
+    assert "left" not in steps[0] and re.search(r"tok/s  [0-9.]+ s left$", steps[2]), steps
+    assert "\x1b" not in err and "\r" not in err
     assert "p50" in out and f"jaxdist train --run-dir {run_dir} --steps 12" in out
 
 

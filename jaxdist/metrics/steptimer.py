@@ -1,5 +1,6 @@
 """Step time as the loop sees it, without stalling the device: each step's interval, its
-throughput and MFU, the log line, the watchdog's feed, and the run's summary.json."""
+throughput and MFU, the log line and the bar (progress), the watchdog's feed, and the run's
+summary.json."""
 
 import time
 
@@ -8,6 +9,7 @@ import numpy as np
 
 from jaxdist import hardware
 from jaxdist.cluster.join import metric_value
+from jaxdist.metrics.progress import Bar, step_line, time_left
 from jaxdist.metrics.records import distribution, throughput
 
 
@@ -24,6 +26,7 @@ class StepTimer:
         self.tokens_per_step = data.batch_size * model.seq_len
         self.peak = hardware.peak_flops(jax.devices()[0], loop.peak_tflops)
         self.step_times: list[float] = []  # steady-state steps only
+        self.bar = Bar(console, loop.steps, start)  # drawn while the loop runs (`with`)
         self.records: list[dict] = []
         self._t_prev = time.perf_counter()
 
@@ -70,14 +73,11 @@ class StepTimer:
         recent = self.step_times[-100:]
         self.watchdog.finished(s, float(np.median(recent)) if len(recent) >= 3 else None)
         last = s == self.loop.steps - 1
+        left = time_left(self.step_times, self.loop.steps - 1 - s)
+        self.bar.update(rec, left)
         if self.log and (s % self.loop.log_every == 0 or last or not rec["finite"]):
             self.log.write(rec)
-            mfu = f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
-            self.console.print(
-                f"step {s:5d}  loss {rec['loss']:.4f}  grad_norm {rec['grad_norm']:.3f}  "
-                f"{dt * 1e3:7.1f} ms  {rec['tokens_per_s']:,.0f} tok/s{mfu}",
-                highlight=False,
-            )
+            self.console.print(step_line(rec, self.loop.steps, left), highlight=False)
         return rec
 
 
