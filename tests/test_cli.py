@@ -121,6 +121,43 @@ def test_compile_only_reports_memory_for_1b_on_8_devices(capsys):
     assert report["per_device_bytes"]["peak_estimate"] > state_bytes
 
 
+def test_compile_only_says_what_it_compiles_before_xla_starts(capsys):
+    rc, out, err = jaxdist(
+        capsys, "train", "--model", "tiny", "--devices", "cpu:8", "--compile-only", "--json", "-"
+    )
+    assert rc == 0, err
+    assert json.loads(out)["model"] == "tiny"
+    # One line on stderr before the compile (not a terminal: no spinner, no control characters).
+    assert err.startswith(
+        "compiling tiny's train step for 8 cpu devices (mesh data=2,fsdp=2,tensor=2, batch 16 "
+        "x 128, remat none); XLA may take a minute\n"
+    ), err
+    assert "\x1b" not in err and "\r" not in err
+
+
+def test_compile_only_spins_on_a_terminal():
+    import io
+    import types
+
+    from rich.console import Console
+
+    from jaxdist.cli.compile_report import compiling
+    from tests.helpers import mesh_for
+
+    buf = io.StringIO()
+    args = types.SimpleNamespace(model="tiny", target="v5p-16")
+    layout = types.SimpleNamespace(batch_size=16, seq_len=128, remat="full")
+    with compiling(
+        Console(file=buf, force_terminal=True, width=200), args, mesh_for("fsdp=8"), layout
+    ):
+        pass
+    assert (
+        "compiling tiny's train step for v5p-16 (mesh fsdp=8, batch 16 x 128, remat full)"
+        in buf.getvalue()
+    )
+    assert "XLA is compiling tiny for v5p-16" in buf.getvalue()  # the spinner's text
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -2,6 +2,7 @@
 not have, or its own devices), its memory beside the one price's prediction and the device, its
 collectives per mesh axis; exit 1 when the program does not fit the target."""
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -26,7 +27,8 @@ def compile_only(args, model_cfg, mesh, layout, vocab: tuple[int, int | None]) -
         tried.append(model_cfg.remat)
         layout = dataclasses.replace(layout, remat=model_cfg.remat)
         try:
-            report, refusal = _report(args, model_cfg, mesh, layout, vocab, memory), None
+            with compiling(Console(stderr=True), args, mesh, layout):
+                report, refusal = _report(args, model_cfg, mesh, layout, vocab, memory), None
         except Exception as e:  # XLA's TPU compiler refuses a step that cannot fit the chip
             if not fit.refused_for_memory(e):
                 raise
@@ -44,6 +46,20 @@ def compile_only(args, model_cfg, mesh, layout, vocab: tuple[int, int | None]) -
         )
     report["remat"] = {"policy": tried[-1], "tried": tried} if auto else model_cfg.remat
     return finish(report, args.json)
+
+
+def compiling(console: Console, args, mesh, layout):
+    """Says on stderr what is compiled, for what, and that it takes a while (XLA may work for a
+    minute in silence); on a terminal, a spinner until it is done."""
+    where = args.target or f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices"
+    what = (
+        f"compiling {args.model}'s train step for {where} (mesh {_mesh(dict(mesh.shape))}, "
+        f"batch {layout.batch_size} x {layout.seq_len}, remat {layout.remat or 'none'})"
+    )
+    console.print(f"{what}; XLA may take a minute", markup=False, highlight=False, soft_wrap=True)
+    if not console.is_terminal or console.quiet:
+        return contextlib.nullcontext()
+    return console.status(f"XLA is compiling {args.model} for {where}", spinner="dots")
 
 
 def finish(report: dict, json_path: str | None) -> int:
