@@ -32,3 +32,62 @@ def test_every_flag_of_every_command_is_described(command):
     with INT_LISTS:
         parser = tyro.extras.get_parser(COMMANDS[command][0])
     assert _undescribed(parser) == []
+
+
+def _help(capsys, monkeypatch, columns: int, *argv: str) -> str:
+    """`jaxdist *argv --help` as printed at `columns` wide."""
+    from jaxdist.cli.main import main
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    # As a terminal or a pipe shows it: tyro draws its boxes in ASCII on a stdout whose encoding
+    # is not spelled "utf-8" (pytest's capture says "UTF-8").
+    monkeypatch.setattr("tyro._fmtlib._FORCE_UTF8_BOXES", True)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def _panels(text: str) -> dict[str, list[str]]:
+    """The help's panels (title without tyro's " options") and the flags each lists."""
+    panels, current = {}, None
+    for line in text.splitlines():
+        title = re.match(r"╭─ (?:(.+?) )?options ─", line)
+        if title:
+            current = panels.setdefault(title.group(1) or "", [])
+        elif current is not None and re.match(r"│ --?\w", line):
+            current.append(line[2:].split()[0])
+    return panels
+
+
+@pytest.mark.filterwarnings("ignore:get_parser\\(\\) is deprecated:DeprecationWarning")
+def test_train_help_groups_every_flag_by_concern(capsys, monkeypatch):
+    from jaxdist.cli.help_groups import PANELS
+
+    panels = _panels(_help(capsys, monkeypatch, 80, "train"))
+    # tyro's "options" panel keeps only -h; every other flag is in its concern's, in order.
+    assert panels.pop("") == ["-h,"]
+    assert list(panels) == [name for name, _ in PANELS]
+    for name, flags in PANELS:
+        assert [f.rstrip(",") for f in panels[name]] == list(flags), name
+    # Every flag of the parser has its panel (a new flag needs one here too).
+    with INT_LISTS:
+        parser = tyro.extras.get_parser(COMMANDS["train"][0])
+    listed = {f for _, flags in PANELS for f in flags}
+    assert {a.option_strings[0] for a in parser._actions if a.option_strings} - listed == {"-h"}
+
+
+def test_a_help_text_is_one_paragraph_however_its_docstring_was_wrapped(capsys, monkeypatch):
+    # tyro broke a docstring's text wherever its source line was indented, mid-sentence
+    # ("(RMSNorm, SwiGLU," then "RoPE); ..." a line down). Wrapped as one paragraph, a line ends
+    # only where the next word would not fit: 70 columns inside an 80-column panel.
+    lines = _help(capsys, monkeypatch, 80, "train").splitlines()
+    described = [re.match(r"│       (\S.*?)\s*│$", line) for line in lines]
+    early = [
+        this.group(1)
+        for this, after in zip(described, described[1:], strict=False)
+        if this and after and len(this.group(1)) + 1 + len(after.group(1).split()[0]) <= 70
+    ]
+    assert early == []
+    assert any("(RMSNorm, SwiGLU, RoPE)" in line for line in lines)

@@ -22,6 +22,7 @@ from jaxdist.cli import (
     config_file,
 )
 from jaxdist.cli.cmd_launch import passthrough
+from jaxdist.cli.help_groups import grouped
 from jaxdist.errors import ConfigError
 
 # Integer lists (--fault-nan-steps) as users type them, `5,9`, as well as tyro's own `5 9`.
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"jaxdist: error: {e}", file=sys.stderr)
             return 2
-    with INT_LISTS:
+    with INT_LISTS, grouped():  # the help by concern (help_groups)
         if defaults is not None:
             args = tyro.cli(cmd_train.Train, default=defaults, args=argv[1:], prog="jaxdist train")
         else:
