@@ -11,8 +11,14 @@ written beside it (bf16 weights, M = 4 groups, one pass of (M-1)/M of them over 
 sync, each sync hidden behind 0.52 of a step's compute: that last figure fitted on the
 paper's three data-parallel rows). Prints ours beside the paper's, row by row, and the ratio;
 tests/test_plan_replica.py holds each within 15%.
+
+Then the paper's other price, in loss (Tables 4 and 5, H = 30): at each size it measured, the
+loss gap of M groups to data parallelism as planning.quality prices it (the paper's), the gap
+interpolated from the neighbouring sizes with this one left out (a check on sizes between
+them), and the tokens for data parallelism's loss that `plan` multiplies each step by.
 """
 
+from jaxdist.planning import quality
 from jaxdist.planning.sync import PAPER_GROUPS, PAPER_HIDDEN_SHARE, paper_bandwidth
 
 # Charles et al. (arXiv:2503.09799), Table 6: (model, parameters, seconds per step, H, Gbit/s
@@ -37,6 +43,42 @@ def rows() -> list[dict]:
     return out
 
 
+def quality_rows(groups=(2, 4, 8)) -> list[dict]:
+    """Per measured size and M: the paper's gap, the gap with this size left out (None at the
+    ends, or where a neighbour lacks M), and the tokens factor."""
+    rows, out = quality.PAPER_ROWS, []
+    for i, (params, dp, by_m) in enumerate(rows):
+        rest = rows[:i] + rows[i + 1 :]
+        for M in groups:
+            if M not in by_m:
+                continue
+            inner = 0 < i < len(rows) - 1 and all(M in r[2] for r in rows[i - 1 : i + 2])
+            gap = quality.loss_gap(params, M)
+            out.append(
+                dict(
+                    params=params,
+                    M=M,
+                    paper=by_m[M] / dp - 1,
+                    left_out=quality.loss_gap(params, M, rest) if inner else None,
+                    tokens=quality.tokens_factor(gap, params),
+                )
+            )
+    return out
+
+
+def print_quality() -> None:
+    print(
+        f"\nloss gap of M groups to data parallelism (H = {quality.PAPER_H}, D = 20 N); "
+        "tokens for its loss"
+    )
+    print(f"{'N':>6}{'M':>3}{'paper':>9}{'left out':>10}{'tokens':>8}")
+    for r in quality_rows():
+        left = "-" if r["left_out"] is None else f"{r['left_out']:+.2%}"
+        print(
+            f"{r['params'] / 1e9:>5.3g}B{r['M']:>3}{r['paper']:>+9.2%}{left:>10}{r['tokens']:>8.3f}"
+        )
+
+
 def main() -> None:
     print(
         f"Gbit/s between {PAPER_GROUPS} groups for 80% compute utilization "
@@ -48,6 +90,7 @@ def main() -> None:
             f"{r['model']:<14}{r['step_s']:>7g}  {r['method']:<15}{r['paper']:>8.1f}"
             f"{r['ours']:>8.1f}{r['ours'] / r['paper']:>7.3f}"
         )
+    print_quality()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ PLAN_MESH_HELP = (
 
 @dataclasses.dataclass(frozen=True)
 class Plan(Common):
-    """Rank the layouts of a model on N devices by predicted step time (memory must fit).
+    """Rank the layouts of a model on N devices by predicted step time (memory must fit),
+    times the tokens replica groups need for data parallelism's loss where there are any.
 
     The model, its size flags, remat and the step's microbatches and pipeline schedule are
     `jaxdist train`'s: plan what you will run."""
@@ -66,7 +67,9 @@ class Plan(Common):
     replicas: int | None = None
     """also rank layouts of this many replica groups that train alone and meet every
     --sync-every steps (DiLoCo; --sync-dtype, --sync-fragments, --sync-delay) beside the
-    others; or add replica to --axes for any number of groups"""
+    others, by the time to data parallelism's loss: the step time times the tokens M groups
+    need for it (arXiv:2503.09799's loss at M groups, measured at H = 30); or add replica to
+    --axes for any number of groups"""
     link_gbps: float | None = None
     """the slow link (between hosts or TPU slices; the hardware's, e.g. 400 on h100) at this
     many Gbit/s per device and direction: for a cluster across buildings, the link between

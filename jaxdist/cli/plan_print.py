@@ -1,4 +1,4 @@
-"""What `jaxdist plan` prints: the ranked layouts in 100 columns (every term with --wide), the
+"""What `jaxdist plan` prints: the ranked layouts in 80 columns (every term with --wide), the
 compiler's word beside them (--verify), and the `jaxdist train` command that runs the choice."""
 
 import dataclasses
@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxdist.config import StepConfig, SyncConfig
+from jaxdist.planning import quality
 from jaxdist.planning.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
 
 # Common's model-size flags (jaxdist.cli.options), as the command line spells them.
@@ -115,47 +116,33 @@ def _heading(result: dict, console: Console) -> None:
 
 
 def print_plan(result: dict, console: Console, wide: bool = False) -> None:
-    """The ranked layouts, fastest first, and the naive data=N beside them: per device, the
-    remat policy, microbatches, GB, then the fleet law's terms in ms (compute over N, the
-    pipeline's bubble where any, exposed communication, the straggler's sync, the step) and
-    MFU."""
+    """The ranked layouts, soonest to data parallelism's loss first, and the naive data=N beside
+    them: per device, the remat policy, microbatches, GB, then the fleet law's terms in ms
+    (compute over N, the pipeline's bubble where any, exposed communication, the straggler's
+    sync, the step), with replica groups the tokens factor and the time to data parallelism's
+    loss, and MFU. Without --wide, within 80 columns for layouts of up to 23 characters."""
     _heading(result, console)
     rows = [(r["layout"], r) for r in result["layouts"]]
     naive = result.get("naive")
     if naive and all(r["layout"] != naive["layout"] for _, r in rows):
         rows.append((f"{naive['layout']} (naive)", naive))
     bubbles = wide or any(r["bubble_s"] for _, r in rows)
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    columns = ["layout", "remat", "mb", "GB", "comp"] + (["bubl"] if bubbles else [])
-    columns += ["comm", "-ovl"] if wide else ["comm*"]
     outer = any("sync" in r for _, r in rows)
-    columns += (["outer"] if outer else []) + ["sync", "step", "MFU"]
     fp8 = any("fp8" in r for _, r in rows)
-    columns += (["tok/s"] if wide else []) + (["vs bf16"] if fp8 else [])
-    for col in columns:
+    # One space between columns and none at the edges: 80 columns hold the default table.
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0))
+    for col in _columns(wide, bubbles, outer, fp8):
         text = col in ("layout", "remat")
         # Nothing is cut: a layout too long for its column folds onto a second line.
         table.add_column(col, justify="left" if text else "right", overflow="fold")
     for name, r in rows:
-        cells = [name, r["remat"], str(r["microbatches"])]
-        cells += [f"{r['memory_bytes']['peak'] / 1e9:.3g}" + ("" if r["fits"] else "!")]
-        cells += [_ms(r["compute_s"])] + ([_ms(r["bubble_s"])] if bubbles else [])
-        if wide:
-            cells += [_ms(r["comm_s"]), _ms(r["overlap_s"])]
-        else:
-            cells += [_ms(r["comm_s"] - r["overlap_s"])]
-        if outer:
-            cells += [_ms(r["outer_exposed_s"]) if "sync" in r else "-"]
-        cells += [_ms(r["sync_s"]), _ms(r["step_s"]), f"{r['mfu']:.0%}"]
-        cells += [f"{r['tokens_per_s']:,.0f}"] if wide else []
-        cells += [f"{r['fp8']['speedup']:.2f}x"] if fp8 else []
-        table.add_row(*cells)
+        table.add_row(*_cells(name, r, wide, bubbles, outer, fp8))
     console.print(table)
     notes = ["mb: microbatches", "ms per step"]
     if not wide:
-        notes.append("comm*: what compute does not hide (--wide: both apart)")
+        notes.append("comm*: what compute does not hide (--wide: each apart)")
     if outer:
-        notes.append(_outer_note(rows))
+        notes += [_outer_note(rows, wide), _quality_note()]
     if fp8:
         notes.append(_fp8_note(rows))
     if not all(r["fits"] for _, r in rows):
@@ -165,14 +152,48 @@ def print_plan(result: dict, console: Console, wide: bool = False) -> None:
     _link_line(rows, console)
 
 
-def _outer_note(rows) -> str:
-    """What the outer column is, at the sync settings of the replica layouts shown."""
+def _columns(wide: bool, bubbles: bool, outer: bool, fp8: bool) -> list[str]:
+    columns = ["layout", "remat", "mb", "GB", "comp"] + (["bubl"] if bubbles else [])
+    columns += ["comm", "-ovl"] + (["outer"] if outer else []) if wide else ["comm*"]
+    columns += ["sync", "step"] + (["xtok", "to DP"] if outer else []) + ["MFU"]
+    return columns + (["tok/s"] if wide else []) + (["vs bf16"] if fp8 else [])
+
+
+def _cells(name: str, r: dict, wide: bool, bubbles: bool, outer: bool, fp8: bool) -> list[str]:
+    """One row's cells, in _columns' order."""
+    cells = [name, r["remat"], str(r["microbatches"])]
+    cells += [f"{r['memory_bytes']['peak'] / 1e9:.3g}" + ("" if r["fits"] else "!")]
+    cells += [_ms(r["compute_s"])] + ([_ms(r["bubble_s"])] if bubbles else [])
+    if wide:
+        cells += [_ms(r["comm_s"]), _ms(r["overlap_s"])]
+        cells += [_ms(r["outer_exposed_s"]) if "sync" in r else "-"] if outer else []
+    else:
+        cells += [_ms(r["comm_s"] - r["overlap_s"] + r.get("outer_exposed_s", 0.0))]
+    cells += [_ms(r["sync_s"]), _ms(r["step_s"])]
+    if outer:
+        cells += [f"{r['tokens_factor']:.3f}", _ms(r["to_loss_s"])]
+    cells += [f"{r['mfu']:.0%}"] + ([f"{r['tokens_per_s']:,.0f}"] if wide else [])
+    return cells + ([f"{r['fp8']['speedup']:.2f}x"] if fp8 else [])
+
+
+def _outer_note(rows, wide: bool) -> str:
+    """What the outer exchange is, at the sync settings of the replica layouts shown."""
     s = next(r["sync"] for _, r in rows if "sync" in r)
     T = s["sync_delay"]
     hidden = f", less what the next {T} step(s) of compute hide" if T else ""
     return (
-        f"outer: replica groups' exchange ({s['sync_dtype']}, {s['sync_fragments']} "
-        f"fragment(s)) over the slow link every {s['sync_every']} steps, per step{hidden}"
+        f"{'outer' if wide else 'comm* includes'} replica groups' exchange ({s['sync_dtype']}, "
+        f"{s['sync_fragments']} fragment(s)) over the slow link every {s['sync_every']} steps, "
+        f"per step{hidden}"
+    )
+
+
+def _quality_note() -> str:
+    """What the tokens factor is, and at which H the paper measured it."""
+    return (
+        "xtok: tokens to data parallelism's loss per token of it (replica groups: "
+        f"arXiv:2503.09799's loss for M groups at H = {quality.PAPER_H}, whatever --sync-every; "
+        "Chinchilla's law in tokens); to DP: step x xtok, the ranking"
     )
 
 
@@ -214,9 +235,11 @@ def _footer(result: dict, rows, naive, console: Console) -> None:
             f"{naive['memory_bytes']['peak'] / 1e9:.1f} GB per device; best: {best['layout']}"
         )
     elif naive and naive is not best:
+        grouped = best["tokens_factor"] != 1
+        per = "to data parallelism's loss" if grouped else "per step"
         console.print(
             f"best {best['layout']} vs naive data parallel {naive['layout']}: "
-            f"{naive['step_s'] / best['step_s']:.2f}x faster per step (predicted)"
+            f"{naive['to_loss_s'] / best['to_loss_s']:.2f}x faster {per} (predicted)"
         )
 
 

@@ -23,7 +23,9 @@ with the fleet law and ranks them:
   of the batch over the other axes, plus the outer exchange over the slow link amortized over
   its H steps, less what `--sync-delay` hides (planning.sync); asked for by `replica` in the
   axes. Each of the top layouts is also given the slow link's bandwidth at which its compute
-  fills 80% of the step (`link_gbps_80`).
+  fills 80% of the step (`link_gbps_80`). Groups reach data parallelism's loss in more or
+  fewer tokens (planning.quality, from Charles et al.'s tables): layouts are ranked by the
+  step time times that factor (`to_loss_s`; the factor is 1 without groups).
 Every figure is a prediction; `--verify` compiles the top layouts and sets XLA beside them.
 """
 
@@ -35,7 +37,7 @@ from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import Hardware, get_hardware, with_slow_link
 from jaxdist.mesh import MESH_AXES
-from jaxdist.planning import compute, costmodel, fit, fp8, layouts, memory, sync, traffic
+from jaxdist.planning import compute, costmodel, fit, fp8, layouts, memory, quality, sync, traffic
 from jaxdist.planning.inputs import PlanConfig, PlanModel
 from jaxdist.rules import AxisRules, ways
 
@@ -98,6 +100,7 @@ def evaluate(
     layout's in the compute dtype (`fp8`: planning.fp8.comparison)."""
     mem = mem or memory.device_peak(model, layout, hw.platform)
     row = _evaluate(layout, model, hw, efficiency, mem)
+    row = quality.with_quality(row, model.abstract_params, layout)
     if layout.step.fp8 != "off":
         bf16 = _evaluate(fp8.without(layout), model, hw, efficiency, mem)
         row["fp8"] = fp8.comparison(fp8.admit(compute.work_of(model), layout, hw), row, bf16)
@@ -216,7 +219,7 @@ def plan(models: PlanModel | Sequence[PlanModel], rules: AxisRules, cfg: PlanCon
             f"{usable / 1e9:.1f} GB usable; try --remat full, a "
             f"smaller --batch-size, or about {more} devices"
         )
-    fitting.sort(key=lambda r: r["step_s"])
+    fitting.sort(key=lambda r: r["to_loss_s"])  # the step, times replica groups' tokens
     naive = next((r for r in rows if r["layout"] == f"data={cfg.devices}"), None)
     _link_needs(fitting[:LINK_ROWS] + ([naive] if naive else []), models, rules, cfg, hw)
     return {
