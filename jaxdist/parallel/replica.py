@@ -12,9 +12,10 @@ computation (H inner steps each group spends on its own, slightly worse, gradien
   per device: what data parallelism holds, 12 bytes a parameter with Adam);
 - float32 / bfloat16 sync: the outer weights and Nesterov momentum split over `replica` too
   (each device 1/M of them: (12 + 8/M) / 12 of data parallelism's state). The outer step is a
-  reduce of the groups' weights onto their owner (`exchange.up`: an all-to-all of the weights
-  in the sync type, summed in float32), the update on the owner, an all-gather back
-  (`exchange.down`; jaxdist.parallel.exchange: how the weights travel);
+  reduce of the groups' weights onto their owner (`exchange.up_many`: an all-to-all of the
+  weights in the sync type, summed in float32), the update on the owner, an all-gather back
+  (`exchange.down_many`): one collective each way for all the leaves a fragment syncs, as the
+  slow link charges its latency per message (jaxdist.parallel.exchange: how weights travel);
 - 8-bit sync: the change since the last outer step is what travels, and forming it needs the
   outer weights where each group trains: every group keeps them (4 bytes a parameter), the
   momentum stays split. Up: the change in 8 bits with a float32 scale per row; down: the
@@ -38,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.config import Layout, SyncConfig
 from jaxdist.errors import ConfigError
-from jaxdist.parallel.exchange import AXIS, EIGHT_BIT, down, group_spec, pinned, up
+from jaxdist.parallel.exchange import AXIS, EIGHT_BIT, down_many, group_spec, pinned, up_many
 from jaxdist.rules import activation_rules, as_tuple, logical_axes, variables, ways
 
 
@@ -267,6 +268,11 @@ def leaves(abstract_params, param_sharding, mesh: Mesh, fragments: int) -> Any:
     return treedef.unflatten(found)
 
 
+def _kept(leaf: Leaf, sync: SyncConfig) -> PartitionSpec:
+    """Where the outer weights of a parameter are kept: on its owners, or every group's own."""
+    return leaf.spec if anchored(sync) else leaf.owner
+
+
 def sharding(state_sharding, where, sync: SyncConfig, mesh: Mesh):
     """The train state's shardings with groups: each group's weights, optimizer state and FP8
     state stacked over `replica` (its scalars, such as Adam's count, one per group), the outer
@@ -282,8 +288,7 @@ def sharding(state_sharding, where, sync: SyncConfig, mesh: Mesh):
     fp8 = jax.tree.map(lambda s: named(group_spec(s.spec)), state_sharding.fp8)
     kept = "pinned_host" if sync.outer_memory == "host" else "device"
     outer = OuterState(
-        on_leaves(lambda leaf: leaf.spec if anchored(sync) else leaf.owner, kept),
-        on_leaves(lambda leaf: leaf.owner, kept),
+        on_leaves(lambda leaf: _kept(leaf, sync), kept), on_leaves(lambda leaf: leaf.owner, kept)
     )
     params = on_leaves(lambda leaf: group_spec(leaf.spec))
     return state_sharding._replace(params=params, opt_state=opt, outer=outer, fp8=fp8)
@@ -296,50 +301,51 @@ def first_state(params, opt_state, M: int):
     return stacked(params, M), stacked(opt_state, M), outer
 
 
-def _send_leaf(f: int, sync: SyncConfig, mesh: Mesh, theta_M, outer, mom, leaf: Leaf):
-    """Fragment f's outer step on one parameter: (outer weights, momentum)."""
-    F, dtype = sync.sync_fragments, sync.sync_dtype
-    theta_M = _take(theta_M, leaf.dim, F, f, 1)
-    if theta_M is None:  # not in this fragment
-        return outer, mom
-    outer, mom = (
-        _fetched(outer, leaf.spec if anchored(sync) else leaf.owner, sync, mesh),
-        _fetched(mom, leaf.owner, sync, mesh),
-    )
-    own, m = _take(outer, leaf.dim, F, f, 0), _take(mom, leaf.dim, F, f, 0)
+def _fragment(f: int, where: list) -> list[int]:
+    """The places (in jax.tree order) of the parameters fragment f holds a part of."""
+    return [i for i, leaf in enumerate(where) if leaf.dim is not None or f == 0]
+
+
+def _send_fragment(f: int, sync: SyncConfig, mesh: Mesh, where: list, theta, outer, mom):
+    """Fragment f's outer step (lists in jax.tree order): (outer weights, momentum). Its
+    leaves travel together (exchange.up_many, down_many: one collective per type and way)."""
+    F, dtype, mine = sync.sync_fragments, sync.sync_dtype, _fragment(f, where)
+    specs, owners = [where[i].spec for i in mine], [where[i].owner for i in mine]
+    for i in mine:
+        outer[i] = _fetched(outer[i], _kept(where[i], sync), sync, mesh)
+        mom[i] = _fetched(mom[i], where[i].owner, sync, mesh)
+    own = [_take(outer[i], where[i].dim, F, f, 0) for i in mine]
+    m = [_take(mom[i], where[i].dim, F, f, 0) for i in mine]
+    theta_M = [_take(theta[i], where[i].dim, F, f, 1) for i in mine]
     if anchored(sync):  # each group's change from its copy of the outer weights, in 8 bits
-        step, m = _nesterov(up(own[None] - theta_M, leaf.spec, leaf.owner, dtype, mesh), m, sync)
-        own = own - down(
-            step, leaf.spec, leaf.owner, dtype, mesh
-        )  # every copy takes the same update
+        changes = [o[None] - t for o, t in zip(own, theta_M, strict=True)]
+        means = up_many(changes, specs, owners, dtype, mesh)
+        steps, m = zip(*map(functools.partial(_nesterov, sync=sync), means, m), strict=True)
+        steps = down_many(steps, specs, owners, dtype, mesh)  # every copy takes the same update
     else:  # the groups' weights, meeting on their owners
-        mean = up(theta_M, leaf.spec, leaf.owner, dtype, mesh)
-        step, m = _nesterov(pinned(own, mesh, leaf.owner) - mean, m, sync)
-        own = own - step
-    return _put(outer, own, leaf.dim, F, f, 0), _put(mom, m, leaf.dim, F, f, 0)
+        means = up_many(theta_M, specs, owners, dtype, mesh)
+        deltas = [pinned(o, mesh, ow) - x for o, ow, x in zip(own, owners, means, strict=True)]
+        steps, m = zip(*map(functools.partial(_nesterov, sync=sync), deltas, m), strict=True)
+    for k, i in enumerate(mine):
+        outer[i] = _put(outer[i], own[k] - steps[k], where[i].dim, F, f, 0)
+        mom[i] = _put(mom[i], m[k], where[i].dim, F, f, 0)
+    return outer, mom
 
 
 def send(state, fragments, where, sync: SyncConfig, mesh: Mesh):
     """The outer step of `fragments` from the groups' weights in `state`: the exchange and the
     outer update (with 8-bit sync, also the groups' copies of the outer weights)."""
-    outer_params, momentum = state.outer
+    places, treedef = jax.tree.flatten(where, is_leaf=_is_leaf)
+    theta = treedef.flatten_up_to(state.params)
+    outer, mom = (treedef.flatten_up_to(x) for x in state.outer)
     for f in fragments:
-        one = functools.partial(_send_leaf, f, sync, mesh)
-        pairs = jax.tree.map(one, state.params, outer_params, momentum, where, is_leaf=_is_leaf)
-        outer_params = jax.tree.map(lambda p: p[0], pairs, is_leaf=_is_pair)
-        momentum = jax.tree.map(lambda p: p[1], pairs, is_leaf=_is_pair)
-    return state._replace(outer=OuterState(outer_params, momentum))
+        outer, mom = _send_fragment(f, sync, mesh, places, theta, outer, mom)
+    return state._replace(outer=OuterState(treedef.unflatten(outer), treedef.unflatten(mom)))
 
 
-def _apply_leaf(f: int, sync: SyncConfig, mesh: Mesh, mix: float, theta_M, outer, leaf: Leaf):
-    """Fragment f's new weights for every group on one parameter."""
-    F = sync.sync_fragments
-    if _take(outer, leaf.dim, F, f, 0) is None:
-        return theta_M
-    outer = _fetched(outer, leaf.spec if anchored(sync) else leaf.owner, sync, mesh)
-    own = _take(outer, leaf.dim, F, f, 0)
-    if not anchored(sync):  # the owners' pieces, gathered in the sync type
-        own = down(own, leaf.spec, leaf.owner, sync.sync_dtype, mesh)
+def _taken(theta_M, own, leaf: Leaf, F: int, f: int, mix: float, mesh: Mesh):
+    """Fragment f of one parameter: the groups take `own` (the outer weights, in every group's
+    layout), mixed with their own by `mix`."""
     new_M = jnp.broadcast_to(own[None], (theta_M.shape[0], *own.shape))
     new_M = pinned(new_M, mesh, group_spec(leaf.spec))  # each group's copy is its own
     if mix < 1:
@@ -349,19 +355,26 @@ def _apply_leaf(f: int, sync: SyncConfig, mesh: Mesh, mix: float, theta_M, outer
 
 def apply(state, fragments, where, sync: SyncConfig, mesh: Mesh, mix: float):
     """The groups take the outer weights of `fragments`, mixed with their own by `mix`."""
-    params = state.params
+    places, treedef = jax.tree.flatten(where, is_leaf=_is_leaf)
+    theta, outer = (treedef.flatten_up_to(x) for x in (state.params, state.outer.params))
+    F = sync.sync_fragments
     for f in fragments:
-        one = functools.partial(_apply_leaf, f, sync, mesh, mix)
-        params = jax.tree.map(one, params, state.outer.params, where, is_leaf=_is_leaf)
-    return state._replace(params=params)
+        mine = _fragment(f, places)
+        kept = [_kept(places[i], sync) for i in mine]
+        own = [
+            _take(_fetched(outer[i], k, sync, mesh), places[i].dim, F, f, 0)
+            for i, k in zip(mine, kept, strict=True)
+        ]
+        if not anchored(sync):  # the owners' pieces, gathered in the sync type (together)
+            specs = [places[i].spec for i in mine]
+            own = down_many(own, specs, kept, sync.sync_dtype, mesh)
+        for i, o in zip(mine, own, strict=True):
+            theta[i] = _taken(theta[i], o, places[i], F, f, mix, mesh)
+    return state._replace(params=treedef.unflatten(theta))
 
 
 def _is_leaf(x) -> bool:
     return isinstance(x, Leaf)
-
-
-def _is_pair(x) -> bool:
-    return isinstance(x, tuple) and not isinstance(x, Leaf) and len(x) == 2
 
 
 def outer_step(state, act: Action, where, sync: SyncConfig, mesh: Mesh, inner):
