@@ -125,7 +125,7 @@ def test_ctrl_c_to_a_two_process_run_saves_in_both_and_exits_zero(tmp_path):
     run_dir = tmp_path / "ctrl-c"
     proc = cli_popen(*LAUNCH_2X4, "--", *train(400, 1000), "--run-dir", str(run_dir))
     seen: list[str] = []
-    _until(proc, "[p0] step     5", seen)
+    _until(proc, "[p0] step   5/400", seen)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     out = "".join(seen) + out
