@@ -119,7 +119,9 @@ def test_learned_positions_travel_with_the_tokens():
     _assert_matches(_run("context=4,fsdp=2", "all-gather", model="tiny"), reference)
 
 
-@SLOW
+# -m experiment (a minute: two MoE runs and a pipelined pair), for the suite's time; the suite
+# keeps experts beside context in test_replica's M = 1 case and test_comm_rows_... below.
+@pytest.mark.experiment
 def test_experts_beside_context_route_each_devices_own_tokens():
     # Dropless, so no token's fate depends on where it sits. Each device routes its own part
     # of the sequence (test_comm_rows_...: no gather of it into the layer, all-to-alls of the

@@ -56,7 +56,11 @@ def _train(mesh_text: str, sync: SyncConfig | None, model: str, steps: int):
 
 @pytest.mark.parametrize(
     "mesh_text, model",
-    [("data=2,fsdp=2,tensor=2", "tiny"), ("expert=2,context=2,fsdp=2", "tiny-moe")],
+    [
+        ("data=2,fsdp=2,tensor=2", "tiny"),
+        # -m experiment (the suite's time): experts and context inside the groups
+        pytest.param("expert=2,context=2,fsdp=2", "tiny-moe", marks=pytest.mark.experiment),
+    ],
 )
 def test_one_group_syncing_every_step_with_a_plain_outer_step_is_plain_training(mesh_text, model):
     # M = 1, H = 1, outer lr 1, no momentum: the outer weights become the group's own each step.
@@ -143,7 +147,11 @@ def test_the_outer_exchange_is_one_collective_per_type_and_way(dtype, payload, p
 @pytest.mark.parametrize(
     "sync",
     [
-        SyncConfig(sync_every=4, sync_fragments=2, sync_delay=1),
+        # -m experiment (37 s; the suite's time): the suite holds float32's bucketed exchange
+        # to plain training (M = 1) and to PyTorch's DiLoCo (test_torch_diloco)
+        pytest.param(
+            SyncConfig(sync_every=4, sync_fragments=2, sync_delay=1), marks=pytest.mark.experiment
+        ),
         SyncConfig(sync_every=2, sync_dtype="int8"),
     ],
     ids=["float32-streamed", "int8"],

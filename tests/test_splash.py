@@ -78,7 +78,9 @@ def test_a_model_with_splash_attention_trains_as_with_xla():
         np.testing.assert_allclose(g[...], flat[name][...], rtol=1e-3, atol=1e-5, err_msg=str(name))
 
 
-@pytest.mark.slow
+# -m experiment (30 s; the suite's time): the suite keeps splash against XLA attention, and
+# against it across a context split, and the pipeline against no pipeline with XLA's.
+@pytest.mark.experiment
 def test_splash_attention_inside_the_pipeline_trains_as_xla_unpipelined():
     # Inside the pipeline's shard_map the batch axes are manual already: splash splits only
     # the heads there (rules.shard_map_here). Same losses as XLA's attention without a pipeline.
