@@ -150,7 +150,8 @@ def tpu_compile(request, tmp_path_factory):
     proc.wait()
 
 
-@pytest.mark.slow
+# A memory study of the 1b preset on the TPU compiler (27 s): -m experiment, for the suite's time.
+@pytest.mark.experiment
 @needs_tpu
 def test_1b_on_tpu_v5p_runs_splash_attention_in_half_the_memory(tpu_compile):
     stdout, stderr, proc = tpu_compile
