@@ -34,15 +34,46 @@ class Eval:
     """persistent XLA compilation cache directory, or off"""
 
 
-def evaluate(args: Eval) -> int:
-    run_dir = pathlib.Path(args.run_dir)
+def _record(run_dir: pathlib.Path) -> dict:
+    """The run's config.json, or one line saying it is not a run directory."""
     try:
-        record = json.loads((run_dir / "config.json").read_text())
+        return json.loads((run_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(
             f"{run_dir}/config.json is missing or unreadable ({e}); pass a run directory "
             "made by jaxdist train"
         ) from None
+
+
+def _held_out(args: Eval, record: dict, held, model, num_batches: int):
+    """The held-out batches: --data's eval split (else all of it), or the run's own eval
+    split; refused when their tokenizer is not the run's, warned of when too small."""
+    import jax
+
+    from jaxdist.data import TokenBatches
+    from jaxdist.evaluation import small_data_warning
+
+    try:
+        batches = TokenBatches(held, model.seq_len, model.vocab_size, split="eval")
+    except ConfigError:
+        if args.data is None:
+            raise
+        batches = TokenBatches(held, model.seq_len, model.vocab_size, split="train")
+    trained = record.get("data_source", {})
+    if trained.get("tokenizer") not in (None, batches.tokenizer):
+        raise ConfigError(
+            f"the run was trained on tokenizer {trained['tokenizer']!r} data, --data holds "
+            f"{batches.tokenizer!r}; evaluate on data made with the run's tokenizer"
+        )
+    warning = small_data_warning(batches, num_batches, "--batches")
+    if warning and jax.process_index() == 0:
+        print(f"jaxdist: warning: {warning}", file=sys.stderr)
+    return batches
+
+
+def evaluate(args: Eval) -> int:
+    run_dir = pathlib.Path(args.run_dir)
+    record = _record(run_dir)
     num_batches = args.batches
     if num_batches is None:
         num_batches = record.get("eval", {}).get("eval_batches", 20)
@@ -63,8 +94,8 @@ def evaluate(args: Eval) -> int:
     from jaxdist.checkpoint.store import restore
     from jaxdist.cluster.join import process_rows
     from jaxdist.config import Layout, StepConfig
-    from jaxdist.data import DataConfig, TokenBatches
-    from jaxdist.evaluation import evaluate, report, small_data_warning
+    from jaxdist.data import DataConfig
+    from jaxdist.evaluation import evaluate, report
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.parallel import replica
     from jaxdist.step import Vocab, build
@@ -82,21 +113,7 @@ def evaluate(args: Eval) -> int:
         batch_size=batch_size,
         seed=record["data"]["seed"],
     )
-    try:
-        batches = TokenBatches(held, model.seq_len, model.vocab_size, split="eval")
-    except ConfigError:
-        if args.data is None:
-            raise
-        batches = TokenBatches(held, model.seq_len, model.vocab_size, split="train")
-    trained = record.get("data_source", {})
-    if trained.get("tokenizer") not in (None, batches.tokenizer):
-        raise ConfigError(
-            f"the run was trained on tokenizer {trained['tokenizer']!r} data, --data holds "
-            f"{batches.tokenizer!r}; evaluate on data made with the run's tokenizer"
-        )
-    warning = small_data_warning(batches, num_batches, "--batches")
-    if warning and jax.process_index() == 0:
-        print(f"jaxdist: warning: {warning}", file=sys.stderr)
+    batches = _held_out(args, record, held, model, num_batches)
     # The optimizer's structure must match the checkpoint's, though only parameters are used.
     tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
     step_cfg = StepConfig(
