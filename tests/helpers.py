@@ -13,8 +13,14 @@ from jaxdist.metrics.records import latest_per_step, read_metrics
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.step import build
 from meshes.presets import STANDARD_RULES, get_mesh_preset
+from models.inventory import plan_model
 from models.presets import get_model_config
 from models.transformer import Transformer
+
+
+def planned(name: str, dtype: str = "bfloat16", **over):
+    """A model preset as the planner takes it (its inventory of weights and FLOPs)."""
+    return plan_model(get_model_config(name, compute_dtype=dtype, **over))
 
 
 def mesh_for(layout: str):

@@ -12,12 +12,7 @@ from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import plan
 from jaxdist.planning.tpu import parse_target
 from meshes.presets import STANDARD_RULES
-from models.inventory import plan_model
-from models.presets import get_model_config
-
-
-def _model(name: str, dtype: str = "bfloat16", **over):
-    return plan_model(get_model_config(name, compute_dtype=dtype, **over))
+from tests.helpers import planned as _model
 
 
 def test_google_cloud_slice_names(capsys):

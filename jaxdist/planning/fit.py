@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from jaxdist.hardware import budget
 
-# The memory model is held within 10% of the compilers (tests/test_planner.py): a predicted
+# The memory model is held within 10% of the compilers (tests/test_plan_compiled.py): a predicted
 # peak leaves that room, a compiled one (XLA's own figure) needs none.
 PREDICTION_MARGIN = 0.9
 
