@@ -6,7 +6,7 @@ import re
 
 from rich.console import Console
 
-from jaxdist.metrics.progress import Bar, duration, step_line, time_left
+from jaxdist.metrics.progress import Bar, duration, recent_median, step_line, time_left
 
 REC = {
     "step": 10,
@@ -23,9 +23,10 @@ def test_duration_is_short_at_every_size():
 
 
 def test_time_left_is_the_recent_median_times_the_steps_left():
-    assert time_left([], 20) is None  # step 0 compiles: nothing to say yet
-    assert time_left([0.2, 0.3, 9.0], 20) == 0.3 * 20  # a slow step (a save) does not sway it
-    assert time_left([0.2], 0) is None  # the last step
+    assert time_left(recent_median([]), 20) is None  # step 0 compiles: nothing to say yet
+    # a slow step (a save) does not sway it
+    assert time_left(recent_median([0.2, 0.3, 9.0]), 20) == 0.3 * 20
+    assert time_left(recent_median([0.2]), 0) is None  # the last step
 
 
 def test_step_line_has_the_total_and_time_left():

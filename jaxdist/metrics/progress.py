@@ -21,11 +21,18 @@ def duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-def time_left(step_times: list[float], steps_left: int) -> float | None:
-    """The median of the last 100 steady step times, times the steps left; None before any."""
-    if not step_times or steps_left <= 0:
+def recent_median(step_times: list[float]) -> float | None:
+    """The median of the last 100 steady step times (bounded work per step, and it follows a
+    run whose speed drifts); None before any. The watchdog and the time left both read it."""
+    return float(np.median(step_times[-100:])) if step_times else None
+
+
+def time_left(median_step_s: float | None, steps_left: int) -> float | None:
+    """The recent median step time times the steps left; None before a steady step, or on the
+    last step."""
+    if median_step_s is None or steps_left <= 0:
         return None
-    return float(np.median(step_times[-100:])) * steps_left
+    return median_step_s * steps_left
 
 
 def step_of(s: int, total: int) -> str:

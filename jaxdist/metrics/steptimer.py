@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxdist import hardware
 from jaxdist.cluster.join import metric_value
-from jaxdist.metrics.progress import Bar, step_line, time_left
+from jaxdist.metrics.progress import Bar, recent_median, step_line, time_left
 from jaxdist.metrics.records import distribution, throughput
 
 
@@ -69,11 +69,10 @@ class StepTimer:
             **(extra or {}),
         }
         self.records.append(rec)
-        # The recent median: bounded work per step, and it follows a run whose speed drifts.
-        recent = self.step_times[-100:]
-        self.watchdog.finished(s, float(np.median(recent)) if len(recent) >= 3 else None)
+        median = recent_median(self.step_times)
+        self.watchdog.finished(s, median if len(self.step_times) >= 3 else None)
         last = s == self.loop.steps - 1
-        left = time_left(self.step_times, self.loop.steps - 1 - s)
+        left = time_left(median, self.loop.steps - 1 - s)
         self.bar.update(rec, left)
         if self.log and (s % self.loop.log_every == 0 or last or not rec["finite"]):
             self.log.write(rec)
