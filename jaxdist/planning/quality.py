@@ -128,11 +128,13 @@ def param_count(abstract_params) -> int:
     return sum(math.prod(v.shape) for v in variables(abstract_params))
 
 
-def quality_terms(params: float, layout: Layout) -> dict[str, float]:
+def quality_terms(abstract_params, layout: Layout) -> dict[str, float]:
     """A row's price in loss per token: the loss gap, the tokens factor (1 without replica
-    groups: every other layout computes data parallelism's step)."""
+    groups: every other layout computes data parallelism's step; the parameters are counted
+    only for layouts with groups, the few among the many the planner prices)."""
     if not grouped(layout):
         return {"loss_gap": 0.0, "tokens_factor": 1.0}
+    params = param_count(abstract_params)
     gap = loss_gap(params, layout.replicas)
     return {"loss_gap": gap, "tokens_factor": tokens_factor(gap, params)}
 
@@ -140,5 +142,5 @@ def quality_terms(params: float, layout: Layout) -> dict[str, float]:
 def with_quality(row: dict, abstract_params, layout: Layout) -> dict:
     """The row with its loss gap, tokens factor and time to data parallelism's loss
     (`to_loss_s`: seconds per step of data parallelism's run, the plan's ranking)."""
-    terms = quality_terms(param_count(abstract_params), layout)
+    terms = quality_terms(abstract_params, layout)
     return {**row, **terms, "to_loss_s": row["step_s"] * terms["tokens_factor"]}
