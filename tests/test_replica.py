@@ -29,20 +29,31 @@ from tests.extras import needs_tpu
 from tests.helpers import cli, losses, mesh_for
 
 B = 16
+PLAIN = StepConfig()
 
 
-def _built(mesh_text: str, sync: SyncConfig | None, model: str = "tiny", steps: int = 10):
+def _built(
+    mesh_text: str,
+    sync: SyncConfig | None,
+    model: str = "tiny",
+    steps: int = 10,
+    step: StepConfig = PLAIN,
+):
     mc = get_model_config(model)
     mesh = mesh_for(mesh_text)
     tx, lr = make_optimizer(OptimConfig(warmup_steps=2), steps)
-    layout = Layout.on(
-        mesh, STANDARD_RULES, StepConfig(), batch_size=B, seq_len=mc.seq_len, sync=sync
-    )
+    layout = Layout.on(mesh, STANDARD_RULES, step, batch_size=B, seq_len=mc.seq_len, sync=sync)
     return mc, mesh, build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
 
 
-def _train(mesh_text: str, sync: SyncConfig | None, model: str, steps: int):
-    mc, _, jitted = _built(mesh_text, sync, model, steps)
+def _train(
+    mesh_text: str,
+    sync: SyncConfig | None,
+    model: str,
+    steps: int,
+    step: StepConfig = PLAIN,
+):
+    mc, _, jitted = _built(mesh_text, sync, model, steps, step)
     state, out = jitted.init_fn(), []
     for s in range(steps):
         tokens = jax.random.randint(jax.random.key(s), (B, mc.seq_len + 1), 0, mc.vocab_size)
@@ -70,6 +81,21 @@ def test_one_group_syncing_every_step_with_a_plain_outer_step_is_plain_training(
     np.testing.assert_allclose(grouped, plain, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(w_grouped), jax.tree.leaves(w_plain), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_groups_run_a_pipeline_inside_as_they_run_the_plain_step():
+    # The pipeline's shard_map, mapped over the groups (jaxdist.parallel.pipeline
+    # _mapped_over_groups): the same losses and weights as the groups without a pipeline, over
+    # three syncs, and still nothing over `replica` between syncs.
+    sync, micro = SyncConfig(sync_every=2), StepConfig(microbatches=2)
+    flat, w_flat = _train("replica=2,fsdp=4", sync, "tiny", 6, micro)
+    piped, w_piped = _train("replica=2,pipeline=2,fsdp=2", sync, "tiny", 6, micro)
+    np.testing.assert_allclose(piped, flat, rtol=1e-5)
+    assert len(set(np.round(piped, 4))) == 6, piped  # the groups trained: every loss differs
+    for a, b in zip(jax.tree.leaves(w_piped), jax.tree.leaves(w_flat), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    _, mesh, jitted = _built("replica=2,pipeline=2,fsdp=2", sync, step=micro)
+    assert sum(_replica_traffic(jitted, mesh, None).values()) == 0
 
 
 def _replica_collectives(jitted, mesh, act) -> list[tuple[str, str, int]]:
@@ -241,7 +267,6 @@ def test_a_run_killed_mid_round_resumes_bitwise_and_onto_another_group_layout(tm
             "must be shorter than a fragment's turn",
         ),
         (["--mesh", "fsdp=8", "--sync-every", "4"], "add replica=M to --mesh"),
-        (["--mesh", "replica=2,pipeline=2,fsdp=2", "--microbatches", "2"], "pipeline"),
         (["--mesh", "replica=2,fsdp=4", "--batch-size", "12"], "does not split"),
     ],
 )

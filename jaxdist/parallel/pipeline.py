@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.errors import ConfigError
 from jaxdist.model import Stages
 from jaxdist.parallel import context, stage_weights, ticks
+from jaxdist.parallel.exchange import AXIS as GROUPS
 from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeline's public surface
     SCHEDULES,
     Schedule,
@@ -286,7 +287,9 @@ def value_and_grad(
         rules=rules,
         batch=batch,
         nb=math.prod(mesh.shape[a] for a in batch),
-        auto=tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in {axis, *batch}),
+        auto=tuple(
+            a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in {axis, *batch, GROUPS}
+        ),
         dtype=jnp.dtype(stages.compute_dtype),
     )
     specs = {
@@ -302,15 +305,64 @@ def value_and_grad(
     # axes manual too.
     layer_spec = {k: specs[k] for k in layers}
     shared_spec = {k: specs[k] for k in shared}
-    losses, g_layers, g_shared = jax.shard_map(
-        partial(_per_stage, pipe),
-        mesh=mesh,
-        axis_names={axis, *batch},
-        in_specs=(layer_spec, shared_spec, feed_specs, *[P()] * len(tables)),
-        out_specs=(P(), layer_spec, shared_spec),
-        check_vma=False,
-    )(layers, shared, feed, *tables)
+    in_specs = (layer_spec, shared_spec, feed_specs, P(), *[P()] * len(tables))
+    out_specs = (P(), layer_spec, shared_spec)
+
+    def run(layers, shared, feed, scale, *tables):
+        return jax.shard_map(
+            lambda *a: _per_stage(pipe._replace(scale=a[3]), *a[:3], *a[4:]),
+            mesh=mesh,
+            axis_names={axis, *batch},
+            in_specs=in_specs,
+            out_specs=out_specs,
+            check_vma=False,
+        )(layers, shared, feed, scale, *tables)
+
+    if mesh.shape.get(GROUPS, 1) > 1:
+        run = _mapped_over_groups(run, pipe, mesh, in_specs, out_specs)
+    losses, g_layers, g_shared = run(layers, shared, feed, jnp.asarray(scale), *tables)
     return losses[0], {**g_layers, **g_shared}, losses[1]
+
+
+def _mapped_over_groups(run: Callable, pipe: Pipeline, mesh, in_specs, out_specs) -> Callable:
+    """`run` as replica groups map it (jaxdist.parallel.replica: the step under
+    `vmap(spmd_axis_name="replica")`): one shard_map with `replica` manual too, each device
+    running its group's stage on its group's [1, ...] slice. jax 0.11's own batching of the
+    shard_map gives the groups a wrong local shape, and with `replica` manual it would add
+    `replica` to the sharding constraints inside, where a manual axis may not appear."""
+    manual = {pipe.axis, *pipe.batch, GROUPS}
+    grouped_in = jax.tree.map(lambda s: P(GROUPS, *s), in_specs, is_leaf=_is_spec)
+    grouped_out = jax.tree.map(lambda s: P(GROUPS, *s), out_specs, is_leaf=_is_spec)
+
+    def one(*args):  # this device's group: drop the groups' dim, run the stage, put it back
+        first = jax.tree.map(lambda x: x[0], args)
+        out = _per_stage(pipe._replace(scale=first[3]), *first[:3], *first[4:])
+        return jax.tree.map(lambda x: x[None], out)
+
+    mapped = jax.custom_batching.custom_vmap(run)
+
+    @mapped.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = jax.tree.map(
+            lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *jnp.shape(x))),
+            args,
+            tuple(in_batched),
+        )
+        out = jax.shard_map(
+            one,
+            mesh=mesh,
+            axis_names=manual,
+            in_specs=grouped_in,
+            out_specs=grouped_out,
+            check_vma=False,
+        )(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return mapped
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
 
 
 def _feed(tokens_BT1, M: int, eos_id: int | None, rules, manual) -> tuple[dict, dict]:

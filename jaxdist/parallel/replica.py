@@ -86,8 +86,7 @@ def action(sync: SyncConfig, step: int) -> Action | None:
 
 
 def check(layout: Layout) -> None:
-    """A replica axis needs its sync settings, and the sync settings a replica axis; what the
-    groups cannot yet be combined with, refused in one line."""
+    """A replica axis needs its sync settings, and the sync settings a replica axis."""
     M = layout.replicas
     if layout.sync is None:
         if M > 1:
@@ -98,11 +97,6 @@ def check(layout: Layout) -> None:
             )
         return
     layout.sync.validate(M)
-    if layout.stages > 1:
-        raise ConfigError(
-            "replica groups with a pipeline axis: the pipeline's shard_map cannot yet be mapped "
-            "over the groups (jax 0.11); use replica with data, fsdp, tensor, context or expert"
-        )
 
 
 def check_nonfinite(layout: Layout, mesh: Mesh, policy: str) -> None:

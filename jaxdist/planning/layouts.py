@@ -58,8 +58,6 @@ def why_not(layout: Layout, model: PlanModel, hw) -> str | None:
         M = layout.replicas
         if layout.batch_size % M:
             return f"batch {layout.batch_size} not divisible by {M} replica groups"
-        if layout.stages > 1:  # jaxdist.parallel.replica.check refuses them
-            return "replica groups with a pipeline axis (not yet runnable)"
         try:
             layout.sync.validate(M, model.num_layers)
         except ConfigError as e:
