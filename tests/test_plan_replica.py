@@ -6,6 +6,7 @@ tokens it needs for data parallelism's loss, Charles et al.'s Tables 4 and 5 (lo
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,7 +15,8 @@ from jaxdist.cli.remat_auto import order
 from jaxdist.config import Layout, StepConfig, SyncConfig
 from jaxdist.mesh import SEARCHED_AXES
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.planning import memory, quality, sync, traffic
+from jaxdist.parallel import exchange, replica
+from jaxdist.planning import hlo, memory, quality, sync, traffic
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import plan
 from jaxdist.step import build
@@ -33,7 +35,7 @@ def _device_bytes(tree) -> int:
     return int(sum(x.dtype.itemsize * np.prod(x.sharding.shard_shape(x.shape)) for x in leaves))
 
 
-def _grouped(dtype: str):
+def _grouped(dtype: str, fragments: int = 1):
     mc = get_model_config("tiny", compute_dtype="float32")
     mesh = mesh_for("replica=2,fsdp=2,tensor=2")
     layout = Layout.on(
@@ -42,7 +44,7 @@ def _grouped(dtype: str):
         StepConfig(),
         batch_size=B,
         seq_len=mc.seq_len,
-        sync=SyncConfig(sync_every=4, sync_dtype=dtype),
+        sync=SyncConfig(sync_every=4, sync_dtype=dtype, sync_fragments=fragments),
     )
     tx, lr = make_optimizer(OptimConfig(), 10)
     return mc, layout, build(lambda r: Transformer(mc, r), tx, lr, layout, mesh)
@@ -73,14 +75,58 @@ def test_outer_state_is_what_the_compiled_step_holds(dtype, outer_per_param):
 
 
 def test_outer_exchange_bytes_are_what_the_compiled_outer_step_sends():
-    # float32: each shard once each way, 494,080 bytes per device of tiny. (int8 prices its
-    # scales a float32 per row: 0.7% and 2.7% under the compiled step's, whose all-gather
-    # also carries row maxima; not run here, for time.)
+    # float32: each shard once each way, 494,080 bytes per device of tiny (int8 and buckets:
+    # test_the_planner_counts_the_messages_the_compiled_outer_step_sends).
     mc, layout, jitted = _grouped("float32")
     rows = traffic.report(jitted, plan_model(mc), layout)["outer_rows"]
     moved = {r["kind"]: r for r in rows}
     for kind in ("all-to-all", "all-gather"):
         assert moved[kind]["bytes"] == moved[kind]["expected_bytes"] == 494_080, rows
+
+
+def _outer_collectives(jitted, layout: Layout) -> dict[str, list[int]]:
+    """Bytes per device of each collective over `replica` in the compiled outer step (every
+    fragment's at once), by kind."""
+    F = layout.sync.sync_fragments
+    act = replica.Action(tuple(range(F)), tuple(range(F)), after=True)
+    batch = jax.ShapeDtypeStruct((B, layout.seq_len + 1), jnp.int32, sharding=jitted.batch_sharding)
+    text = jitted.step_fn.lower(jitted.abstract_state, batch, act).compile().as_text()
+    found: dict[str, list[int]] = {}
+    for c in hlo.collectives(text, layout.mesh_shape):
+        if sync.AXIS in c.axes:
+            found.setdefault(c.kind, []).extend([c.bytes] * c.executions)
+    return found
+
+
+@pytest.mark.parametrize(
+    "dtype, fragments, bucket_bytes, counts",
+    [
+        ("float32", 1, None, (1, 1)),
+        # The float32 scales per row in collectives of their own, each way.
+        ("int8", 1, None, (2, 2)),
+        # Buckets of 4 KiB, in each of two fragments: tiny's larger leaves (up to 16 KiB a
+        # device in int8) travel alone, the small ones and the scales joined, into fewer
+        # buckets down than up (a device sends 1/M of what it gathers).
+        ("int8", 2, 4096, (16, 15)),
+    ],
+)
+def test_the_planner_counts_the_messages_the_compiled_outer_step_sends(
+    dtype, fragments, bucket_bytes, counts, monkeypatch
+):
+    # The slow link charges its latency per message: the planner's messages (all-to-all up,
+    # all-gather down) are the compiled outer step's collectives over `replica`, one for one,
+    # with their bytes. planning.sync reads exchange's BUCKET_BYTES (exchange.buckets), so one
+    # patch changes what the step sends and what the planner prices alike.
+    if bucket_bytes is not None:
+        monkeypatch.setattr(exchange, "BUCKET_BYTES", bucket_bytes)
+    mc, layout, jitted = _grouped(dtype, fragments)
+    planned = sync.exchange_messages(plan_model(mc).abstract_params, layout)
+    compiled = _outer_collectives(jitted, layout)
+    assert set(compiled) == {"all-to-all", "all-gather"}, compiled
+    for kind, count in zip(("all-to-all", "all-gather"), counts, strict=True):
+        mine = sorted(b for f in planned for b in f[kind])
+        assert (len(mine), len(compiled[kind])) == (count, count), (kind, mine, compiled)
+        assert mine == pytest.approx(sorted(compiled[kind]), rel=0.02), kind
 
 
 def _ranked(link_gbps: float | None, sync_every: int) -> list[dict]:

@@ -148,19 +148,27 @@ def _joined(rows, shape, d: int):
     return x.reshape(*shape[:d], -1, *shape[d + 1 :])
 
 
+def buckets(sizes: Sequence[float]) -> list[list[int]]:
+    """The places of buffers of `sizes` bytes (in order) in each bucket: joined in order while
+    the bucket stays within BUCKET_BYTES, a larger one alone. The rule _bucketed sends by and
+    planning.sync prices by (read at each call, so that both follow a changed BUCKET_BYTES)."""
+    out: list[list[int]] = []
+    size = 0.0
+    for i, n in enumerate(sizes):
+        if not out or size + n > BUCKET_BYTES:
+            out.append([])
+            size = 0.0
+        out[-1].append(i)
+        size += n
+    return out
+
+
 def _bucketed(rows: Sequence, exchange: Callable) -> list:
     """Each [r, k_i] in `rows` through `exchange` ([r, K] -> [M, K]), joined into buffers of up to
     BUCKET_BYTES: one collective a buffer; the [M, k_i] results."""
-    buckets: list[list] = [[]]
-    for x in rows:
-        size = sum(y.size * y.dtype.itemsize for y in buckets[-1])
-        if buckets[-1] and size + x.size * x.dtype.itemsize > BUCKET_BYTES:
-            buckets.append([])
-        buckets[-1].append(x)
     out = []
-    for bucket in buckets:
-        if not bucket:
-            continue
+    for places in buckets([x.size * x.dtype.itemsize for x in rows]):
+        bucket = [rows[i] for i in places]
         moved = exchange(jnp.concatenate(bucket, axis=1))
         out += jnp.split(moved, np.cumsum([x.shape[1] for x in bucket])[:-1], axis=1)
     return out
@@ -277,3 +285,62 @@ def _coded_on_owners(xs, owners, dims, dtype: str):
         qs.append(_coded(x, _scale(amax, dtype), dtype))
         scales.append(_scale(theirs, dtype))
     return qs, scales
+
+
+# --- What travels, in bytes: the messages up_many and down_many send, for the planner --------
+
+WIDTH = {"float32": 4, "bfloat16": 2, "int8": 1, "float8": 1}
+"""Bytes a weight travels in, by sync type (_quantized)."""
+
+
+def _block(shape, spec, mesh_shape) -> tuple[float, float]:
+    """Elements of one device's block of a leaf laid out `spec`, and its rows (last dim)."""
+    blocks = [ways(mesh_shape, as_tuple(e)) for e in spec] + [1] * (len(shape) - len(spec))
+    local = float(np.prod([n / b for n, b in zip(shape, blocks, strict=True)]))
+    return local, (local / (shape[-1] / blocks[-1]) if len(shape) else 1.0)
+
+
+def _buffers(d: int | None, local: float, rows: float, ndim: int, dtype: str, M: int) -> dict:
+    """One bucketed leaf's buffers on one device, owner dim d: per buffer, (the bytes _bucketed
+    joins it by, the bytes it adds to its collective's result). up_many's payload and scales
+    are [M, k] rows of _cut; down_many's a [1, k] block, M of them gathered."""
+    width, eight = WIDTH[dtype], dtype in EIGHT_BIT
+    # Sent to each of the M owners in full: a leaf every owner holds whole (d None), and the
+    # scales of rows split over `replica` (d the last dim), each owner's rows being all of them.
+    whole = M if d is None else 1
+    scale_rows = M if d is None or d == ndim - 1 else 1
+    out = {"up": (whole * local * width,) * 2}
+    if eight:
+        out["up scales"] = (4 * scale_rows * rows,) * 2
+    if d is None:  # down_many: the owners hold what every group holds; nothing moves
+        return out
+    out["down"] = (local * width / M, local * width)
+    if eight:  # the owners' rows' maxima (_coded_on_owners)
+        out["down scales"] = (4 * scale_rows * rows / M, 4 * scale_rows * rows)
+    return out
+
+
+def messages(shapes, specs, owners, dtype: str, mesh_shape) -> dict[str, list[float]]:
+    """Bytes per device of each collective over `replica` (its result: planning.hlo's
+    convention) that up_many ("all-to-all") and down_many ("all-gather") send for leaves of
+    these shapes (a group's, without the group dim) laid out `specs`, owned `owners`: one a
+    bucket of each kind of buffer. A leaf on the per-leaf path (owner_dim False) is taken as
+    one collective each way, its scales one more; which XLA's partitioner emits is not
+    modelled."""
+    M, width, eight = mesh_shape[AXIS], WIDTH[dtype], dtype in EIGHT_BIT
+    out: dict[str, list[float]] = {"all-to-all": [], "all-gather": []}
+    joined: dict[str, list] = {"up": [], "up scales": [], "down": [], "down scales": []}
+    for shape, spec, owner in zip(shapes, specs, owners, strict=True):
+        d = owner_dim(spec, owner, shape, mesh_shape)
+        local, rows = _block(shape, spec, mesh_shape)
+        if d is False:
+            for kind in out:
+                out[kind] += [local * width, *([4 * rows] if eight else [])]
+            continue
+        for name, sizes in _buffers(d, local, rows, len(shape), dtype, M).items():
+            joined[name].append(sizes)
+    for name, sizes in joined.items():
+        kind = "all-to-all" if name.startswith("up") else "all-gather"
+        for places in buckets([by for by, _ in sizes]):
+            out[kind].append(sum(sizes[i][1] for i in places))
+    return out

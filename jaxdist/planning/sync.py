@@ -11,9 +11,11 @@ groups (hardware `outer`: InfiniBand, DCN). Per device:
   by planning.memory.device_peak, the one price of memory;
 - time: the exchange is an all-to-all of the device's share of its group's weights in the
   sync type onto their owners, then an all-gather back (8-bit: plus a float32 scale per row),
-  priced by planning.costmodel on the link the groups span. Amortized over the H/F steps of a
-  fragment's turn; with `--sync-delay T` it runs beside the next T inner steps, so up to T
-  steps' compute hides it; with T = 0 it is exposed.
+  in the collectives parallel.exchange sends (one per bucket of each kind of buffer: the 8-bit
+  scales apart from the weights, a leaf over its BUCKET_BYTES alone), each priced by
+  planning.costmodel on the link the groups span, each paying its latency. Amortized over the
+  H/F steps of a fragment's turn; with `--sync-delay T` it runs beside the next T inner
+  steps, so up to T steps' compute hides it; with T = 0 it is exposed.
 
 `bandwidth_for` solves for the slow link's bandwidth at which a layout reaches a compute
 utilization (compute / (compute + exposed communication)); `paper_bandwidth` does the same
@@ -25,16 +27,16 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from jax.sharding import PartitionSpec
+
 from jaxdist.config import Layout, SyncConfig
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import Hardware, Link, with_slow_link
+from jaxdist.parallel import exchange, replica
 from jaxdist.planning import costmodel
-from jaxdist.rules import local_elements, logical_axes, variables
+from jaxdist.rules import logical_axes, variables
 
 AXIS = "replica"
-# Bytes a weight travels in, by sync type (jaxdist.parallel.replica).
-SYNC_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1, "int8": 1}
-EIGHT_BIT = ("float8", "int8")
 # The compute utilization `plan` quotes each layout's slow-link bandwidth for: compute /
 # (compute + exposed communication), as Charles et al. (arXiv:2503.09799, Table 6) quote it.
 TARGET_UTILIZATION = 0.8
@@ -59,32 +61,66 @@ def outer_state_bytes(params_bytes: float, layout: Layout) -> float:
     if not grouped(layout):
         return 0.0
     M = layout.replicas
-    per_param = 4 + 4 / M if layout.sync.sync_dtype in EIGHT_BIT else 8 / M
+    per_param = 4 + 4 / M if layout.sync.sync_dtype in exchange.EIGHT_BIT else 8 / M
     return params_bytes / 4 * per_param
 
 
-def exchange_bytes(abstract_params, layout: Layout) -> dict[str, float]:
-    """One device's bytes of a whole outer exchange (every fragment), by collective, in
-    planning.traffic's convention (the full buffer: its share of its group's weights in the
-    sync type; 8-bit types add a float32 scale per row of each weight)."""
-    sync = layout.sync
-    shape = group_layout(layout).mesh_shape
-    width = SYNC_BYTES[sync.sync_dtype]
-    total = 0.0
+def _fragments(abstract_params, layout: Layout) -> list[tuple[list, list, list]]:
+    """Per fragment, the (shapes, specs, owners) of the leaves it sends, as
+    parallel.replica lays them out: layer l in fragment l % F (its layers dim cut F ways, the
+    owners not split on it), the weights outside the layers in fragment 0."""
+    F, mesh_shape = layout.sync.sync_fragments, layout.mesh_shape
+    out: list[tuple[list, list, list]] = [([], [], []) for _ in range(F)]
     for var in variables(abstract_params):
-        local = local_elements(var.shape, logical_axes(var), layout.rules, shape, "param")
-        total += width * local
-        if sync.sync_dtype in EIGHT_BIT and var.shape:
-            total += 4 * local / var.shape[-1]
-    return {"all-to-all": total, "all-gather": total}
+        logical = logical_axes(var)
+        spec = layout.rules.spec(logical, "param")
+        spec = PartitionSpec(*spec, *[None] * (len(var.shape) - len(spec)))
+        dim = logical.index("layers") if "layers" in logical else None
+        avoid = dim if F > 1 else None
+        owner = replica.owner_spec(spec, tuple(var.shape), mesh_shape, avoid)
+        shape = list(var.shape)
+        if dim is not None:
+            shape[dim] //= F
+        for f in range(F) if dim is not None else (0,):
+            for part, x in zip(out[f], (tuple(shape), spec, owner), strict=True):
+                part.append(x)
+    return out
 
 
-def exchange_seconds(nbytes: dict[str, float], layout: Layout, hw: Hardware) -> float:
-    """Seconds of one fragment's exchange (1/F of the bytes) between the M groups, on the
-    link they span: devices of a group sit between a group's members."""
-    M, F = layout.replicas, layout.sync.sync_fragments
+def exchange_messages(abstract_params, layout: Layout) -> list[dict[str, list[float]]]:
+    """Per fragment, one device's collectives over `replica` by kind, each its bytes in
+    planning.traffic's convention (the full buffer): the all-to-all up and the all-gather
+    down of the group's weights in the sync type, one per bucket (parallel.exchange's
+    BUCKET_BYTES, a larger leaf alone), and for the 8-bit types their float32 scales (one per
+    row of each device's block) in collectives of their own, as parallel.exchange sends them."""
+    dtype = layout.sync.sync_dtype
+    return [
+        exchange.messages(*leaves, dtype, layout.mesh_shape)
+        for leaves in _fragments(abstract_params, layout)
+    ]
+
+
+def exchange_bytes(abstract_params, layout: Layout) -> dict[str, float]:
+    """One device's bytes of a whole outer exchange (every fragment), by collective."""
+    return totals(exchange_messages(abstract_params, layout))
+
+
+def totals(messages: list[dict[str, list[float]]]) -> dict[str, float]:
+    return {k: sum(sum(f[k]) for f in messages) for k in ("all-to-all", "all-gather")}
+
+
+def exchange_seconds(messages: list[dict[str, list[float]]], layout: Layout, hw: Hardware) -> float:
+    """Seconds of one fragment's exchange between the M groups (the mean over fragments:
+    fragment 0 also sends the weights outside the layers), on the link they span: devices of
+    a group sit between a group's members. Each message pays the link's latency."""
+    M = layout.replicas
     stride = layout.devices // M
-    return sum(costmodel.spanning_time(k, b / F, M, stride, hw) for k, b in nbytes.items())
+    return sum(
+        costmodel.spanning_time(kind, nbytes, M, stride, hw)
+        for fragment in messages
+        for kind, sizes in fragment.items()
+        for nbytes in sizes
+    ) / len(messages)
 
 
 def outer_terms(sync: SyncConfig, exchange_s: float, compute_s: float) -> dict[str, float]:
@@ -105,8 +141,8 @@ def with_outer(row: dict, abstract_params, layout: Layout, hw: Hardware) -> dict
     """The plan's row of a grouped layout, from its group's inner-step row: the outer step's
     amortized exposed time joins the step; the layout, mesh and throughput are the whole
     fleet's (every group steps at once on its own block of the batch)."""
-    nbytes = exchange_bytes(abstract_params, layout)
-    terms = outer_terms(layout.sync, exchange_seconds(nbytes, layout, hw), row["compute_s"])
+    messages = exchange_messages(abstract_params, layout)
+    terms = outer_terms(layout.sync, exchange_seconds(messages, layout, hw), row["compute_s"])
     step = row["step_s"] + terms["outer_exposed_s"]
     tokens = layout.batch_size * layout.seq_len
     return {
@@ -116,7 +152,7 @@ def with_outer(row: dict, abstract_params, layout: Layout, hw: Hardware) -> dict
         "mesh": layout.mesh_shape,
         "replicas": layout.replicas,
         "sync": dataclasses.asdict(layout.sync),
-        "outer_bytes": sum(nbytes.values()),
+        "outer_bytes": sum(totals(messages).values()),
         "step_s": step,
         "tokens_per_s": tokens / step,
         "mfu": row["mfu"] * row["step_s"] / step,
