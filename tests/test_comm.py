@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxdist.planning import hlo, traffic
+from jaxdist.planning import comm_report, hlo
 from models.inventory import plan_model
 from tests.helpers import compiled_for
 
@@ -26,7 +26,7 @@ CASES = [
 def test_measured_bytes_match_expected(layout, model, microbatches, seq_len):
     over = {"seq_len": seq_len} if seq_len else {}
     mc, mesh, jitted = compiled_for(layout, model, 16, microbatches, **over)
-    rep = traffic.report(jitted, plan_model(mc), jitted.layout)
+    rep = comm_report.report(jitted, plan_model(mc), jitted.layout)
     rows = rep["rows"]
     total = sum(r["bytes"] for r in rows)
     assert total > 0

@@ -27,7 +27,7 @@ from jaxdist.config import Layout, StepConfig
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.optim import OptimConfig, make_optimizer, muon_dims, muon_labels, schedule
-from jaxdist.planning import hlo, traffic
+from jaxdist.planning import comm_report, hlo
 from jaxdist.rules import is_variable
 from jaxdist.step import build
 from meshes.presets import STANDARD_RULES, get_mesh_preset
@@ -247,7 +247,7 @@ def test_comm_prices_muons_moves_as_the_step_makes_them(layers, kind):
     # one gather of the whole matrices (2 layers, fewer than those devices).
     assert tyro.cli(Comm, args=["--optimizer", "muon"]).optim.optimizer == "muon"
     mc, jitted = _compiled("muon", "data=2,fsdp=2,tensor=2", layers)
-    rows = traffic.report(jitted, plan_model(mc), jitted.layout, "muon")["rows"]
+    rows = comm_report.report(jitted, plan_model(mc), jitted.layout, "muon")["rows"]
     muon = [r for r in rows if r["axis"] == "fsdp+tensor"]
     assert [r["kind"] for r in muon] == [kind]
     assert muon[0]["expected_bytes"] > 0

@@ -15,7 +15,7 @@ from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.parallel import pipeline
 from jaxdist.parallel.pipeline import make_schedule, recv_table
-from jaxdist.planning import traffic
+from jaxdist.planning import comm_report
 from jaxdist.rules import batch_ways
 from jaxdist.step import build
 from meshes.presets import STANDARD_RULES
@@ -247,7 +247,7 @@ def test_comm_reports_the_interleaved_permute_bytes(layout, virtual):
     ways = batch_ways(c.batch_sharding)
     act = pipeline.microbatch_bytes(16, 4, ways, mc.seq_len, mc.d_model, 4)
     expected = pipeline.send_bytes(sched, c.abstract_state.params, STANDARD_RULES, mesh.shape, act)
-    report = traffic.report(c, plan_model(mc), c.layout)
+    report = comm_report.report(c, plan_model(mc), c.layout)
     (row,) = [x for x in report["rows"] if x["kind"] == "collective-permute"]
     assert row["expected_bytes"] == pytest.approx(expected)
     assert row["axis"] == "pipeline" and row["ratio"] == pytest.approx(1.0, abs=0.05)

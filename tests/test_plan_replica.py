@@ -16,7 +16,7 @@ from jaxdist.config import Layout, StepConfig, SyncConfig
 from jaxdist.mesh import SEARCHED_AXES
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.parallel import exchange, replica
-from jaxdist.planning import hlo, memory, quality, sync, traffic
+from jaxdist.planning import comm_report, hlo, memory, quality, sync
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import plan
 from jaxdist.step import build
@@ -78,7 +78,7 @@ def test_outer_exchange_bytes_are_what_the_compiled_outer_step_sends():
     # float32: each shard once each way, 494,080 bytes per device of tiny (int8 and buckets:
     # test_the_planner_counts_the_messages_the_compiled_outer_step_sends).
     mc, layout, jitted = _grouped("float32")
-    rows = traffic.report(jitted, plan_model(mc), layout)["outer_rows"]
+    rows = comm_report.report(jitted, plan_model(mc), layout)["outer_rows"]
     moved = {r["kind"]: r for r in rows}
     for kind in ("all-to-all", "all-gather"):
         assert moved[kind]["bytes"] == moved[kind]["expected_bytes"] == 494_080, rows

@@ -1,5 +1,5 @@
 """`jaxdist comm`: the collectives XLA compiled into the step, per mesh axis, beside what the
-layout implies (jaxdist.planning.traffic)."""
+layout implies (jaxdist.planning.comm_report)."""
 
 import dataclasses
 import json
@@ -25,7 +25,7 @@ class Comm(Common):
 def run(args: Comm) -> int:
     mesh, layout, model_cfg, args = setup(args)
     from jaxdist.optim import make_optimizer
-    from jaxdist.planning import traffic
+    from jaxdist.planning import comm_report
     from jaxdist.step import build
     from models.inventory import plan_model
     from models.presets import model_spec
@@ -33,9 +33,9 @@ def run(args: Comm) -> int:
     model = model_spec(model_cfg)
     tx, lr = make_optimizer(args.optim, 100)
     jitted = build(model.init, tx, lr, layout, mesh, args.seed)
-    report = traffic.report(jitted, plan_model(model_cfg), layout, args.optim.optimizer)
+    report = comm_report.report(jitted, plan_model(model_cfg), layout, args.optim.optimizer)
     if args.json:
         print(json.dumps(report))
     else:
-        traffic.print_table(report)
+        comm_report.print_table(report)
     return 0

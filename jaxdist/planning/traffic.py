@@ -1,5 +1,5 @@
-"""The communication report: collectives XLA compiled into the step, beside what the layout
-implies, per mesh axis and kind.
+"""The collectives a layout implies, per mesh axis and kind: what `plan` prices and what
+jaxdist.planning.comm_report sets beside the compiled program's.
 
 Expected bytes come from two sources. Parameters (generic, from the rule table): a weight
 split over a batch axis (FSDP) is gathered where it is used, once per step, or twice for
@@ -25,20 +25,16 @@ and `jaxdist comm` show beside the figures.
 
 import math
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
-from rich.console import Console
-from rich.table import Table
 
 from jaxdist.config import Layout
 from jaxdist.kernels.lookup import Route, routed_table
 from jaxdist.optim import muon_dims
-from jaxdist.parallel import muon, pipeline, replica
+from jaxdist.parallel import muon, pipeline
 from jaxdist.parallel.collective_matmul import check as collective_matmul_check
 from jaxdist.parallel.collective_matmul import shards_sent
-from jaxdist.planning import hlo, memory, sync
+from jaxdist.planning import memory
 from jaxdist.planning.inputs import PartialSum, PlanModel
 from jaxdist.planning.layouts import abstract_mesh
 from jaxdist.rules import AxisRules, logical_axes, variables, ways
@@ -348,87 +344,3 @@ def schedule_of(layout: Layout) -> pipeline.Schedule:
     return pipeline.make_schedule(
         step.pipeline_schedule, layout.stages, layout.microbatches, layout.virtual_stages
     )
-
-
-def report(jitted, model: PlanModel, layout: Layout, optimizer: str = "adamw") -> dict:
-    """Compiles the step for abstract inputs and puts measured beside expected bytes (a
-    pipeline's tick branches counted on their own ticks only); `optimizer`: the step's."""
-    mesh = jitted.batch_sharding.mesh
-    shape = (layout.batch_size, layout.seq_len + 1)
-    text = jitted.compile_abstract(shape).as_text()
-    share = pipeline.branch_share(schedule_of(layout)) if layout.stages > 1 else None
-    measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape), share))
-    platform = mesh.devices.flat[0].platform
-    # Replica groups: each group's step (the outer step is compiled apart, below).
-    inner = sync.group_layout(layout) if sync.grouped(layout) else layout
-    exp = layout_bytes(model, inner, platform, optimizer=optimizer)
-    out = {
-        "mesh": dict(mesh.shape),
-        "batch_size": layout.batch_size,
-        "seq_len": layout.seq_len,
-        "microbatches": layout.microbatches,
-        "optimizer": optimizer,
-        "rows": _rows(measured, exp),
-    }
-    if sync.grouped(layout):
-        out["outer_rows"] = _outer_rows(jitted, model, layout)
-    return out
-
-
-def _outer_rows(jitted, model: PlanModel, layout: Layout) -> list[dict]:
-    """The outer step's collectives, every fragment's at once, compiled beside what
-    planning.sync prices them at (over `replica`; the rest is the inner step's again)."""
-    F = layout.sync.sync_fragments
-    act = replica.Action(tuple(range(F)), tuple(range(F)), after=True)
-    mesh = jitted.batch_sharding.mesh
-    batch = jax.ShapeDtypeStruct(
-        (layout.batch_size, layout.seq_len + 1), jnp.int32, sharding=jitted.batch_sharding
-    )
-    text = jitted.step_fn.lower(jitted.abstract_state, batch, act).compile().as_text()
-    measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
-    measured = {k: v for k, v in measured.items() if k[0] == sync.AXIS}
-    exp = {(sync.AXIS, k): b for k, b in sync.exchange_bytes(model.abstract_params, layout).items()}
-    return _rows(measured, exp)
-
-
-def _rows(measured: dict, exp: dict) -> list[dict]:
-    rows = []
-    for axis, kind in sorted(set(measured) | set(exp)):
-        m = measured.get((axis, kind), {"count": 0, "bytes": 0})
-        e = exp.get((axis, kind), 0.0)
-        rows.append(
-            {
-                "axis": axis,
-                "kind": kind,
-                "count": m["count"],
-                "bytes": m["bytes"],
-                "expected_bytes": e,
-                "ratio": (m["bytes"] / e) if e else None,
-            }
-        )
-    return rows
-
-
-def print_table(report: dict, console: Console | None = None) -> None:
-    console = console or Console()
-    _table(f"collectives per step on mesh {report['mesh']}", report["rows"], console)
-    if "outer_rows" in report:
-        title = "the replica groups' outer step, every fragment at once (every H steps)"
-        _table(title, report["outer_rows"], console)
-
-
-def _table(title: str, rows: list[dict], console: Console) -> None:
-    table = Table(title=title)
-    for col in ("axis", "kind", "count", "MB", "expected MB", "ratio"):
-        table.add_column(col, justify="left" if col in ("axis", "kind") else "right")
-    for r in rows:
-        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "unexpected"
-        table.add_row(
-            r["axis"],
-            r["kind"],
-            str(r["count"]),
-            f"{r['bytes'] / 1e6:.3f}",
-            f"{r['expected_bytes'] / 1e6:.3f}",
-            ratio,
-        )
-    console.print(table)
