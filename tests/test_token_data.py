@@ -302,7 +302,11 @@ def test_tokenize_train_eval_from_the_command_line(cli_run):
     r = cli("eval", str(run_dir), "--batches", "2", "--mesh", "fsdp=4", "--devices", "cpu:4")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["step"] == 10 and got["tokens"] == 2 * 16 * 128
+    # The step named as the run names it: its checkpoint's and its last evaluation's.
+    names = [p.name for p in (run_dir / "checkpoints").iterdir()]
+    checkpoints = sorted(int(n) for n in names if n.isdigit())
+    assert got["step"] == last_eval["step"] == checkpoints[-1]
+    assert got["tokens"] == 2 * 16 * 128
     np.testing.assert_allclose(got["loss"], last_eval["eval_loss"], rtol=1e-5)
     np.testing.assert_allclose(got["perplexity"], math.exp(got["loss"]), rtol=1e-9)
     assert 0 < got["bits_per_byte"] < 8

@@ -131,7 +131,9 @@ def evaluate(args: Eval) -> int:
     if restored is None:
         raise ConfigError(f"{run_dir} holds no valid checkpoint to evaluate")
     loss = evaluate(jitted, jitted.weights(restored.state), batches, range(num_batches))
-    out = {"run_dir": str(run_dir), "step": int(restored.state.step)}
+    # The checkpoint's step, as train names it (checkpoint 299, "eval loss (step 299)"), not
+    # the state's count of updates (300).
+    out = {"run_dir": str(run_dir), "step": restored.step}
     out |= report(loss, batches, num_batches)
     out |= {"mesh": dict(mesh.shape), "data": held.path or "embedded"}
     if jax.process_index() == 0:
