@@ -91,3 +91,28 @@ def test_a_help_text_is_one_paragraph_however_its_docstring_was_wrapped(capsys, 
     ]
     assert early == []
     assert any("(RMSNorm, SwiGLU, RoPE)" in line for line in lines)
+
+
+def _entries(text: str) -> dict[str, str]:
+    """Each flag's help as one line: its row and the description rows under it."""
+    out, flag = {}, None
+    for line in text.splitlines():
+        row = re.match(r"│ (-\S+)(.*?)│?$", line)
+        if row:
+            flag = row.group(1).rstrip(",")
+            out[flag] = row.group(2)
+        elif flag is not None and line.startswith("│"):
+            out[flag] += " " + line.strip("│ ")
+        else:
+            flag = None
+    return {k: " ".join(v.split()) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "eval", "export-hf"])
+def test_a_flag_whose_text_names_its_default_shows_one_default(capsys, monkeypatch, command):
+    # "--kv-heads ... (default: --heads) (default: None)": tyro's None said nothing the text
+    # had not said better. A text that names its default keeps only its own.
+    entries = _entries(_help(capsys, monkeypatch, 100, command))
+    assert len(entries) > 5  # the help was read
+    twice = {f: e for f, e in entries.items() if re.search(r"default:.*\(default: None\)", e)}
+    assert twice == {}

@@ -85,15 +85,22 @@ class _Panel:
 
 
 def _one_paragraph(arg_ctx):
-    """The argument with its help text in one paragraph (its cached lowering kept)."""
+    """The argument with its help text in one paragraph (its cached lowering kept), and
+    without tyro's "(default: None)" where the text says what None stands for ("default:
+    --heads"): one default shown, not two."""
     arg = arg_ctx.arg
     text = arg.field.helptext
     text = text() if callable(text) else text  # tyro reads docstrings lazily
-    if not isinstance(text, str) or "\n" not in text:
+    if not isinstance(text, str):
         return arg_ctx
-    one = dataclasses.replace(
-        arg, field=dataclasses.replace(arg.field, helptext=" ".join(text.split()))
-    )
+    says_default = arg.field.default is None and "default" in text
+    if "\n" not in text and not says_default:
+        return arg_ctx
+    field = dataclasses.replace(arg.field, helptext=" ".join(text.split()))
+    if says_default and arg.field.argconf.help_behavior_hint is None:
+        argconf = dataclasses.replace(arg.field.argconf, help_behavior_hint="")
+        field = dataclasses.replace(field, argconf=argconf)
+    one = dataclasses.replace(arg, field=field)
     one.__dict__["lowered"] = arg.lowered  # tyro's cached_property: not worked out again
     return dataclasses.replace(arg_ctx, arg=one)
 
