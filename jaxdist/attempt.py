@@ -206,7 +206,8 @@ def close_attempt(a: Attempt, preempted: tuple[int, str] | None) -> dict:
     a.capture.close()
     a.tiers.close()  # waits for the last save to commit
     if a.log:
-        a.log.write({"event": "end"})  # the attempt's final accounting
+        # The attempt's final accounting; a signal's stop is not the run's end (goodput says so).
+        a.log.write({"event": "end", **({"stopped": preempted[1]} if preempted else {})})
         a.log.close()
     if preempted:
         run.console.print(

@@ -13,11 +13,12 @@ import time
 
 import numpy as np
 import pytest
+from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxdist.cli.main import main
 from jaxdist.metrics import goodput
-from jaxdist.metrics.goodput import ALL_PARTS, PARTS, Ledger, read_report, report
+from jaxdist.metrics.goodput import ALL_PARTS, PARTS, Ledger, print_report, read_report, report
 from jaxdist.metrics.records import MetricsLog, latest_per_step, read_metrics
 from jaxdist.metrics.tensorboard import TensorBoardLog
 from tests.helpers import cli, cli_popen, tiny_train
@@ -322,3 +323,23 @@ def test_goodput_command_json_and_plot(killed_twice, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rc, _, err = _goodput(capsys, str(tmp_path))
     assert rc == 2 and "metrics.jsonl does not exist" in err
+
+
+def test_an_attempt_a_signal_stopped_is_not_labelled_finished():
+    # Ctrl-C saves and ends the attempt with its "end" record, as a run's last step does: the
+    # record names the signal, and the report says the attempt was stopped, not finished.
+    def attempt(start, first, end):
+        said = {"process_start": start, "first_step": first, "recompute": None}
+        parts = dict.fromkeys(PARTS, 1.0)
+        return [{"step": first, "loss": 1.0, "goodput_s": parts, "attempt": said}, end]
+
+    stopped = {"event": "end", "stopped": "SIGINT", "goodput_s": dict.fromkeys(PARTS, 1.0)}
+    ended = {"event": "end", "goodput_s": dict.fromkeys(PARTS, 1.0)}
+    rep = report(attempt(100.0, 0, stopped) + attempt(110.0, 5, ended))
+    first, second = rep["attempts"]
+    assert (first["finished"], first["stopped"]) == (False, "SIGINT")
+    assert (second["finished"], second["stopped"]) == (True, None)
+    console = Console(record=True, width=200)
+    print_report(rep, console)
+    (ended_row,) = [line for line in console.export_text().splitlines() if "ended" in line]
+    assert ended_row.split("│")[2:4] == [" stopped (SIGINT) ", "  finished "]

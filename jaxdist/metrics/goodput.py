@@ -147,7 +147,8 @@ def attempts(records: list[dict]) -> list[dict]:
                 "last_step": a["last_step"],
                 "recompute": first.get("recompute"),
                 "steps": {"productive": 0, "recomputed": 0, **last.get("goodput_steps", {})},
-                "finished": last.get("event") == "end",
+                "finished": last.get("event") == "end" and not last.get("stopped"),
+                "stopped": last.get("stopped"),  # the signal that stopped it, saved
                 "parts_s": {**parts, "between": 0.0},
             }
         )
@@ -232,11 +233,18 @@ def print_report(rep: dict, console=None) -> None:
         table.add_row(p, *cells, f"{total:.2f}", f"{total / wall:.1%}")
     ends = [sum(r["parts_s"].values()) for r in rows]
     table.add_row("total", *[f"{t:.2f}" for t in ends], f"{wall:.2f}", "100%", end_section=True)
-    status = ["finished" if r["finished"] else r.get("restart_cause", "killed") for r in rows[:-1]]
-    last = rows[-1]
-    status.append("finished" if last["finished"] else "running or killed")
+    status = [_ended(r, "killed") for r in rows[:-1]] + [_ended(rows[-1], "running or killed")]
     table.add_row("ended", *status, "", "")
     console.print(table)
+
+
+def _ended(row: dict, otherwise: str) -> str:
+    """How an attempt ended: finished, stopped by a signal (saved), or what restarted it."""
+    if row["finished"]:
+        return "finished"
+    if row.get("restart_cause"):
+        return row["restart_cause"]
+    return f"stopped ({row['stopped']})" if row.get("stopped") else otherwise
 
 
 COLORS = {
