@@ -204,7 +204,7 @@ def close_attempt(a: Attempt, preempted: tuple[int, str] | None) -> dict:
     """The attempt's end: the last save committed, the logs closed, summary.json."""
     run = a.run
     a.capture.close()
-    a.tiers.close()  # waits for the last save to commit
+    a.tiers.close(finished=preempted is None)  # waits for the last save to commit
     if a.log:
         # The attempt's final accounting; a signal's stop is not the run's end (goodput says so).
         a.log.write({"event": "end", **({"stopped": preempted[1]} if preempted else {})})

@@ -218,3 +218,14 @@ def test_a_directory_that_cannot_be_created_is_one_config_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="--local-checkpoint-dir"):
         LocalTier(tmp_path / "file" / "local")
+
+
+def test_discard_removes_the_process_folder_and_the_emptied_run_folder(tmp_path, mesh):
+    given = tmp_path / "shm"  # the user's --local-checkpoint-dir, holding two runs' folders
+    ours, other = LocalTier(given / "run-a", keep=2), LocalTier(given / "run-b", keep=2)
+    for t in (ours, other):
+        t.save(3, _state(mesh), {"k": 1})
+        t.close()
+    assert ours.steps() == [3]
+    ours.discard()
+    assert not (given / "run-a").exists() and other.steps() == [3] and given.is_dir()

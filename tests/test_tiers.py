@@ -153,3 +153,21 @@ def test_a_resumed_attempt_takes_the_logged_costs_and_does_not_save_at_once():
         500,
     )
     assert persistent.saved == [] and local.saved == [10]
+
+
+class Discardable(Store):
+    discarded = False
+
+    def discard(self):
+        self.discarded = True
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_the_local_tier_is_discarded_only_when_the_run_finished(finished):
+    # A finished run's last step is in the persistent tier; its local copies (tmpfs: memory)
+    # would only be left behind. A stopped run keeps them for its resume.
+    near = Discardable(0.25)
+    config = CheckpointConfig(every="4", local_dir="unused", local_every="2")
+    tiers = Tiers(Store(0.5), near, config, {}, Timer(), Ledger(), Log(), Console(quiet=True))
+    tiers.close(finished=finished)
+    assert near.closed and near.discarded == finished

@@ -197,6 +197,15 @@ class LocalTier:
         finally:
             self._pool.shutdown(wait=True)
 
+    def discard(self) -> None:
+        """Removes this process's folder, then the run's once no other process's is left in
+        it (the user's --local-checkpoint-dir stays). Call after `close`."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+        try:
+            self.folder.parent.rmdir()
+        except OSError:  # another process's folder is still there: its own discard removes it
+            pass
+
     def _write(self, step: int, leaves: list[dict], fp, record: dict) -> str | None:
         """The background half of a save; what went wrong, or None once committed."""
         tmp = self.folder / f"{step}.tmp-{os.getpid()}"

@@ -133,12 +133,16 @@ class Tiers:
         steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
         return f"checkpoint {steps[-1]}, the newest committed," if steps else "no checkpoint"
 
-    def close(self) -> None:
-        """Commits the last saves (the attempt's end)."""
+    def close(self, finished: bool = False) -> None:
+        """Commits the last saves (the attempt's end). `finished`: the run saved its last step
+        to the persistent tier, and the local tier is removed: a resume or a longer run
+        restores from the persistent one, and a tmpfs tier left behind holds memory."""
         if self._compiling is not None:  # no thread left compiling as the process ends
             concurrent.futures.wait([self._compiling])
         with self.ledger.part("checkpoint"):
             close_stores(self.checkpointer, self.local)
+        if finished and self.local is not None:
+            self.local.discard()
 
     def _scheduled(self) -> list[_Scheduled]:
         return [self._persistent] + ([self._local] if self._local is not None else [])
