@@ -329,3 +329,39 @@ def test_the_default_mesh_fits_the_devices_present(tmp_path):
     r = cli("train", "--devices", "cpu:4", "--steps", "1", "--run-dir", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr
     assert "on mesh fsdp=4 x cpu" in r.stderr, r.stderr
+
+
+# `python -m jaxdist.cli train`, interrupted by Ctrl-C while the command's modules load (JAX's
+# take seconds): the signal is sent from an import hook, at the import it would have broken.
+_INTERRUPTED_WHILE_LOADING = """
+import os, signal, sys, time
+sys.argv = ["-m", "train"]  # as `python -m jaxdist.cli train` has it while the package loads
+
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "jaxdist.cli.main":
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)  # the handler runs here
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+import jaxdist.cli
+print("not interrupted")
+"""
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line():
+    import subprocess
+    import sys
+
+    from jaxdist.cli import STARTING
+    from tests.helpers import CLI_ENV
+
+    r = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_WHILE_LOADING],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=CLI_ENV,
+    )
+    assert (r.returncode, r.stdout, r.stderr) == (130, "", STARTING.decode())
