@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import json
 import pathlib
-import shlex
 import time
 
 import jax
@@ -135,21 +134,27 @@ def _logs(run: Run, record: dict, ledger: Ledger, start: int) -> MetricsLog | No
     return MetricsLog(run.run_dir / "metrics.jsonl", *sinks, stamp=ledger.fields)
 
 
-def open_attempt(run: Run, extra: dict | None = None, init_state=None) -> tuple[Attempt, object]:
-    """An attempt's start: the run's record (checked against its checkpoint before anything is
-    written; `extra` joins it), the first state (the newest good checkpoint's, or a new one:
-    `init_state(jitted)`), the logs."""
-    model, mesh, config, jitted, batches = run.model, run.mesh, run.config, run.jitted, run.batches
-    loop, run_dir, console = config.loop, run.run_dir, run.console
-    data_record = {
+def data_record(batches) -> dict:
+    """What the run's record says of its data stream (the checkpoint's must match it)."""
+    return {
         "fingerprint": batches.fingerprint,
         "tokenizer": batches.tokenizer,
         "vocab_size": batches.vocab_size,
         "eos_id": batches.eos_id,
         "sources": batches.names,
     }
+
+
+def open_attempt(run: Run, extra: dict | None = None, init_state=None) -> tuple[Attempt, object]:
+    """An attempt's start: the run's record (checked against its checkpoint before anything is
+    written; `extra` joins it), the first state (the newest good checkpoint's, or a new one:
+    `init_state(jitted)`), the logs."""
+    model, mesh, config, jitted, batches = run.model, run.mesh, run.config, run.jitted, run.batches
+    loop, run_dir, console = config.loop, run.run_dir, run.console
     # Checked against the checkpoint's record before anything is written or compiled.
-    record = write_record(run_dir, model, mesh, run.rules, config, data_record, extra, console)
+    record = write_record(
+        run_dir, model, mesh, run.rules, config, data_record(batches), extra, console
+    )
     faults = Faults(loop.faults(), run_dir, jax.process_index())
     checkpointer, local = open_stores(config.checkpoint, run_dir, faults)
     shapes = param_shapes(jitted.abstract_state.params)
@@ -232,16 +237,4 @@ def close_attempt(a: Attempt, preempted: tuple[int, str] | None) -> dict:
         # The result on stdout (`jaxdist train > log` keeps it); progress stays on stderr.
         out = Console(quiet=run.console.quiet)
         print_summary(out, summary)
-        out.print(_next_commands(run), highlight=False, soft_wrap=True, markup=False)
     return summary
-
-
-def _next_commands(run: Run) -> str:
-    """What a user does after a run: train further, evaluate, export."""
-    where = shlex.quote(str(run.run_dir))
-    more = run.config.loop.steps * 2
-    lines = [f"next: train further  jaxdist train --run-dir {where} --steps {more}  (same flags)"]
-    if run.held_out is not None:  # the data has a held-out split to evaluate on
-        lines.append(f"      evaluate       jaxdist eval {where}")
-    lines.append(f"      export         jaxdist export-hf {where} {where}/hf")
-    return "\n".join(lines)

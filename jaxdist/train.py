@@ -19,11 +19,11 @@ import jax
 from jax.sharding import Mesh
 from rich.console import Console
 
-from jaxdist.attempt import Attempt, Run, close_attempt, open_attempt
+from jaxdist.attempt import Attempt, Run, close_attempt, data_record, open_attempt
 from jaxdist.checkpoint.lock import RunLock
 from jaxdist.checkpoint.preemption import PreemptionSignal
 from jaxdist.checkpoint.recovery import apply_nonfinite_policy
-from jaxdist.checkpoint.resume import finished_step
+from jaxdist.checkpoint.resume import compare_with_checkpoint, finished_step, run_record
 from jaxdist.cluster.join import process_rows
 from jaxdist.config import Layout, RunConfig
 from jaxdist.data import TokenBatches
@@ -89,7 +89,11 @@ def fit(
     with RunLock(run_dir, jax.process_index()):
         done = finished_step(run_dir, config.loop.steps)
         if done is not None:
-            return _finished(run_dir, done, console)
+            # Another model or data stream is refused first: "train further", said of a run
+            # this one cannot resume, would be advice that fails.
+            now = run_record(model, mesh, rules, config, data_record(batches), record)
+            compare_with_checkpoint(run_dir, now)
+            return _finished(run_dir, done, console, command="cli" in (record or {}))
         run = Run(model, mesh, rules, config, jitted, batches, held_out, run_dir, console)
         attempt, state = open_attempt(run, record, init_state)
         # From here, SIGTERM or Ctrl-C stops the run at the next step boundary, saved; a second
@@ -151,11 +155,13 @@ def _run_dir(given: str | None) -> pathlib.Path:
     return path
 
 
-def _finished(run_dir: pathlib.Path, step: int, console) -> dict:
-    """A run with no step left to do: one line, nothing written, its summary returned."""
+def _finished(run_dir: pathlib.Path, step: int, console, command: bool) -> dict:
+    """A run with no step left to do: one line, nothing written, its summary returned. How to
+    train further is said as the caller gives the steps: the command line's flag (`command`:
+    fit's record holds the CLI's config tree), else fit's LoopConfig."""
+    how = "pass --steps N" if command else "call fit with LoopConfig(steps=N)"
     console.print(
-        f"run {run_dir} already finished step {step}; pass --steps N (N > {step + 1}) to "
-        "train further",
+        f"run {run_dir} already finished step {step}; {how} (N > {step + 1}) to train further",
         markup=False,
         soft_wrap=True,
         highlight=False,

@@ -59,6 +59,9 @@ def reruns(tmp_path_factory):
     out["finished"] = _main(again)
     out["metrics_after_finished"] = _metrics(first)
     out["attempts_after_finished"] = len(list((first / "attempts").glob("*.json")))
+    # Finished, and rerun with another model: refused as such, not "train further" (which
+    # would fail on the model).
+    out["finished_changed"] = _main([*again, "--d-model", "64"])
     out["refused"] = _main([*again, "--batch-size", "16", "--seed", "1", "--steps", "4"])
     out["record_after_refusal"] = json.loads(record.read_text())
     out["resumed"] = _main([*again, "--steps", "4", "--lr", "0.001"])
@@ -189,8 +192,27 @@ def test_a_replay_is_a_new_run_and_a_finished_run_says_so_in_one_line(reruns):
     assert rc == 0 and err.splitlines() == [
         f"run {first} already finished step 2; pass --steps N (N > 3) to train further"
     ]
+    rc, err = reruns["finished_changed"]
+    err = " ".join(err.split())
+    assert rc == 2 and "another model" in err and "model.d_model" in err, err
+    assert "already finished" not in err
     assert reruns["metrics_after_finished"] == reruns["metrics"]
     assert reruns["attempts_after_finished"] == 1  # nothing written
     # What it says to do trains further: the run resumes at step 3.
     assert "at step 3" in " ".join(reruns["resumed"][1].split())
     assert sorted(reruns["losses_after_resume"]) == [0, 1, 2, 3]
+
+
+def test_a_finished_run_says_how_to_train_further_in_its_callers_terms(tmp_path):
+    from rich.console import Console
+
+    from jaxdist.train import _finished
+
+    said = {}
+    for command in (True, False):
+        console = Console(record=True, width=300)
+        _finished(tmp_path, 2, console, command=command)
+        said[command] = console.export_text()
+    assert "pass --steps N (N > 3)" in said[True]
+    # fit's Python caller gives no flags: it is told of fit's own arguments.
+    assert "--" not in said[False] and "LoopConfig(steps=N) (N > 3)" in said[False]

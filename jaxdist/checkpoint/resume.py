@@ -129,20 +129,9 @@ def compare_with_checkpoint(run_dir: pathlib.Path, record: dict) -> list[str]:
     ]
 
 
-def write_record(
-    run_dir: pathlib.Path,
-    model,
-    mesh,
-    rules,
-    config,
-    data: dict | None = None,
-    extra: dict | None = None,
-    console=None,
-) -> dict:
-    """The run's config.json: everything that decides what it computes, and where; `extra`
-    joins it (the command line's config tree, under `cli`). A resume is checked against the
-    checkpoint's record first (`compare_with_checkpoint`), before anything is written; every
-    attempt's record is kept in attempts/, config.json is the latest."""
+def run_record(model, mesh, rules, config, data: dict | None = None, extra: dict | None = None):
+    """Everything that decides what a run computes, and where; `extra` joins it (the command
+    line's config tree, under `cli`)."""
     record = {
         "model": {"name": model.name, **(_as_record(model.config) or {})},
         "data_source": data or {},
@@ -157,7 +146,23 @@ def write_record(
         "versions": {"jax": jax.__version__},
         **(extra or {}),
     }
-    record = json.loads(json.dumps(record))  # as it reads back: tuples become lists
+    return json.loads(json.dumps(record))  # as it reads back: tuples become lists
+
+
+def write_record(
+    run_dir: pathlib.Path,
+    model,
+    mesh,
+    rules,
+    config,
+    data: dict | None = None,
+    extra: dict | None = None,
+    console=None,
+) -> dict:
+    """The run's config.json (`run_record`). A resume is checked against the checkpoint's
+    record first (`compare_with_checkpoint`), before anything is written; every attempt's
+    record is kept in attempts/, config.json is the latest."""
+    record = run_record(model, mesh, rules, config, data, extra)
     changed = compare_with_checkpoint(run_dir, record)
     if changed and console is not None:
         console.print(f"changed on resume: {'; '.join(changed)}", highlight=False)

@@ -2,6 +2,7 @@
 (`--compile-only`, also for a TPU target this host does not have)."""
 
 import dataclasses
+import shlex
 
 import tyro
 
@@ -102,8 +103,26 @@ def run(args: Train) -> int:
 
         record["init_from"] = {**init.record(), "dtype": SafetensorsDir(init.path).dtype()}
         first = initial_state(ADAPTER, init)
-    loop.fit(model, mesh, layout.rules, config, record=record, init_state=first)
+    summary = loop.fit(model, mesh, layout.rules, config, record=record, init_state=first)
+    import jax
+
+    if jax.process_index() == 0 and "already_finished" not in summary:
+        # Commands, so the command line says them (fit's Python callers have their own).
+        print(_next_commands(summary, args.loop.steps))
     return 0
+
+
+def _next_commands(summary: dict, steps: int) -> str:
+    """What a user does after a run: train further, evaluate (a run with held-out data: it
+    evaluated), export."""
+    where = shlex.quote(summary["run_dir"])
+    lines = [
+        f"next: train further  jaxdist train --run-dir {where} --steps {steps * 2}  (same flags)"
+    ]
+    if "eval_loss" in summary:
+        lines.append(f"      evaluate       jaxdist eval {where}")
+    lines.append(f"      export         jaxdist export-hf {where} {where}/hf")
+    return "\n".join(lines)
 
 
 def _own_vocab(name: str, model) -> int:
