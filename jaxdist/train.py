@@ -128,7 +128,11 @@ def _held_out(model, config: RunConfig, jitted, batches, console) -> TokenBatche
     warning = small_data_warning(held_out, config.eval.eval_batches, "--eval-batches")
     if warning:
         console.print(
-            f"warning: {warning}", style="yellow", markup=False, highlight=False, soft_wrap=True
+            f"jaxdist: warning: {warning}",
+            style="yellow",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
         )
     return held_out
 

@@ -365,3 +365,21 @@ def test_ctrl_c_while_the_command_loads_is_one_line():
         env=CLI_ENV,
     )
     assert (r.returncode, r.stdout, r.stderr) == (130, "", STARTING.decode())
+
+
+def test_the_librarys_warnings_print_in_the_house_style(capsys, monkeypatch):
+    # A full disk's warning comes from the library's logger (jaxdist.checkpoint), not the
+    # CLI's console: printed as the CLI's other lines are, once, on stderr.
+    import logging
+
+    def warns(args) -> int:
+        logging.getLogger("jaxdist.checkpoint").warning("only %s free", "1 MB")
+        return 0
+
+    kind, _ = COMMANDS["goodput"]
+    monkeypatch.setitem(COMMANDS, "goodput", (kind, warns))
+    capsys.readouterr()
+    assert main(["goodput", "some-run"]) == 0
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", "jaxdist: warning: only 1 MB free\n")
+    assert logging.getLogger("jaxdist").propagate  # as it was, once the command is over

@@ -56,7 +56,7 @@ def test_a_tiny_eval_split_is_warned_of_and_its_distinct_tokens_reported(tmp_pat
         f"is over {W * 32:,} distinct tokens, not 5,120; tokenize with a larger "
         "--eval-fraction, pass more held-out data, or lower --eval-batches"
     )
-    assert err.splitlines().count(f"warning: {warning}") == 1
+    assert err.splitlines().count(f"jaxdist: warning: {warning}") == 1
     assert f"over 5,120 tokens (batches repeat: {W * 32:,} distinct)" in err
     (ev,) = [r for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r]
     assert (ev["eval_tokens"], ev["eval_distinct_tokens"]) == (5120, W * 32)

@@ -5,6 +5,8 @@ command group has its module here; this one only dispatches and turns a user's m
 (ConfigError) into one line and exit code 2.
 """
 
+import contextlib
+import logging
 import sys
 
 import tyro
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     command = next(fn for kind, fn in COMMANDS.values() if type(args) is kind)
     try:
-        return command(args)
+        with _house_style_logging():
+            return command(args)
     except ConfigError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return 2
@@ -129,6 +132,30 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+class _HouseStyle(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"jaxdist: {record.levelname.lower()}: {record.getMessage()}"
+
+
+@contextlib.contextmanager
+def _house_style_logging():
+    """The library's log records (a disk filling up, a damaged checkpoint) on stderr as the
+    CLI's other lines say things, `jaxdist: warning: ...`, instead of the root format another
+    library set up (absl's `WARNING:jaxdist.checkpoint:...`); for the command's duration."""
+    logger = logging.getLogger("jaxdist")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_HouseStyle())
+    handler.setLevel(logging.WARNING)
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False  # not printed a second time by the root's handler
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def _peer_lost(e: BaseException) -> bool:
