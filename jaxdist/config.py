@@ -192,7 +192,8 @@ class LoopConfig:
     steps: int = 300
     """steps the run trains to (a resumed run continues to it)"""
     log_every: int = 10
-    """steps between logged records (metrics.jsonl, TensorBoard, the console)"""
+    """steps between logged records (metrics.jsonl, TensorBoard, the console; its "time left"
+    is the steps left at the recent median step time, evaluations and saves not counted)"""
     run_dir: str | None = None
     """directory for config.json, metrics.jsonl, summary.json, checkpoints (none: a new
     runs/<time>); pass the same one again to resume"""

@@ -2,8 +2,9 @@
 tokens/s, time left) and, when stderr is a terminal, a bar under those lines carrying the same.
 
 Not a terminal (a file, a pipe, a CI log): the plain lines only, no bar and no control
-characters. Time left is the recent median step time times the steps remaining; it is left
-out until a steady step exists (the first steps compile and warm up)."""
+characters. Time left is the recent median step time times the steps remaining (evaluations
+and checkpoint saves are not counted: the --log-every help says so); it is left out until a
+steady step exists (the first steps compile and warm up)."""
 
 import numpy as np
 from rich.console import Console
