@@ -76,10 +76,10 @@ def test_profile_of_a_run_dir_is_that_of_its_profile_folder(tmp_path, capsys):
     ev = ("fusion.9", 0, MS, {"hlo_op": "fusion.9", "device_ordinal": 0, "run_id": 3})
     watch = write(later, {"/host:CPU": {"t": [ev]}})
     os.utime(watch, (trace.stat().st_mtime + 60,) * 2)
-    out = {}
+    out, err = {}, {}
     for name, path in {"run": run, "profile": logdir, "file": trace}.items():
         assert main(["profile", str(path), "--json", str(tmp_path / f"{name}.json")]) == 0
-        out[name] = capsys.readouterr().out
+        out[name], err[name] = capsys.readouterr()
     reports = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in out}
     assert reports["run"] == reports["profile"] == reports["file"]
     assert out["run"] == out["profile"] == out["file"]
@@ -91,6 +91,9 @@ def test_profile_of_a_run_dir_is_that_of_its_profile_folder(tmp_path, capsys):
     }
     assert "collectives per mesh axis" in out["run"]
     assert "N=4096: 0%" in out["run"] and rep["model"]["comm_dominates_at"] == 16
+    # The report on stdout, its warnings on stderr (`> report.txt` keeps the report alone).
+    said = " ".join(err["run"].split())
+    assert "warning:" not in out["run"] and "warning: projection: at 16 devices" in said
 
 
 def test_no_projection_without_the_compiled_hlo(tmp_path, capsys):

@@ -130,7 +130,7 @@ class Capture:
         )
         f = report["summary"]["fraction_of_step"]
         if window[2] == "profile":
-            profile_report.print_report(report, self.console)
+            profile_report.print_report(report, self.console, self.console)
             self.console.print(f"profile: {out}/breakdown.json, breakdown.png")
         warnings = profile_report.warnings(report, self.watch or 0.25)
         if self.log:

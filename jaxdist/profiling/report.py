@@ -186,8 +186,11 @@ def warnings(report: dict, threshold: float = 0.25, drift: float = 1.5) -> list[
     return out
 
 
-def print_report(report: dict, console: Console | None = None) -> None:
+def print_report(report: dict, console: Console | None = None, warn: Console | None = None) -> None:
+    """The breakdown's tables on `console` (stdout), its warnings on `warn` (stderr): a
+    report redirected to a file is the report alone."""
     console = console or Console()
+    warn = warn or Console(stderr=True)
     s = report["summary"]
     t = Table(title=f"step time per device, mean of {s['steps']} steps ({report['source']})")
     for c in ("", "ms", "share"):
@@ -254,7 +257,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
     else:
         console.print(report["model"]["projection_missing"], highlight=False)
     for w in warnings(report):
-        console.print(f"[yellow]warning:[/] {w}")
+        warn.print(f"[yellow]warning:[/] {w}")
 
 
 def write(report: dict, json_path: pathlib.Path | None, png_path: pathlib.Path | None) -> None:
