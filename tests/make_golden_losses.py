@@ -11,6 +11,16 @@ run the test makes (50 steps; --decay-steps 300 keeps the 300-step run's learnin
 schedule, and the batch of a step depends only on the seed and the step), and writes nothing
 unless the two agree in every bit: the test's shortcut is proven each time the file is made.
 It records the command, the library versions, the machine, the date and the reason.
+
+XLA:CPU compiles for the host's vector instructions (AVX-512 or AVX2, FMA), so another CPU may
+give other last bits from the same program. A host whose CPU differs from the one that made the
+file adds its own losses beside them, at the same numerics:
+
+    .venv/bin/python tests/make_golden_losses.py --add-cpu
+
+which writes only where the library versions are the file's and every loss is within
+ADD_RTOL of its losses (last bits, not another computation). A remake (--reason) drops the
+other CPUs' losses: the numerics changed for them too.
 """
 
 import argparse
@@ -33,6 +43,9 @@ FULL = ["train", "--log-every", "1"]
 SHORT = ["train", "--steps", str(STEPS), "--decay-steps", "300", "--log-every", "1"]
 SHORT += ["--checkpoint-every", str(STEPS)]
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "grain")
+# The vector extensions XLA:CPU's code depends on (LLVM compiles for the host's).
+VECTOR_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16")
+ADD_RTOL = 1e-4
 
 
 def float32_hex(value: float) -> str:
@@ -59,8 +72,42 @@ def versions() -> dict:
     return found
 
 
+def cpu_vector() -> str:
+    """This host's vector extensions among VECTOR_FLAGS ("avx avx2 fma"), or its processor
+    name where /proc/cpuinfo is not there to read."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    lines = [x for x in text.splitlines() if x.startswith("flags")]
+    flags = lines[0].split(":", 1)[1].split() if lines else []
+    return " ".join(f for f in VECTOR_FLAGS if f in flags)
+
+
 def machine() -> dict:
-    return {"machine": platform.machine(), "system": platform.system(), "cpus": os.cpu_count()}
+    return {
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "cpus": os.cpu_count(),
+        "cpu_vector": cpu_vector(),
+    }
+
+
+def _add_cpu(record: dict, full: list[float], full_hex: list[str]) -> dict:
+    """`record` with this host's losses beside its own (--add-cpu), refused in one line where
+    they are not the same numerics on another CPU."""
+    here, made = cpu_vector(), record["host"].get("cpu_vector", "not recorded")
+    if here == made:
+        raise SystemExit(f"this host's CPU ({here}) made the file: nothing to add")
+    if record["versions"] != versions():
+        raise SystemExit(f"library versions {versions()} differ from the file's: remake it")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(full, record["losses"], strict=True))
+    if worst > ADD_RTOL:
+        raise SystemExit(f"losses differ by up to {worst:.1e} relative: not last bits; remake it")
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    entry = {"date": now, "host": machine(), "max_rel_diff": worst, "losses": full}
+    entry["losses_float32_hex"] = full_hex
+    return record | {"other_cpus": {**record.get("other_cpus", {}), here: entry}}
 
 
 def _train(argv: list[str], run_dir: pathlib.Path, env: dict) -> list[float]:
@@ -74,9 +121,11 @@ def _train(argv: list[str], run_dir: pathlib.Path, env: dict) -> list[float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reason", required=True, help="why the golden losses are (re)made")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--reason", help="why the golden losses are (re)made")
+    which.add_argument("--add-cpu", action="store_true", help="add this host's CPU's losses")
     args = p.parse_args()
-    if not args.reason.strip():
+    if args.reason is not None and not args.reason.strip():
         raise SystemExit("--reason must say why the losses changed")
     with tempfile.TemporaryDirectory(prefix="jaxdist-golden-") as tmp:
         tmp = pathlib.Path(tmp)
@@ -91,6 +140,11 @@ def main() -> int:
             f"the {STEPS}-step run the test makes differs from the default run at steps {bad}; "
             "nothing written: tests/test_golden.py's shortcut no longer holds"
         )
+    if args.add_cpu:
+        record = _add_cpu(json.loads(OUT.read_text()), full, full_hex)
+        OUT.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"added {cpu_vector()!r} to {OUT}")
+        return 0
     record = {
         "reason": args.reason.strip(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
