@@ -62,19 +62,21 @@ def _panels(text: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.filterwarnings("ignore:get_parser\\(\\) is deprecated:DeprecationWarning")
-def test_train_help_groups_every_flag_by_concern(capsys, monkeypatch):
-    from jaxdist.cli.help_groups import PANELS
+@pytest.mark.parametrize("command", ["train", "plan", "comm", "bench"])
+def test_help_groups_every_flag_by_concern(command, capsys, monkeypatch):
+    from jaxdist.cli.help_groups import COMMANDS as GROUPED
 
-    panels = _panels(_help(capsys, monkeypatch, 80, "train"))
+    wanted = GROUPED[f"jaxdist {command}"]
+    panels = _panels(_help(capsys, monkeypatch, 80, command))
     # tyro's "options" panel keeps only -h; every other flag is in its concern's, in order.
     assert panels.pop("") == ["-h,"]
-    assert list(panels) == [name for name, _ in PANELS]
-    for name, flags in PANELS:
+    assert list(panels) == [name for name, _ in wanted]
+    for name, flags in wanted:
         assert [f.rstrip(",") for f in panels[name]] == list(flags), name
     # Every flag of the parser has its panel (a new flag needs one here too).
     with INT_LISTS:
-        parser = tyro.extras.get_parser(COMMANDS["train"][0])
-    listed = {f for _, flags in PANELS for f in flags}
+        parser = tyro.extras.get_parser(COMMANDS[command][0])
+    listed = {f for _, flags in wanted for f in flags}
     assert {a.option_strings[0] for a in parser._actions if a.option_strings} - listed == {"-h"}
 
 

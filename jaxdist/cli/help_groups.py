@@ -1,19 +1,40 @@
-"""`jaxdist train --help` in panels by concern (model, data, mesh and layout, optimizer, ...)
-instead of by the config a flag is stored in (`loop options` held the seed, the profiler and
-the fault injection alike).
+"""`jaxdist train --help` (and plan's, comm's, bench's) in panels by concern (model, data,
+mesh and layout, optimizer, ...) instead of by the config a flag is stored in (`loop options`
+held the seed, the profiler and the fault injection alike).
 
 tyro (pinned) names each help panel after the nested config that holds a flag, and has no way
 to put a flat flag in a panel of its choosing: only nesting it, which renames the flag (or, with
 its prefix omitted, moves it in the config tree that --config files and a run's config.json
 replay). So the flags and the parser stay as they are, and only the help is regrouped: while a
 command line is parsed, tyro's help formatter is handed each argument under its concern's
-panel (`PANELS`), in the panels' order. A flag no panel names keeps tyro's own panel (a test
-holds every train flag to one). The formatter is also handed each help text as one paragraph:
-tyro breaks a docstring's line wherever its source line is indented, mid-sentence."""
+panel (`COMMANDS`: each command's panels), in the panels' order. A flag no panel names keeps
+tyro's own panel (a test holds every flag of these commands to one). The formatter is also
+handed each help text as one paragraph: tyro breaks a docstring's line wherever its source line
+is indented, mid-sentence."""
 
 import contextlib
 import dataclasses
 
+# Flags several commands share, under the same concern in each.
+_MODEL = (
+    "--model", "--style", "--layers", "--d-model", "--heads", "--kv-heads", "--d-mlp", "--seq-len",
+    "--vocab", "--capacity-factor", "--dropless",
+)  # fmt: skip
+_LAYOUT = (
+    "--microbatches", "--pipeline-schedule", "--virtual-stages", "--context-strategy",
+    "--collective-matmul", "--document-mask",
+)  # fmt: skip
+_COMPUTE = ("--compute-dtype", "--remat", "--attention", "--loss-chunk-tokens")
+_FP8 = ("--fp8", "--fp8-history", "--fp8-filter")
+_SYNC = (
+    "--sync-every", "--outer-lr", "--outer-momentum", "--sync-fragments", "--sync-delay",
+    "--sync-mix", "--outer-memory", "--sync-dtype",
+)  # fmt: skip
+_OPTIMIZER = (
+    "--lr", "--warmup-steps", "--schedule", "--decay-steps", "--min-lr-ratio", "--b1", "--b2",
+    "--eps", "--weight-decay", "--clip", "--optimizer", "--muon-lr", "--muon-beta",
+    "--muon-ns-steps",
+)  # fmt: skip
 # (panel, its flags in the order shown); every other train flag keeps tyro's panel, after these.
 PANELS = (
     ("run", ("--config", "--steps", "--run-dir", "--seed", "--log-every", "--compile-cache")),
@@ -32,16 +53,9 @@ PANELS = (
             "--context-strategy", "--collective-matmul",
         ),
     ),
-    ("step compute", ("--compute-dtype", "--remat", "--attention", "--loss-chunk-tokens")),
-    ("FP8", ("--fp8", "--fp8-history", "--fp8-filter")),
-    (
-        "optimizer",
-        (
-            "--lr", "--warmup-steps", "--schedule", "--decay-steps", "--min-lr-ratio", "--b1",
-            "--b2", "--eps", "--weight-decay", "--clip", "--optimizer", "--muon-lr",
-            "--muon-beta", "--muon-ns-steps",
-        ),
-    ),
+    ("step compute", _COMPUTE),
+    ("FP8", _FP8),
+    ("optimizer", _OPTIMIZER),
     (
         "checkpointing and recovery",
         (
@@ -58,19 +72,53 @@ PANELS = (
             "--slow-step-factor", "--hang-timeout", "--wandb", "--wandb-entity",
         ),
     ),
-    (
-        "replica sync",
-        (
-            "--sync-every", "--outer-lr", "--outer-momentum", "--sync-fragments", "--sync-delay",
-            "--sync-mix", "--outer-memory", "--sync-dtype",
-        ),
-    ),
+    ("replica sync", _SYNC),
     ("multi-process", ("--coordinator", "--num-processes", "--process-id", "--heartbeat-timeout")),
     ("ahead-of-time compile", ("--compile-only", "--target", "--json")),
     ("fault injection", ("--fault", "--fault-stall", "--fault-nan-steps")),
 )  # fmt: skip
-COMMANDS = ("jaxdist train",)  # the commands whose help is regrouped (by their prog)
-_PLACE = {flag: (i, j) for i, (_, flags) in enumerate(PANELS) for j, flag in enumerate(flags)}
+# The other commands that take train's model and step flags, by the same concerns where they
+# share them, each with its own first (what plan plans for, what bench times).
+PLAN_PANELS = (
+    ("model", _MODEL),
+    ("devices and batch", ("--hardware", "--slices", "--devices", "--batch-size")),
+    ("layouts searched", ("--mesh", "--axes", *_LAYOUT)),
+    ("step compute", (*_COMPUTE, "--compute-efficiency")),
+    ("FP8", _FP8),
+    ("replica groups", ("--replicas", "--link-gbps", *_SYNC)),
+    ("report", ("--top", "--wide", "--verify", "--json", "--compile-cache")),
+    ("fault injection", ("--fault-nan-steps",)),
+)
+COMM_PANELS = (
+    ("model", _MODEL),
+    ("devices, mesh and layout", ("--devices", "--mesh", "--batch-size", *_LAYOUT)),
+    ("step compute", _COMPUTE),
+    ("FP8", _FP8),
+    ("optimizer", _OPTIMIZER),
+    ("replica sync", _SYNC),
+    ("report", ("--json", "--seed", "--compile-cache")),
+    ("fault injection", ("--fault-nan-steps",)),
+)
+BENCH_PANELS = (
+    ("model", _MODEL),
+    ("devices, mesh and layout", ("--devices", "--mesh", "--batch-size", *_LAYOUT)),
+    ("step compute", _COMPUTE),
+    ("FP8", _FP8),
+    ("replica sync", _SYNC),
+    ("timing", ("--steps", "--warmup", "--peak-tflops", "--seed", "--compile-cache")),
+    ("fault injection", ("--fault-nan-steps",)),
+)  # fmt: skip
+# The commands whose help is regrouped (by their prog), and each one's panels.
+COMMANDS = {
+    "jaxdist train": PANELS,
+    "jaxdist plan": PLAN_PANELS,
+    "jaxdist comm": COMM_PANELS,
+    "jaxdist bench": BENCH_PANELS,
+}
+_PLACES = {
+    prog: {flag: (i, j) for i, (_, flags) in enumerate(panels) for j, flag in enumerate(flags)}
+    for prog, panels in COMMANDS.items()
+}
 
 
 class _Panel:
@@ -110,13 +158,14 @@ def regroup(prog: str, args: list) -> list:
     args = [_one_paragraph(a) for a in args]
     if prog not in COMMANDS:
         return args
+    panels, places = COMMANDS[prog], _PLACES[prog]
     placed = []  # ((panel, flag's place in it), argument), unlisted flags after every panel
     for a in args:
-        place = _PLACE.get(a.arg.lowered.name_or_flags[0])
+        place = places.get(a.arg.lowered.name_or_flags[0])
         if place is None:
-            placed.append(((len(PANELS), 0), a))
+            placed.append(((len(panels), 0), a))
             continue
-        name = PANELS[place[0]][0]
+        name = panels[place[0]][0]
         # The replica groups' config says what the panel is for (its docstring); the rest
         # need no more than their names.
         said = a.source_parser.description if name == "replica sync" else ""
