@@ -138,6 +138,8 @@ def print_report(report: dict, console: Console) -> None:
     for c in report["collectives"]:
         comm.add_row(c["axis"], c["kind"], str(c["count"]), f"{c['bytes'] / 1e9:.3f}")
     console.print(comm)
+    # Findings about the compiled program (an fp32 matmul, attention left unfused) are part of
+    # the report, on stdout with it and in --json's "warnings"; the run's own go to stderr.
     for w in report.get("warnings", []):
         console.print(f"warning: {w}", markup=False, highlight=False)
 
