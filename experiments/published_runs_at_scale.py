@@ -45,57 +45,65 @@ MAXTEXT_CUSTOM_405B_V5P = ("mlp_in", "qkv_proj", "out_proj", "attention")
 # the MLP's gate and up and attention recomputed.
 MAXTEXT_CUSTOM_MLPWI = ("mlp_in", "attention")
 
+
+def _dgxc_maxtext(release: str, name: str, seq: int, remat_text: str, model, remat, runs):
+    """A DGX Cloud benchmark's MaxText rows on H100 (2 rows a GPU), one per (GPUs, layout,
+    published seconds a step) of its README's BF16 table."""
+    return tuple(
+        Row(
+            f"MaxText {name}, {n} H100, {layout.replace(',', ' x ')}, seq {seq}, 2 rows/GPU, "
+            f"remat {remat_text}",
+            "check",
+            release + f"maxtext/README_70b.md, BF16 table, {n}x H100; maxtext/configure.sh",
+            model,
+            "h100",
+            layout,
+            2 * n,
+            remat,
+            step_s,
+            "step_s",
+        )
+        for n, layout, step_s in runs
+    )
+
+
 ROWS = (
     # NVIDIA DGX Cloud benchmarks (H100 SXM, 8 per host, InfiniBand 400 Gb/s per GPU), MaxText
     # Llama2-70B bf16: maxtext/README_70b.md's table, settings maxtext/configure.sh (MBS 2,
     # seq 4096, FSDP over every GPU up to 256, FSDP 128 x DP beyond; remat custom with q, k,
     # v, out_proj and mlpwo on the device).
-    *(
-        Row(
-            f"MaxText Llama2-70B, {n} H100, {layout.replace(',', ' x ')}, seq 4096, 2 rows/GPU, "
-            "remat custom (MLP gate/up and attention recomputed)",
-            "check",
-            DGXC_2411 + f"maxtext/README_70b.md, BF16 table, {n}x H100; maxtext/configure.sh",
-            LLAMA2_70B,
-            "h100",
-            layout,
-            2 * n,
-            MAXTEXT_CUSTOM_MLPWI,
-            step_s,
-            "step_s",
-        )
-        for n, layout, step_s in (
+    *_dgxc_maxtext(
+        DGXC_2411,
+        "Llama2-70B",
+        4096,
+        "custom (MLP gate/up and attention recomputed)",
+        LLAMA2_70B,
+        MAXTEXT_CUSTOM_MLPWI,
+        (
             (64, "fsdp=64", 6.999),
             (128, "fsdp=128", 7.072),
             (256, "fsdp=256", 7.153),
             (512, "data=4,fsdp=128", 7.091),
             (1024, "data=8,fsdp=128", 7.084),
             (2048, "data=16,fsdp=128", 7.066),
-        )
+        ),
     ),
     # The same benchmarks, MaxText Llama3-70B bf16 (v25.04: MBS 2, seq 8192, remat
     # save_qkv_proj: out_proj, MLP and attention recomputed; the README's layout table).
-    *(
-        Row(
-            f"MaxText Llama3-70B, {n} H100, {layout.replace(',', ' x ')}, seq 8192, 2 rows/GPU, "
-            "remat save_qkv_proj",
-            "check",
-            DGXC_2504 + f"maxtext/README_70b.md, BF16 table, {n}x H100; maxtext/configure.sh",
-            LLAMA31_70B,
-            "h100",
-            layout,
-            2 * n,
-            MAXTEXT_CUSTOM_70B,
-            step_s,
-            "step_s",
-        )
-        for n, layout, step_s in (
+    *_dgxc_maxtext(
+        DGXC_2504,
+        "Llama3-70B",
+        8192,
+        "save_qkv_proj",
+        LLAMA31_70B,
+        MAXTEXT_CUSTOM_70B,
+        (
             (128, "fsdp=128", 15.563),
             (256, "fsdp=256", 15.444),
             (512, "data=4,fsdp=128", 15.519),
             (1024, "data=8,fsdp=128", 15.603),
             (2048, "data=16,fsdp=128", 15.898),
-        )
+        ),
     ),
     # The same benchmarks, NeMo 24.09 Llama 3.1 70B bf16: TP 4, PP 4, CP 2, VP 5, MBS 1, GA 64,
     # seq 8192, no activation checkpointing, sequence parallel, TP and P2P comm overlap
