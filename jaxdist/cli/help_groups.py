@@ -89,21 +89,22 @@ PLAN_PANELS = (
     ("report", ("--top", "--wide", "--verify", "--json", "--compile-cache")),
     ("fault injection", ("--fault-nan-steps",)),
 )
-COMM_PANELS = (
+# comm and bench compile the step train runs: its model, layout, compute and FP8 first.
+_STEP = (
     ("model", _MODEL),
     ("devices, mesh and layout", ("--devices", "--mesh", "--batch-size", *_LAYOUT)),
     ("step compute", _COMPUTE),
     ("FP8", _FP8),
+)
+COMM_PANELS = (
+    *_STEP,
     ("optimizer", _OPTIMIZER),
     ("replica sync", _SYNC),
     ("report", ("--json", "--seed", "--compile-cache")),
     ("fault injection", ("--fault-nan-steps",)),
 )
 BENCH_PANELS = (
-    ("model", _MODEL),
-    ("devices, mesh and layout", ("--devices", "--mesh", "--batch-size", *_LAYOUT)),
-    ("step compute", _COMPUTE),
-    ("FP8", _FP8),
+    *_STEP,
     ("replica sync", _SYNC),
     ("timing", ("--steps", "--warmup", "--peak-tflops", "--seed", "--compile-cache")),
     ("fault injection", ("--fault-nan-steps",)),
