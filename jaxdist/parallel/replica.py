@@ -243,22 +243,28 @@ class Leaf(NamedTuple):
     owner: PartitionSpec
 
 
+def leaf(shape, logical, spec: PartitionSpec, mesh_shape, fragments: int) -> Leaf:
+    """Where a parameter of `shape` and logical axes `logical`, laid out by `spec` in a group,
+    lives (the step's and the planner's one rule)."""
+    dim = logical.index("layers") if "layers" in logical else None
+    if dim is not None and shape[dim] % fragments:
+        raise ConfigError(
+            f"--sync-fragments {fragments} does not divide the model's {shape[dim]} "
+            f"layers; use a divisor of {shape[dim]}"
+        )
+    spec = PartitionSpec(*spec, *[None] * (len(shape) - len(spec)))
+    avoid = dim if fragments > 1 else None
+    return Leaf(dim, spec, owner_spec(spec, tuple(shape), mesh_shape, avoid))
+
+
 def leaves(abstract_params, param_sharding, mesh: Mesh, fragments: int) -> Any:
     """Per parameter (in the params' tree, where each array is), its Leaf."""
     flat, treedef = jax.tree.flatten(abstract_params)
     specs = [s.spec for s in jax.tree.leaves(param_sharding)]
-    found = []
-    for var, x, spec in zip(variables(abstract_params), flat, specs, strict=True):
-        logical = logical_axes(var)
-        dim = logical.index("layers") if "layers" in logical else None
-        if dim is not None and x.shape[dim] % fragments:
-            raise ConfigError(
-                f"--sync-fragments {fragments} does not divide the model's {x.shape[dim]} "
-                f"layers; use a divisor of {x.shape[dim]}"
-            )
-        spec = PartitionSpec(*spec, *[None] * (len(x.shape) - len(spec)))
-        avoid = dim if fragments > 1 else None
-        found.append(Leaf(dim, spec, owner_spec(spec, tuple(x.shape), dict(mesh.shape), avoid)))
+    found = [
+        leaf(x.shape, logical_axes(var), spec, dict(mesh.shape), fragments)
+        for var, x, spec in zip(variables(abstract_params), flat, specs, strict=True)
+    ]
     return treedef.unflatten(found)
 
 

@@ -27,8 +27,6 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from jax.sharding import PartitionSpec
-
 from jaxdist.config import Layout, SyncConfig
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import Hardware, Link, with_slow_link
@@ -73,16 +71,12 @@ def _fragments(abstract_params, layout: Layout) -> list[tuple[list, list, list]]
     out: list[tuple[list, list, list]] = [([], [], []) for _ in range(F)]
     for var in variables(abstract_params):
         logical = logical_axes(var)
-        spec = layout.rules.spec(logical, "param")
-        spec = PartitionSpec(*spec, *[None] * (len(var.shape) - len(spec)))
-        dim = logical.index("layers") if "layers" in logical else None
-        avoid = dim if F > 1 else None
-        owner = replica.owner_spec(spec, tuple(var.shape), mesh_shape, avoid)
+        where = replica.leaf(var.shape, logical, layout.rules.spec(logical, "param"), mesh_shape, F)
         shape = list(var.shape)
-        if dim is not None:
-            shape[dim] //= F
-        for f in range(F) if dim is not None else (0,):
-            for part, x in zip(out[f], (tuple(shape), spec, owner), strict=True):
+        if where.dim is not None:
+            shape[where.dim] //= F
+        for f in range(F) if where.dim is not None else (0,):
+            for part, x in zip(out[f], (tuple(shape), where.spec, where.owner), strict=True):
                 part.append(x)
     return out
 
