@@ -310,7 +310,7 @@ def value_and_grad(
 
     def run(layers, shared, feed, scale, *tables):
         return jax.shard_map(
-            lambda *a: _per_stage(pipe._replace(scale=a[3]), *a[:3], *a[4:]),
+            partial(_stage, pipe),
             mesh=mesh,
             axis_names={axis, *batch},
             in_specs=in_specs,
@@ -335,8 +335,7 @@ def _mapped_over_groups(run: Callable, pipe: Pipeline, mesh, in_specs, out_specs
     grouped_out = jax.tree.map(lambda s: P(GROUPS, *s), out_specs, is_leaf=_is_spec)
 
     def one(*args):  # this device's group: drop the groups' dim, run the stage, put it back
-        first = jax.tree.map(lambda x: x[0], args)
-        out = _per_stage(pipe._replace(scale=first[3]), *first[:3], *first[4:])
+        out = _stage(pipe, *jax.tree.map(lambda x: x[0], args))
         return jax.tree.map(lambda x: x[None], out)
 
     mapped = jax.custom_batching.custom_vmap(run)
@@ -359,6 +358,12 @@ def _mapped_over_groups(run: Callable, pipe: Pipeline, mesh, in_specs, out_specs
         return out, jax.tree.map(lambda _: True, out)
 
     return mapped
+
+
+def _stage(pipe: Pipeline, layers, shared, feed, scale, *tables):
+    """_per_stage with the step's loss scale an argument of the shard_map (a traced value the
+    groups' map must see, not a constant it closes over)."""
+    return _per_stage(pipe._replace(scale=scale), layers, shared, feed, *tables)
 
 
 def _is_spec(x) -> bool:
