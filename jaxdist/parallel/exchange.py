@@ -29,7 +29,8 @@ EIGHT_BIT = {"int8": (jnp.int8, 127.0), "float8": (jnp.float8_e4m3fn, 448.0)}
 BUCKET_BYTES = 1 << 30
 """At most this many bytes one device sends in one bucket (a leaf larger travels alone). Past a
 few hundred MiB a message's alpha is a small share of its time even over a WAN, while every
-bucket is a buffer of its size beside the weights."""
+bucket is a buffer beside the weights: of its size going up, M times its size coming down (the
+all-gather returns every group's block)."""
 
 
 def group_spec(spec: PartitionSpec) -> PartitionSpec:
