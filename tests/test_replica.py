@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist.cli.main import main
 from jaxdist.cluster.join import metric_value
 from jaxdist.config import Layout, StepConfig, SyncConfig
 from jaxdist.errors import ConfigError
@@ -53,6 +54,7 @@ def _train(
     steps: int,
     step: StepConfig = PLAIN,
 ):
+    """Losses, weights and the step that trained them (its compiled programs in jit's cache)."""
     mc, _, jitted = _built(mesh_text, sync, model, steps, step)
     state, out = jitted.init_fn(), []
     for s in range(steps):
@@ -62,7 +64,7 @@ def _train(
             state, jax.device_put(tokens, jitted.batch_sharding), *extra
         )
         out.append(metric_value("loss", metrics["loss"]))  # groups' own, averaged on the host
-    return np.array(out), jax.device_get(jitted.weights(state))
+    return np.array(out), jax.device_get(jitted.weights(state)), jitted
 
 
 @pytest.mark.parametrize(
@@ -75,9 +77,9 @@ def _train(
 )
 def test_one_group_syncing_every_step_with_a_plain_outer_step_is_plain_training(mesh_text, model):
     # M = 1, H = 1, outer lr 1, no momentum: the outer weights become the group's own each step.
-    plain, w_plain = _train(mesh_text, None, model, 4)
+    plain, w_plain, _ = _train(mesh_text, None, model, 4)
     sync = SyncConfig(sync_every=1, outer_lr=1.0, outer_momentum=0.0)
-    grouped, w_grouped = _train(f"replica=1,{mesh_text}", sync, model, 4)
+    grouped, w_grouped, _ = _train(f"replica=1,{mesh_text}", sync, model, 4)
     np.testing.assert_allclose(grouped, plain, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(w_grouped), jax.tree.leaves(w_plain), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
@@ -88,14 +90,15 @@ def test_groups_run_a_pipeline_inside_as_they_run_the_plain_step():
     # _mapped_over_groups): the same losses and weights as the groups without a pipeline, over
     # three syncs, and still nothing over `replica` between syncs.
     sync, micro = SyncConfig(sync_every=2), StepConfig(microbatches=2)
-    flat, w_flat = _train("replica=2,fsdp=4", sync, "tiny", 6, micro)
-    piped, w_piped = _train("replica=2,pipeline=2,fsdp=2", sync, "tiny", 6, micro)
+    flat, w_flat, _ = _train("replica=2,fsdp=4", sync, "tiny", 6, micro)
+    piped, w_piped, jitted = _train("replica=2,pipeline=2,fsdp=2", sync, "tiny", 6, micro)
     np.testing.assert_allclose(piped, flat, rtol=1e-5)
     assert len(set(np.round(piped, 4))) == 6, piped  # the groups trained: every loss differs
     for a, b in zip(jax.tree.leaves(w_piped), jax.tree.leaves(w_flat), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5)
-    _, mesh, jitted = _built("replica=2,pipeline=2,fsdp=2", sync, step=micro)
-    assert sum(_replica_traffic(jitted, mesh, None).values()) == 0
+    # The step that trained (the inner program, act None, in jit's cache): a step built anew
+    # traced and compiled it again, 15 of the test's 60 s.
+    assert sum(_replica_traffic(jitted, jitted.batch_sharding.mesh, None).values()) == 0
 
 
 def _replica_collectives(jitted, mesh, act) -> list[tuple[str, str, int]]:
@@ -185,10 +188,10 @@ def test_the_outer_exchange_is_one_collective_per_type_and_way(dtype, payload, p
 )
 def test_the_bucketed_exchange_gives_the_per_leaf_exchanges_weights(sync, monkeypatch):
     steps = 6 if sync.sync_dtype == "float32" else 2  # 8 bits: one sync, before training on
-    losses_, weights = _train("replica=2,fsdp=2,tensor=2", sync, "tiny", steps)
+    losses_, weights, _ = _train("replica=2,fsdp=2,tensor=2", sync, "tiny", steps)
     # Every leaf on the per-leaf path (exchange.up, down): one collective a leaf, as before.
     monkeypatch.setattr(exchange, "owner_dim", lambda *_: False)
-    alone, alone_weights = _train("replica=2,fsdp=2,tensor=2", sync, "tiny", steps)
+    alone, alone_weights, _ = _train("replica=2,fsdp=2,tensor=2", sync, "tiny", steps)
     pairs = list(zip(jax.tree.leaves(weights), jax.tree.leaves(alone_weights), strict=True))
     if sync.sync_dtype == "float32":  # the same values, moved in fewer messages: bitwise
         np.testing.assert_array_equal(losses_, alone)
@@ -218,12 +221,22 @@ def test_streamed_fragments_take_turns_and_delay_applies_later():
     assert applies == {5: (1,), 9: (0,), 13: (1,), 17: (0,)}
 
 
-def test_a_run_killed_mid_round_resumes_bitwise_and_onto_another_group_layout(tmp_path):
+def test_a_run_killed_mid_round_resumes_bitwise_and_onto_another_group_layout(tmp_path, capsys):
+    # Steps of 8 rows of 32 tokens: what is checked (a resume inside a round, bitwise; the
+    # refusals; the new layout) does not depend on their size.
     mesh = ["--mesh", "replica=2,fsdp=2,tensor=2"]
     args = ["train", "--sync-every", "4", "--sync-dtype", "int8", "--log-every", "1"]
-    args += ["--batch-size", "16", "--checkpoint-every", "3"]
-    whole = cli(*args, *mesh, "--steps", "10", "--run-dir", str(tmp_path / "whole"))
-    assert whole.returncode == 0, whole.stderr
+    args += ["--batch-size", "8", "--seq-len", "32", "--checkpoint-every", "3"]
+
+    def here(*argv: str) -> tuple[int, str]:
+        """`jaxdist *argv` in this process (no interpreter to start: the runs nothing kills,
+        and those refused before training); its exit code and stderr."""
+        capsys.readouterr()
+        rc = main(list(argv))
+        return rc, capsys.readouterr().err
+
+    rc, err = here(*args, *mesh, "--steps", "10", "--run-dir", str(tmp_path / "whole"))
+    assert rc == 0, err
     # Killed (SIGKILL) before step 7: the newest checkpoint committed (step 5, or 2 if 5's
     # async save was still writing) lies inside a round.
     run = ["--run-dir", str(tmp_path / "killed")]
@@ -239,17 +252,17 @@ def test_a_run_killed_mid_round_resumes_bitwise_and_onto_another_group_layout(tm
         (mesh + ["--sync-every", "2"], "sync.sync_every"),
     ):
         changed = [a for a in args if a not in ("--sync-every", "4")]
-        refused = cli(*changed, *flags, "--steps", "12", *run)
-        assert refused.returncode == 2 and field in refused.stderr, refused.stderr
+        rc, err = here(*changed, *flags, "--steps", "12", *run)
+        assert rc == 2 and field in err, err
     # ... while each group laid out anew (tensor=2 -> data=2) goes on from step 10.
-    moved = cli(*args, "--mesh", "replica=2,data=2,fsdp=2", "--steps", "12", *run)
-    assert moved.returncode == 0, moved.stderr
+    rc, err = here(*args, "--mesh", "replica=2,data=2,fsdp=2", "--steps", "12", *run)
+    assert rc == 0, err
     assert set(losses(tmp_path / "killed")) == set(range(12))
     # The model the run made is the outer weights, read on a mesh of as many groups.
     export = ["export-hf", str(tmp_path / "killed"), str(tmp_path / "hf")]
-    refused = cli(*export, "--mesh", "fsdp=8")
-    assert refused.returncode == 2 and "--mesh replica=2" in refused.stderr, refused.stderr
-    assert cli(*export, "--mesh", "replica=2,fsdp=4").returncode == 0
+    rc, err = here(*export, "--mesh", "fsdp=8")
+    assert rc == 2 and "--mesh replica=2" in err, err
+    assert here(*export, "--mesh", "replica=2,fsdp=4")[0] == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
