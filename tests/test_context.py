@@ -1,5 +1,5 @@
 """Context parallelism: the sequence split over `context`, attention exact across it by each
-strategy, beside FSDP, data, tensor and pipeline axes; 10 steps equal the single-device run
+strategy, beside FSDP, data, tensor and pipeline axes; 3 steps equal the single-device run
 (losses rtol 1e-5, first gradients and final weights), for plain rows and packed documents;
 `jaxdist comm` and `plan` price the exchange; the balanced order balances; what cannot run is
 refused before anything is compiled."""
@@ -28,7 +28,10 @@ from tests.extras import needs_gpu_aot, needs_tpu
 from tests.helpers import cli, mesh_for
 from tests.test_equivalence import _assert_close, _first_gradients
 
-STEPS, ROWS = 10, 8
+# 3 steps of 256 tokens: the splash tests' single-device XLA runs need 256 (two of splash's
+# 128-position blocks), and at the same length and steps they are the runs every test here
+# compares with, compiled once for the module. Compiling is each run's cost, not its steps.
+STEPS, ROWS, SEQ = 3, 8, 256
 EOS = 10  # packed runs: about one token in eight opens a document
 SLOW = pytest.mark.slow
 
@@ -42,9 +45,9 @@ def _run(
     overrides=(),
     steps=STEPS,
 ):
-    """`steps` steps (fp32) of ROWS rows: (losses, first gradients, final params, MoE
-    auxiliary losses)."""
-    mc = get_model_config(model, compute_dtype="float32", **dict(overrides))
+    """`steps` steps (fp32) of ROWS rows of SEQ tokens: (losses, first gradients, final
+    params, MoE auxiliary losses)."""
+    mc = get_model_config(model, compute_dtype="float32", seq_len=SEQ, **dict(overrides))
     tx, lr = make_optimizer(OptimConfig(warmup_steps=2), steps)
     vocab = Vocab(mc.vocab_size, EOS if packed else None)
     mesh = mesh_for(layout)
@@ -152,10 +155,9 @@ def test_splash_attention_across_context_equals_xla_on_one_device(strategy, pack
     # mask, its block tables split over the query shards; packed documents' ids gathered with
     # K/V. Ulysses: after the all-to-all, the whole sequence put back in row order for the
     # kernel each device runs without a split (causal, document ids), and back.
-    over = {"seq_len": 256}
-    reference = _run("single", packed=packed, overrides=tuple(over.items()), steps=3)
-    splash = (*over.items(), ("attention", "splash"))
-    got = _run("context=2,fsdp=2,tensor=2", strategy, packed, overrides=splash, steps=3)
+    # The reference is test_context_parallel_step_equals_single_device's (the same call).
+    reference = _run("single", packed=packed)
+    got = _run("context=2,fsdp=2,tensor=2", strategy, packed, overrides=(("attention", "splash"),))
     _assert_matches(got, reference)
 
 
@@ -243,11 +245,10 @@ def test_ulysses_runs_the_platforms_fused_kernel(target):
 
 def test_ulysses_refuses_heads_that_do_not_divide():
     # tiny-llama: 4 query heads, 2 per tensor shard on tensor=2; context=4 cannot split 2.
+    # Refused while the step is traced: for abstract state and tokens, so no init is compiled.
     jitted = _build("context=4,tensor=2", context_strategy="ulysses")
-    state = jitted.init_fn()
-    tokens = jax.device_put(np.zeros((ROWS, 129), np.int32), jitted.batch_sharding)
     with pytest.raises(ConfigError, match="2 query heads per tensor shard do not divide"):
-        jitted.step_fn(state, tokens)
+        jitted.compile_abstract()
 
 
 # The suite prices 5 of the 8 (each compiles a layout's step): every layout, every strategy,
