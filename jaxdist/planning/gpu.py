@@ -3,9 +3,10 @@ configs.
 
 XLA's GPU compiler runs on a CPU host. With the optional CUDA plugin (`jaxdist[gpu-aot]`),
 JAX builds abstract GPU devices from a GpuTargetConfigProto (the device's compute capability,
-cores, caches, memory; gpu_targets/ holds H100 SXM and H200, transcribed from XLA's own
-published specs) and a topology `slices x hosts x GPUs per host`; a step lowered for a mesh
-over them compiles to the real optimized GPU program with XLA's per-GPU memory analysis.
+cores, caches, memory; gpu_targets/ holds H100 SXM, transcribed from XLA's own published
+spec, and H200, as an H200 reported it to XLA) and a topology `slices x hosts x GPUs per
+host`; a step lowered for a mesh over them compiles to the real optimized GPU program with
+XLA's per-GPU memory analysis.
 Nothing runs on them.
 
 Known limits of compiling without the device: cuDNN's own graph is not built (its workspace is
