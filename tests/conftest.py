@@ -31,7 +31,7 @@ os.environ["JAXDIST_TEST_USER_XLA_FLAGS"] = USER_XLA_FLAGS
 # Op-level events in CPU traces (for the profile tests); inert while no trace is running.
 # LLVM at -O0 for XLA:CPU's kernels: the suite is compile-bound on tiny models, and -O0 takes
 # about 40% off XLA:CPU's compiles (the whole suite on a 2-core host: 24.8-26.7 min before,
-# 18.2-20.4 min after; experiments/README, "Times of the everyday commands"). It changes only
+# 17.6-20.4 min after; experiments/README, "Times of the everyday commands"). It changes only
 # how LLVM turns the optimized program into machine code (no HLO pass, fusion, sharding or
 # buffer assignment), so every comparison holds; floating-point contraction differs, so the
 # last bits of a loss can, and the golden losses (tests/test_golden.py) run in a process with
