@@ -26,8 +26,8 @@ os.environ["XDG_CONFIG_HOME"] = os.path.join(_SCRATCH, "config")
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The host's XLA_FLAGS, before the suite's own: the golden losses run under them alone.
-USER_XLA_FLAGS = os.environ.get("JAXDIST_TEST_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-os.environ["JAXDIST_TEST_USER_XLA_FLAGS"] = USER_XLA_FLAGS
+_USER_XLA_FLAGS = os.environ.get("JAXDIST_TEST_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+os.environ["JAXDIST_TEST_USER_XLA_FLAGS"] = _USER_XLA_FLAGS
 # Op-level events in CPU traces (for the profile tests); inert while no trace is running.
 # LLVM at -O0 for XLA:CPU's kernels: the suite is compile-bound on tiny models, and -O0 takes
 # about 40% off XLA:CPU's compiles (the whole suite on a 2-core host: 24.8-26.7 min before,
@@ -37,7 +37,7 @@ os.environ["JAXDIST_TEST_USER_XLA_FLAGS"] = USER_XLA_FLAGS
 # last bits of a loss can, and the golden losses (tests/test_golden.py) run in a process with
 # the host's own flags, as a user's run does.
 _SUITE_FLAGS = "--xla_cpu_enable_xprof_traceme=true --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = f"{USER_XLA_FLAGS} {_SUITE_FLAGS}".strip()
+os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS} {_SUITE_FLAGS}".strip()
 
 import jax  # noqa: E402
 

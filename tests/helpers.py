@@ -71,10 +71,15 @@ def tiny_train(steps: int, checkpoint_every: int) -> list[str]:
     ]
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`jaxdist *args`, run to the end; stdout and stderr captured as text."""
+def cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`jaxdist *args`, run to the end; stdout and stderr captured as text. `env`: variables
+    set over the suite's (CLI_ENV)."""
     return subprocess.run(
-        [*JAXDIST, *args], capture_output=True, text=True, timeout=timeout, env=CLI_ENV
+        [*JAXDIST, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**CLI_ENV, **(env or {})},
     )
 
 

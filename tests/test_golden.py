@@ -11,13 +11,12 @@ import importlib.metadata
 import json
 import os
 import pathlib
-import subprocess
 import warnings
 
 import numpy as np
 import pytest
 
-from tests.helpers import CLI_ENV, JAXDIST
+from tests.helpers import cli
 from tests.make_golden_losses import (
     ADD_RTOL,
     FULL,
@@ -83,9 +82,8 @@ def test_default_run_first_losses_are_bitwise_golden(tmp_path: pathlib.Path):
     run_dir = tmp_path / "run"
     # A process of its own, under the host's XLA flags alone (as the golden file was made):
     # the suite's own flags (tests/conftest.py) change how XLA:CPU compiles, and so last bits.
-    env = {**CLI_ENV, "XLA_FLAGS": os.environ["JAXDIST_TEST_USER_XLA_FLAGS"]}
-    argv = [*JAXDIST, *SHORT, "--run-dir", str(run_dir)]
-    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    flags = {"XLA_FLAGS": os.environ["JAXDIST_TEST_USER_XLA_FLAGS"]}
+    run = cli(*SHORT, "--run-dir", str(run_dir), timeout=600, env=flags)
     assert run.returncode == 0, run.stderr[-3000:]
     got = losses(run_dir)
     got_hex = [float32_hex(x) for x in got]
