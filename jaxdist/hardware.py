@@ -142,7 +142,7 @@ def with_slow_link(hw: Hardware, gbps: float) -> Hardware:
 
 def get_hardware(name: str) -> Hardware:
     """A preset by name; a cloud GPU machine type as its console names it (a3-highgpu-8g: 8
-    H100s, 12.5 GB/s per GPU between hosts; the chip's preset keeps its name, so compile
+    H100s, 6.25 GB/s per GPU between hosts; the chip's preset keeps its name, so compile
     targets and device kinds still match); or a Google Cloud TPU slice (v5p-16: 8 chips of
     tpu-v5p), whose chips are then the preset's ICI domain: beyond it, slices talk over DCN."""
     name = _ALIASES.get(name, name)
