@@ -46,6 +46,7 @@ from jaxdist.checkpoint.writefail import (
     quiet_late_writer_callbacks,
     quiet_write_errors,
     remove_partial,
+    warn_low_space,
     write_errno,
 )
 from jaxdist.cluster import faults as fault_injection
@@ -268,35 +269,10 @@ class Checkpointer:
     def _check_space(self, state) -> None:
         """Warns, once per condition, while the next checkpoints still fit but not for long."""
         needed = self._needed(state)
-        if not needed or jax.process_index() != 0:
-            return
-        free = shutil.disk_usage(self.directory).free
-        level = 2 if free < needed else 1 if free < 2 * needed else 0
-        if level > self._space_warned:
-            peak = (self.keep + 1) * needed
-            if level == 2:
-                log.warning(
-                    "only %s free in %s, less than the %s the next checkpoint needs: it will "
-                    "likely fail and stop the run (the checkpoints already written stay). Free "
-                    "space there now",
-                    human_bytes(free),
-                    self.directory,
-                    human_bytes(needed),
-                )
-            else:
-                log.warning(
-                    "only %s free in %s: room for one more checkpoint of %s; a save that does "
-                    "not fit stops the run. With --checkpoint-keep %d the run needs up to %s "
-                    "there (%d checkpoints during a save); free space there, or lower "
-                    "--checkpoint-keep",
-                    human_bytes(free),
-                    self.directory,
-                    human_bytes(needed),
-                    self.keep,
-                    human_bytes(peak),
-                    self.keep + 1,
-                )
-        self._space_warned = level if level == 0 else max(level, self._space_warned)
+        if needed and jax.process_index() == 0:
+            self._space_warned = warn_low_space(
+                self.directory, needed, self.keep, self._space_warned
+            )
 
     def _fail(self, step: int, exc: BaseException) -> CheckpointWriteFailed:
         """The one message for a save that could not be written, after removing its partial

@@ -1,6 +1,7 @@
-"""A checkpoint that cannot be written (a full disk, mostly): telling a file-system failure from
-a bug, keeping Orbax's threads from printing it as tracebacks, and removing what it left.
-Checkpointer (jaxdist.checkpoint.store) turns such a failure into one CheckpointWriteFailed."""
+"""A checkpoint that cannot be written (a full disk, mostly): warning while the disk still has
+room, telling a file-system failure from a bug, keeping Orbax's threads from printing it as
+tracebacks, and removing what it left. Checkpointer (jaxdist.checkpoint.store) turns such a
+failure into one CheckpointWriteFailed."""
 
 import errno
 import logging
@@ -110,6 +111,35 @@ def human_bytes(n: float) -> str:
 
 def dir_bytes(path: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def warn_low_space(directory: pathlib.Path, needed: int, keep: int, warned: int) -> int:
+    """Warns while the next checkpoints of `needed` bytes still fit in `directory` but not for
+    long, once per condition: `warned` is the worst one warned of so far (0: none, 1: room for
+    one more, 2: not even that), and the new one is returned (0 again once space is freed)."""
+    free = shutil.disk_usage(directory).free
+    level = 2 if free < needed else 1 if free < 2 * needed else 0
+    if level > warned and level == 2:
+        log.warning(
+            "only %s free in %s, less than the %s the next checkpoint needs: it will likely "
+            "fail and stop the run (the checkpoints already written stay). Free space there now",
+            human_bytes(free),
+            directory,
+            human_bytes(needed),
+        )
+    elif level > warned:
+        log.warning(
+            "only %s free in %s: room for one more checkpoint of %s; a save that does not fit "
+            "stops the run. With --checkpoint-keep %d the run needs up to %s there (%d "
+            "checkpoints during a save); free space there, or lower --checkpoint-keep",
+            human_bytes(free),
+            directory,
+            human_bytes(needed),
+            keep,
+            human_bytes((keep + 1) * needed),
+            keep + 1,
+        )
+    return level if level == 0 else max(level, warned)
 
 
 def remove_partial(directory: pathlib.Path, step: int) -> None:
