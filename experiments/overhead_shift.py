@@ -79,10 +79,11 @@ def compile_config(name: str, args):
     import jax
     import jax.numpy as jnp
 
-    from jaxdist.config import Layout, StepConfig, SyncConfig
+    from jaxdist.config import Layout, StepConfig
     from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
-    from jaxdist.parallel import replica
+    from jaxdist.parallel import rounds
+    from jaxdist.parallel.rounds import SyncConfig
     from jaxdist.planning import hlo
     from jaxdist.step import build
     from meshes.presets import STANDARD_RULES
@@ -103,7 +104,7 @@ def compile_config(name: str, args):
     jitted = make(0)
     slow = "replica" if sync else "data"
     batch_BT1 = jax.ShapeDtypeStruct((B, T + 1), jnp.int32, sharding=jitted.batch_sharding)
-    acts = {replica.action(sync, s) if sync else None for s in range(args.steps)}
+    acts = {rounds.action(sync, s) if sync else None for s in range(args.steps)}
     programs = {}
     for act in acts:
         extra = (act,) if sync else ()
@@ -120,7 +121,7 @@ def train(name: str, seed: int, built, args) -> dict:
 
     from jaxdist.data import DataConfig, TokenBatches
     from jaxdist.evaluation import evaluate
-    from jaxdist.parallel import replica
+    from jaxdist.parallel import rounds
 
     make, jitted, programs, sync, mc = built
     data = TokenBatches(
@@ -135,7 +136,7 @@ def train(name: str, seed: int, built, args) -> dict:
     times: dict[str, list[float]] = {}
     t0 = time.perf_counter()
     for s in range(args.steps):
-        act = replica.action(sync, s) if sync else None
+        act = rounds.action(sync, s) if sync else None
         batch = jax.device_put(data.batch(s), jitted.batch_sharding)
         jax.block_until_ready(batch)
         t1 = time.perf_counter()
@@ -159,12 +160,12 @@ def train(name: str, seed: int, built, args) -> dict:
 def traffic(name: str, built, args) -> dict:
     """Per action: bytes per device over the slow axis (weights; scalars apart), and the
     collectives as (kind, bytes, executions) for pricing; how often each action runs."""
-    from jaxdist.parallel import replica
+    from jaxdist.parallel import rounds
 
     _, _, programs, sync, _ = built
     count: dict[str, int] = {}
     for s in range(args.steps):
-        key = repr(replica.action(sync, s) if sync else None)
+        key = repr(rounds.action(sync, s) if sync else None)
         count[key] = count.get(key, 0) + 1
     out = {}
     for act, (_, found) in programs.items():

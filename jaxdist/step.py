@@ -29,7 +29,7 @@ from jaxdist import step_checks
 from jaxdist.config import Layout, StepConfig
 from jaxdist.kernels import fp8
 from jaxdist.kernels.loss import Vocab, model_loss, stage_loss
-from jaxdist.parallel import collective_matmul, context, pipeline, replica
+from jaxdist.parallel import collective_matmul, context, pipeline, replica, rounds
 from jaxdist.rules import (
     AxisRules,
     activation_rules,
@@ -200,11 +200,11 @@ class JittedStep(NamedTuple):
     """the first state from given weights (shaped as `abstract_params`; consumed): a fresh
     optimizer state, and with replica groups every group starting from them"""
 
-    def outer_part(self, step: int) -> "replica.Action | None":
+    def outer_part(self, step: int) -> "rounds.Action | None":
         """With replica groups, the part of the outer step step `step` runs beside its inner
         step (step_fn's third, static, argument); None: none."""
         sync = self.layout.sync
-        return None if sync is None else replica.action(sync, step)
+        return None if sync is None else rounds.action(sync, step)
 
     @property
     def abstract_params(self) -> nnx.State:
@@ -366,11 +366,11 @@ def _split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State | None, nnx.State
 
 def _grouped_step(step, layout: Layout, mesh: Mesh, where):
     """The step of replica groups: each group's own step, and the outer step's parts that
-    `act` (replica.action) asks for around it."""
+    `act` (rounds.action) asks for around it."""
     inner = replica.grouped(step, layout, mesh)
 
-    def grouped_step(state: TrainState, tokens_BT1: jax.Array, act: replica.Action | None):
-        act = act or replica.Action()
+    def grouped_step(state: TrainState, tokens_BT1: jax.Array, act: rounds.Action | None):
+        act = act or rounds.Action()
         return replica.outer_step(
             state, act, where, layout.sync, mesh, lambda s: inner(s, tokens_BT1)
         )

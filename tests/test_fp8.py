@@ -330,7 +330,7 @@ def test_hardware_without_fp8_units_and_pipelines_are_refused_in_one_line():
 def test_replica_groups_keep_their_own_fp8_state():
     # Each group keeps an FP8 state of its own ([M, ...]) whose amaxes are its own batches'
     # (DiLoCo: nothing crosses `replica` between syncs); the outer step runs beside it.
-    from jaxdist.config import SyncConfig
+    from jaxdist.parallel.rounds import SyncConfig
 
     mc = _built("delayed")[0]
     mesh = mesh_for("replica=2,fsdp=4")

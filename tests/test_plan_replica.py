@@ -12,10 +12,11 @@ import pytest
 
 from jaxdist.cli.main import main
 from jaxdist.cli.remat_auto import order
-from jaxdist.config import Layout, StepConfig, SyncConfig
+from jaxdist.config import Layout, StepConfig
 from jaxdist.mesh import SEARCHED_AXES
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.parallel import exchange, replica
+from jaxdist.parallel import exchange, rounds
+from jaxdist.parallel.rounds import SyncConfig
 from jaxdist.planning import comm_report, hlo, memory, quality, sync
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import plan
@@ -88,7 +89,7 @@ def _outer_collectives(jitted, layout: Layout) -> dict[str, list[int]]:
     """Bytes per device of each collective over `replica` in the compiled outer step (every
     fragment's at once), by kind."""
     F = layout.sync.sync_fragments
-    act = replica.Action(tuple(range(F)), tuple(range(F)), after=True)
+    act = rounds.Action(tuple(range(F)), tuple(range(F)), after=True)
     batch = jax.ShapeDtypeStruct((B, layout.seq_len + 1), jnp.int32, sharding=jitted.batch_sharding)
     text = jitted.step_fn.lower(jitted.abstract_state, batch, act).compile().as_text()
     found: dict[str, list[int]] = {}

@@ -17,10 +17,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.cli.main import main
 from jaxdist.cluster.join import metric_value
-from jaxdist.config import Layout, StepConfig, SyncConfig
+from jaxdist.config import Layout, StepConfig
 from jaxdist.errors import ConfigError
 from jaxdist.optim import OptimConfig, make_optimizer
-from jaxdist.parallel import exchange, replica
+from jaxdist.parallel import exchange, replica, rounds
+from jaxdist.parallel.rounds import SyncConfig
 from jaxdist.planning import hlo
 from jaxdist.step import build
 from meshes.presets import STANDARD_RULES
@@ -59,7 +60,7 @@ def _train(
     state, out = jitted.init_fn(), []
     for s in range(steps):
         tokens = jax.random.randint(jax.random.key(s), (B, mc.seq_len + 1), 0, mc.vocab_size)
-        extra = (replica.action(sync, s),) if sync else ()
+        extra = (rounds.action(sync, s),) if sync else ()
         state, metrics = jitted.step_fn(
             state, jax.device_put(tokens, jitted.batch_sharding), *extra
         )
@@ -137,13 +138,13 @@ def test_groups_move_no_tensor_between_syncs_and_each_shard_once_each_way_at_one
     inner = _replica_traffic(f32, mesh, None)
     # Nothing crosses, not even the logged metrics: each group's own, averaged on the host.
     assert sum(inner.values()) == 0, inner
-    outer = _replica_traffic(f32, mesh, replica.action(SyncConfig(sync_every=4), 3))
+    outer = _replica_traffic(f32, mesh, rounds.action(SyncConfig(sync_every=4), 3))
     assert outer[("all-to-all", "f32")] == share, outer  # up: each shard once
     assert outer[("all-gather", "f32")] == share, outer  # down: each shard once
     assert sum(v for (_, t), v in outer.items() if t == "f32") == 2 * share, outer
 
     _, _, q8 = _built(mesh_text, SyncConfig(sync_every=4, sync_dtype="int8"))
-    outer8 = _replica_traffic(q8, mesh, replica.action(SyncConfig(sync_every=4), 3))
+    outer8 = _replica_traffic(q8, mesh, rounds.action(SyncConfig(sync_every=4), 3))
     # The 8-bit payload is a quarter of float32's, each way; the float32 scales (one per row
     # of 64 to 512 elements in this tiny model) and their row maxima add the rest.
     assert outer8[("all-to-all", "u8")] == share // 4, outer8
@@ -162,7 +163,7 @@ def test_the_outer_exchange_is_one_collective_per_type_and_way(dtype, payload, p
     _, mesh, jitted = _built(
         "replica=2,fsdp=2,tensor=2", SyncConfig(sync_every=4, sync_dtype=dtype)
     )
-    ops = _replica_collectives(jitted, mesh, replica.action(SyncConfig(sync_every=4), 3))
+    ops = _replica_collectives(jitted, mesh, rounds.action(SyncConfig(sync_every=4), 3))
     kinds = collections.Counter((kind, t) for kind, t, _ in ops)
     expected = {("all-to-all", payload): 1, ("all-gather", payload): 1}
     if dtype == "int8":
@@ -212,7 +213,7 @@ def _size(tree) -> int:
 
 def test_streamed_fragments_take_turns_and_delay_applies_later():
     sync = SyncConfig(sync_every=8, sync_fragments=2, sync_delay=2)
-    acts = {s: replica.action(sync, s) for s in range(20)}
+    acts = {s: rounds.action(sync, s) for s in range(20)}
     # Fragment 1's round ends after steps 3, 11, 19; fragment 0's after 7, 15. The exchange
     # runs on the next step's input, the groups take the result 2 steps after the round.
     sends = {s: a.send for s, a in acts.items() if a and a.send}

@@ -10,9 +10,10 @@ from typing import Annotated, Literal
 import tyro
 
 from jaxdist import hardware
-from jaxdist.config import StepConfig, SyncConfig
+from jaxdist.config import StepConfig
 from jaxdist.errors import ConfigError
 from jaxdist.hf.source import hf_dir
+from jaxdist.parallel.rounds import SyncConfig
 from jaxdist.rules import ways
 from meshes.presets import PRESETS as MESH_PRESETS
 from models.presets import PRESETS as MODEL_PRESETS

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxdist.config import Layout
-from jaxdist.parallel import pipeline, replica
+from jaxdist.parallel import pipeline, rounds
 from jaxdist.planning import hlo, sync
 from jaxdist.planning.inputs import PlanModel
 from jaxdist.planning.traffic import layout_bytes, schedule_of
@@ -43,7 +43,7 @@ def _outer_rows(jitted, model: PlanModel, layout: Layout) -> list[dict]:
     """The outer step's collectives, every fragment's at once, compiled beside what
     planning.sync prices them at (over `replica`; the rest is the inner step's again)."""
     F = layout.sync.sync_fragments
-    act = replica.Action(tuple(range(F)), tuple(range(F)), after=True)
+    act = rounds.Action(tuple(range(F)), tuple(range(F)), after=True)
     mesh = jitted.batch_sharding.mesh
     batch = jax.ShapeDtypeStruct(
         (layout.batch_size, layout.seq_len + 1), jnp.int32, sharding=jitted.batch_sharding

@@ -9,8 +9,9 @@ from collections.abc import Callable
 
 from flax import nnx
 
-from jaxdist.config import Layout, StepConfig, SyncConfig
+from jaxdist.config import Layout, StepConfig
 from jaxdist.mesh import SEARCHED_AXES
+from jaxdist.parallel.rounds import SyncConfig
 
 
 @dataclasses.dataclass(frozen=True)

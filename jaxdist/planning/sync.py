@@ -27,10 +27,11 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from jaxdist.config import Layout, SyncConfig
+from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import Hardware, Link, with_slow_link
 from jaxdist.parallel import exchange, replica
+from jaxdist.parallel.rounds import SyncConfig
 from jaxdist.planning import costmodel
 from jaxdist.rules import logical_axes, variables
 
