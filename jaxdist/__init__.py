@@ -8,7 +8,8 @@ The five stages of a step, and where each lives:
                           per-device control is the point (pipeline, experts)
   3. move tensors      -> the collectives XLA inserts from the shardings; planning/comm_report and
                           profiling/ read them back out of the program and the trace
-  4. sync the update   -> step (the optimizer update on sharded state), optim
+  4. sync the update   -> step (the optimizer update on sharded state), optim; replica groups
+                          that meet every H steps: parallel/replica, parallel/rounds
   5. checkpoint        -> checkpoint/ (tiers: the Orbax store and the node-local one, each
                           saving when its Young-Daly interval is due; resume, recovery)
 Around them: metrics/ (what a run records), profiling/, cluster/, hf/, inference/, cli/.
@@ -45,6 +46,7 @@ _API = {
     "EvalConfig": "jaxdist.config",
     "RunConfig": "jaxdist.config",
     "Layout": "jaxdist.config",
+    "SyncConfig": "jaxdist.parallel.rounds",
     "CheckpointConfig": "jaxdist.checkpoint.interval",
     # training and its pieces
     "fit": "jaxdist.train",  # the loop
