@@ -24,10 +24,11 @@ computation (H inner steps each group spends on its own, slightly worse, gradien
 
 Fragments (`--sync-fragments F`): layer l belongs to fragment l % F (strided: each pipeline
 stage holds a share of every fragment), the other weights to fragment 0; fragment f's round
-ends after step s when s + 1 = f H/F (mod H). With `--sync-delay T` the exchange starts at the
-next step, on that step's input weights (so it overlaps its forward and backward), and the
-groups take the new weights T steps after the round ended, mixed with what they learnt since:
-new = mix * outer + (1 - mix) * own. Without a delay the groups take the outer weights.
+ends after step s when s + 1 = f H/F (mod H) (jaxdist.parallel.rounds.action). With
+`--sync-delay T` the exchange starts at the next step, on that step's input weights (so it
+overlaps its forward and backward), and the groups take the new weights T steps after the round
+ended, mixed with what they learnt since: new = mix * outer + (1 - mix) * own. Without a delay
+the groups take the outer weights.
 """
 
 import functools
