@@ -5,7 +5,7 @@ or whose new weights it applies (`action`): the schedule the loop and the step r
 """
 
 import dataclasses
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 from jaxdist.errors import ConfigError
 
@@ -73,9 +73,10 @@ class SyncConfig:
             raise ConfigError(f"--outer-momentum {self.outer_momentum} must be in [0, 1)")
         if not 0 < self.sync_mix <= 1:
             raise ConfigError(f"--sync-mix {self.sync_mix} must be in (0, 1]")
-        if self.sync_dtype not in ("float32", "bfloat16", "float8", "int8"):
+        if self.sync_dtype not in get_args(SyncDtype):
+            *most, last = get_args(SyncDtype)
             raise ConfigError(
-                f"--sync-dtype {self.sync_dtype!r}: choose float32, bfloat16, float8 or int8"
+                f"--sync-dtype {self.sync_dtype!r}: choose {', '.join(most)} or {last}"
             )
         if replicas < 1:
             raise ConfigError(f"replica={replicas} must be at least 1")
