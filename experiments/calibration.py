@@ -31,8 +31,8 @@ import published_runs  # this folder's, beside this script
 import published_runs_at_scale
 from published_runs import Row
 
-from jaxdist.config import StepConfig
 from jaxdist.hardware import get_hardware
+from jaxdist.layout import StepConfig
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import price
 from meshes.presets import STANDARD_RULES

@@ -21,9 +21,11 @@ import argparse
 import json
 import statistics
 import time
+from typing import get_args
 
-STRATEGIES = ("all-gather", "ring", "ulysses")
-KERNEL = {"v5p-16": "splash", "h100": "cudnn"}  # each platform's fused attention
+from jaxdist.layout import ContextStrategy
+
+STRATEGIES = get_args(ContextStrategy)
 KERNEL = {"v5p-16": "splash", "h100": "cudnn"}  # each platform's fused attention
 
 
@@ -31,7 +33,7 @@ def measured(steps: int) -> list[dict]:
     import jax
     import numpy as np
 
-    from jaxdist.config import Layout, StepConfig
+    from jaxdist.layout import Layout, StepConfig
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.step import Vocab, build
@@ -75,7 +77,7 @@ def measured(steps: int) -> list[dict]:
 
 
 def predicted() -> list[dict]:
-    from jaxdist.config import StepConfig
+    from jaxdist.layout import StepConfig
     from jaxdist.planning.inputs import PlanConfig
     from jaxdist.planning.planner import plan
     from meshes.presets import STANDARD_RULES

@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def build_recipe(recipe: str, args):
     """(build for a seed, the model config): one compile per recipe, whatever the seed."""
-    from jaxdist.config import Layout, StepConfig
+    from jaxdist.layout import Layout, StepConfig
     from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.step import build

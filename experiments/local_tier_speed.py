@@ -50,7 +50,7 @@ def main() -> None:
 
     from jaxdist.checkpoint.local import LocalTier
     from jaxdist.checkpoint.store import Checkpointer
-    from jaxdist.config import Layout
+    from jaxdist.layout import Layout
     from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.step import build

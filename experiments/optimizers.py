@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def compile_optimizer(name: str, args):
     """(build for a seed, the seed-0 JittedStep, model config): one compile per optimizer."""
-    from jaxdist.config import Layout, StepConfig
+    from jaxdist.layout import Layout, StepConfig
     from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.step import build

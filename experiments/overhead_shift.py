@@ -79,11 +79,10 @@ def compile_config(name: str, args):
     import jax
     import jax.numpy as jnp
 
-    from jaxdist.config import Layout, StepConfig
+    from jaxdist.layout import Layout, StepConfig, SyncConfig
     from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.parallel import rounds
-    from jaxdist.parallel.rounds import SyncConfig
     from jaxdist.planning import hlo
     from jaxdist.step import build
     from meshes.presets import STANDARD_RULES

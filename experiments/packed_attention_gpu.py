@@ -36,7 +36,7 @@ def main() -> None:
 
     from jax.experimental import topologies
 
-    from jaxdist.config import Layout
+    from jaxdist.layout import Layout
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.step import Vocab, build

@@ -41,8 +41,8 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from jaxdist.config import Layout, StepConfig
     from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.layout import Layout, StepConfig
     from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.parallel.pipeline import branch_share

@@ -36,8 +36,8 @@ LAYOUTS = [
 def measure(layout, model, microbatches, schedule, args) -> dict:
     import jax
 
-    from jaxdist.config import Layout, StepConfig
     from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.layout import Layout, StepConfig
     from jaxdist.mesh import make_mesh
     from jaxdist.metrics.records import distribution
     from jaxdist.optim import OptimConfig, make_optimizer

@@ -34,19 +34,19 @@ _API = {
     "setup_devices": "jaxdist.mesh",
     "make_mesh": "jaxdist.mesh",
     "parse_mesh": "jaxdist.mesh",
-    "AxisRules": "jaxdist.rules",
+    "AxisRules": "jaxdist.layout",
     "LOGICAL_AXES": "jaxdist.model",
     "Documents": "jaxdist.kernels.documents",
     # configs, one per component
     "ModelSpec": "jaxdist.model",
     "OptimConfig": "jaxdist.optim",
     "DataConfig": "jaxdist.data",
-    "StepConfig": "jaxdist.config",
+    "StepConfig": "jaxdist.layout",
     "LoopConfig": "jaxdist.config",
     "EvalConfig": "jaxdist.config",
     "RunConfig": "jaxdist.config",
-    "Layout": "jaxdist.config",
-    "SyncConfig": "jaxdist.parallel.rounds",
+    "Layout": "jaxdist.layout",
+    "SyncConfig": "jaxdist.layout",
     "CheckpointConfig": "jaxdist.checkpoint.interval",
     # training and its pieces
     "fit": "jaxdist.train",  # the loop

@@ -29,6 +29,7 @@ from jaxdist.config import RunConfig
 from jaxdist.data import TokenBatches
 from jaxdist.data.mixture import Tally
 from jaxdist.evaluation import coverage, evaluate
+from jaxdist.layout import AxisRules
 from jaxdist.metrics import wandb_log
 from jaxdist.metrics.goodput import Ledger, read_report, totals
 from jaxdist.metrics.progress import step_of
@@ -37,7 +38,6 @@ from jaxdist.metrics.steptimer import StepTimer, summarize
 from jaxdist.metrics.tensorboard import TensorBoardLog
 from jaxdist.model import ModelSpec
 from jaxdist.profiling.capture import Capture
-from jaxdist.rules import AxisRules
 from jaxdist.step import JittedStep
 
 

@@ -1,15 +1,11 @@
-"""A run's configuration, as frozen values: one config per component the loop owns (the step,
-the loop, evaluation), the `RunConfig` that gathers them with the components' own (optimizer,
-data, checkpoints, replica groups), and the `Layout`: how one step lays out over a mesh.
-
-A run records all of it (config.json); the planner enumerates Layouts, `train` builds one, and
-the step is traced under one (jaxdist.rules.activation_rules).
+"""A run's configuration, as frozen values: one config per component the loop owns (the loop,
+evaluation) and the `RunConfig` that gathers them with the components' own (optimizer, data,
+checkpoints, the step's and the replica groups' settings, which live with the `Layout` in
+jaxdist.layout). A run records all of it (config.json).
 """
 
 import dataclasses
-import functools
-import math
-from typing import Annotated, Literal
+from typing import Annotated
 
 import tyro
 
@@ -19,83 +15,9 @@ from jaxdist.checkpoint.recovery import NonFinitePolicy
 from jaxdist.cluster import faults as fault_injection
 from jaxdist.data.batches import DataConfig
 from jaxdist.errors import ConfigError
-from jaxdist.mesh import spec
+from jaxdist.layout import StepConfig, SyncConfig
 from jaxdist.metrics import wandb_log
 from jaxdist.optim import OptimConfig
-from jaxdist.parallel import collective_matmul
-from jaxdist.parallel.context import STRATEGIES
-from jaxdist.parallel.rounds import SyncConfig
-from jaxdist.profiling.capture import parse_range
-from jaxdist.rules import AxisRules, ways
-
-
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    microbatches: int = 1
-    """gradient accumulation: the batch is run as this many slices per step (with a pipeline
-    axis: the microbatches the schedule pipelines)"""
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    """schedule over the pipeline mesh axis"""
-    virtual_stages: int = 1
-    """layer chunks per device for the interleaved schedule"""
-    document_mask: bool = True
-    """with tokenized data: attention stays inside each packed document and positions restart
-    at each (off: a row is one causal sequence)"""
-    loss_chunk_tokens: int = 2048
-    """fused cross-entropy: the sequence is cut into chunks of at most this many tokens per
-    device, whose fp32 logits (tokens x vocab x 4 bytes) are the most held at once; fewer
-    where those would pass 512 MiB (1024 at Llama 3's 128K vocabulary: 0.5 GB;
-    jaxdist.kernels.fused_loss.chunk_tokens_for); 0: the whole logits, as the model returns
-    them"""
-    context_strategy: Literal["all-gather", "ring", "ulysses"] = "all-gather"
-    """how attention crosses a sequence split over the `context` mesh axis
-    (jaxdist.parallel.context)"""
-    collective_matmul: Literal["one-way", "two-way"] = "one-way"
-    """TPU: how the compiler streams an FSDP weight through its matmuls, each shard once round
-    the ring or both ways (XLA's default: 2n + 1 shards of 1/n per use against n - 1, about
-    twice a step's bytes); jaxdist.parallel.collective_matmul"""
-    fp8: Literal["off", "current", "delayed"] = "off"
-    """FP8 GEMMs for the attention and MLP projections (Hopper): operands in e4m3, gradients in
-    e5m2, one scale per tensor, from the tensor itself (current) or from an amax history kept
-    in the checkpointed state (delayed); off: the compute dtype. Emulated on the CPU; refused
-    on TPUs and with a pipeline axis"""
-    fp8_history: int = 16
-    """--fp8 delayed: steps of amax history a scale is taken from"""
-    fp8_filter: Literal["auto", "none"] = "auto"
-    """auto: projections too small to gain stay in the compute dtype
-    (jaxdist.kernels.fp8.worth_fp8); none: every projection in FP8"""
-    fault_nan_steps: tuple[int, ...] = ()
-    """fault injection, for testing recovery: make these steps' loss and gradients NaN"""
-
-    @staticmethod
-    def recorded_state(step: dict) -> dict:
-        """The settings of a run's recorded `step` (config.json) that shape its train state,
-        to read its checkpoints: --fp8 delayed's (its FP8 state); {} for every other run."""
-        if step.get("fp8") != "delayed":
-            return {}
-        return {k: step[k] for k in ("fp8", "fp8_history", "fp8_filter") if k in step}
-
-    def validate(self) -> None:
-        if self.microbatches < 1:
-            raise ConfigError(f"--microbatches {self.microbatches} must be at least 1")
-        if self.virtual_stages < 1:
-            raise ConfigError(f"--virtual-stages {self.virtual_stages} must be at least 1")
-        if self.loss_chunk_tokens < 0:
-            raise ConfigError(
-                f"--loss-chunk-tokens {self.loss_chunk_tokens} must be >= 0 (0: unfused)"
-            )
-        if self.context_strategy not in STRATEGIES:
-            raise ConfigError(
-                f"--context-strategy {self.context_strategy!r}: choose from {', '.join(STRATEGIES)}"
-            )
-        collective_matmul.check(self.collective_matmul)
-        if self.fp8_history < 1:
-            raise ConfigError(f"--fp8-history {self.fp8_history} must be at least 1")
-        if self.virtual_stages > 1 and self.pipeline_schedule != "interleaved":
-            raise ConfigError(
-                f"--virtual-stages {self.virtual_stages} applies to the interleaved schedule; "
-                "add --pipeline-schedule interleaved"
-            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +109,7 @@ class LoopConfig:
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"--peak-tflops {self.peak_tflops} must be > 0")
         if self.profile:
-            start, stop = parse_range(self.profile)
+            start, stop = self.profile_steps()
             if stop > self.steps:
                 within = f"--profile {start}:{self.steps} or " if start < self.steps else ""
                 raise ConfigError(
@@ -202,6 +124,17 @@ class LoopConfig:
             wandb_log.require()
         elif self.wandb_entity is not None:
             raise ConfigError("--wandb-entity names who logs to --wandb PROJECT; add --wandb")
+
+    def profile_steps(self) -> tuple[int, int] | None:
+        """--profile START:STOP as the steps it traces, START to STOP - 1; None without it."""
+        if not self.profile:
+            return None
+        a, sep, b = self.profile.partition(":")
+        if not sep or not a.isdigit() or not b.isdigit() or int(b) <= int(a):
+            raise ConfigError(
+                f"--profile {self.profile!r} is not START:STOP with STOP > START, e.g. 5:8"
+            )
+        return int(a), int(b)
 
     def faults(self) -> tuple[str, ...]:
         """Every injected fault, --fault-stall among them."""
@@ -232,116 +165,3 @@ class RunConfig:
         self.loop.validate()
         self.checkpoint.validate()
         self.eval.validate()
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How one step lays out over a mesh: its axis sizes, the rule table that maps logical axes
-    onto them, the step's settings, the remat policy and the batch's shape. It answers once
-    what every part of the step asks of it: how many devices share the batch or the sequence,
-    and the rows of a microbatch."""
-
-    sizes: tuple[tuple[str, int], ...]
-    """mesh axis sizes, outermost first (jaxdist.mesh.MESH_AXES)"""
-    rules: AxisRules
-    step: StepConfig = StepConfig()
-    remat: str = ""
-    """the model's rematerialization policy (models/remat.py); "": the model's own"""
-    batch_size: int = 0
-    """global rows per step (0: not known here, as in generation)"""
-    seq_len: int = 0
-    """tokens per row (0: not known here)"""
-    sync: SyncConfig | None = None
-    """the replica groups' outer step (DiLoCo); None: every step reduces every gradient"""
-    in_group: bool = False
-    """traced as one replica group's step (mapped over the `replica` axis)"""
-
-    @classmethod
-    def on(cls, mesh, rules: AxisRules, step: StepConfig = StepConfig(), **fields) -> "Layout":
-        """The layout of a step over this mesh (a jax Mesh or AbstractMesh)."""
-        return cls(tuple(mesh.shape.items()), rules, step, **fields)
-
-    @functools.cached_property
-    def mesh_shape(self) -> dict[str, int]:
-        return dict(self.sizes)
-
-    @property
-    def devices(self) -> int:
-        return math.prod(n for _, n in self.sizes)
-
-    @property
-    def replicas(self) -> int:
-        """M: groups that train alone between outer steps (the `replica` axis)."""
-        return self.mesh_shape.get("replica", 1)
-
-    @property
-    def stages(self) -> int:
-        return self.mesh_shape.get("pipeline", 1)
-
-    @property
-    def batch_axes(self) -> tuple[str, ...]:
-        """The mesh axes that split a batch's rows."""
-        return self.rules.mesh_axes("batch", "activation")
-
-    @property
-    def seq_axes(self) -> tuple[str, ...]:
-        """The mesh axes that split a row's tokens (context parallelism)."""
-        return self.rules.mesh_axes("seq", "activation")
-
-    @property
-    def token_axes(self) -> tuple[str, ...]:
-        """Every mesh axis that splits a step's tokens: the batch's, then the sequence's."""
-        return self.batch_axes + self.seq_axes
-
-    @property
-    def batch_ways(self) -> int:
-        return ways(self.mesh_shape, self.batch_axes)
-
-    @property
-    def seq_ways(self) -> int:
-        return ways(self.mesh_shape, self.seq_axes)
-
-    @property
-    def microbatches(self) -> int:
-        return self.step.microbatches
-
-    @property
-    def micro_rows(self) -> int:
-        """Global rows of one microbatch."""
-        return self.batch_size // self.step.microbatches
-
-    @property
-    def virtual_stages(self) -> int:
-        """Layer chunks per device: the interleaved schedule's, else 1."""
-        interleaved = self.step.pipeline_schedule == "interleaved"
-        return self.step.virtual_stages if interleaved else 1
-
-    def describe(self) -> str:
-        """The mesh as `--mesh` takes it (fsdp=2,context=4), its size-1 axes left out."""
-        return spec(self.sizes)
-
-    def batch_problem(self) -> str | None:
-        """Why the batch cannot be split into its microbatches over the batch axes, or None."""
-        if self.sync is not None and not self.in_group:
-            M = self.replicas
-            if self.batch_size % M:
-                return (
-                    f"batch size {self.batch_size} does not split into the {M} replica groups' "
-                    f"blocks; use a multiple of {M}"
-                )
-            return self.group().batch_problem()
-        m, n = self.step.microbatches, self.batch_ways
-        if self.batch_size % m:
-            return f"batch size {self.batch_size} is not divisible by {m} microbatches"
-        if self.micro_rows % n:
-            return (
-                f"microbatch of {self.micro_rows} rows (batch {self.batch_size} / {m} "
-                f"microbatches) does not split over the {n} devices of the batch axes "
-                f"{'x'.join(self.batch_axes)}; use a batch size that is a multiple of {n * m}"
-            )
-        return None
-
-    def group(self) -> "Layout":
-        """The layout one replica group steps under: its block of the batch, the groups'
-        axis left to the caller (jaxdist.parallel.replica maps the step over it)."""
-        return dataclasses.replace(self, batch_size=self.batch_size // self.replicas, in_group=True)

@@ -14,22 +14,7 @@ from jax.sharding import AxisType, Mesh
 
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import PROGRAM_SHARE
-
-# Outermost first: slow links (pipeline stages across racks, data across hosts) outside,
-# fast links (tensor) innermost; context (K/V exchanged every layer) and expert all-to-all
-# traffic sit on fast links too. `replica` is outermost of all: groups that train alone and
-# meet only every H steps (jaxdist.parallel.replica) belong across the slowest link.
-MESH_AXES: tuple[str, ...] = (
-    *("replica", "pipeline", "data", "fsdp", "context", "expert", "tensor"),
-)
-# The axes a layout is searched over by default: every one but `replica`, whose groups change
-# what is computed (DiLoCo), not only where; the planner ranks it when asked.
-SEARCHED_AXES: tuple[str, ...] = tuple(a for a in MESH_AXES if a != "replica")
-
-
-def spec(shape) -> str:
-    """Mesh sizes ({axis: size}) as --mesh takes them, the size-1 axes left out."""
-    return ",".join(f"{a}={n}" for a, n in dict(shape).items() if n > 1) or "single"
+from jaxdist.layout import MESH_AXES, spec
 
 
 @dataclasses.dataclass(frozen=True)

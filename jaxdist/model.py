@@ -25,9 +25,10 @@ Shape-suffix legend used throughout the code (x_BTD, logits_BTV, ...):
 """
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from flax import nnx
+if TYPE_CHECKING:  # the contract names flax's types; reading it (a layout, a flag) loads none
+    from flax import nnx
 
 # The closed vocabulary of logical axes that models name their tensors' dimensions with.
 LOGICAL_AXES: tuple[str, ...] = (
@@ -47,7 +48,7 @@ LOGICAL_AXES: tuple[str, ...] = (
 
 class ModelSpec(NamedTuple):
     name: str
-    init: Callable[[nnx.Rngs], nnx.Module]
+    init: Callable[["nnx.Rngs"], "nnx.Module"]
     seq_len: int
     vocab_size: int
     flops_per_token: float  # training FLOPs per token, for MFU

@@ -8,10 +8,9 @@ once for activations (FSDP splits `embed` of a weight over `fsdp` while the acti
 """
 
 import contextlib
-import dataclasses
 import math
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -19,84 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.errors import ConfigError
-from jaxdist.model import LOGICAL_AXES
-
-MeshAxes = str | tuple[str, ...] | None
-
-
-def as_tuple(axes: MeshAxes) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    return (axes,) if isinstance(axes, str) else tuple(axes)
-
-
-@dataclasses.dataclass(frozen=True)
-class AxisRules:
-    """Rows of (logical axis, mesh axes for parameters, mesh axes for activations)."""
-
-    rows: tuple[tuple[str, MeshAxes, MeshAxes], ...]
-
-    def mesh_axes(self, logical: str, kind: str) -> tuple[str, ...]:
-        for name, param_axes, act_axes in self.rows:
-            if name == logical:
-                return as_tuple(param_axes if kind == "param" else act_axes)
-        raise ConfigError(
-            f"logical axis {logical!r} has no rule; add a row for it to the mesh preset's table"
-        )
-
-    def validate(self, mesh_axis_names: tuple[str, ...]) -> None:
-        """Raises ConfigError for unknown, repeated or missing names and unknown mesh axes."""
-        seen: set[str] = set()
-        for row in self.rows:
-            if len(row) != 3:
-                raise ConfigError(f"rule row {row!r} must be (logical, param_axes, act_axes)")
-            name = row[0]
-            if name not in LOGICAL_AXES:
-                raise ConfigError(
-                    f"rule table names unknown logical axis {name!r}; known: {LOGICAL_AXES}"
-                )
-            if name in seen:
-                raise ConfigError(
-                    f"logical axis {name!r} appears twice in the rule table; keep one row"
-                )
-            seen.add(name)
-            for kind, axes in (("param", row[1]), ("activation", row[2])):
-                axes_t = as_tuple(axes)
-                for axis in axes_t:
-                    if axis not in mesh_axis_names:
-                        raise ConfigError(
-                            f"rule for {name!r} ({kind}) names mesh axis {axis!r}, which the "
-                            f"mesh lacks; mesh axes are {mesh_axis_names}"
-                        )
-                if len(set(axes_t)) != len(axes_t):
-                    raise ConfigError(f"rule for {name!r} ({kind}) repeats a mesh axis: {axes_t}")
-        missing = [n for n in LOGICAL_AXES if n not in seen]
-        if missing:
-            raise ConfigError(
-                f"rule table has no row for logical axes {missing}; write them out, "
-                "with None where they stay replicated"
-            )
-
-    def spec(
-        self, logical: tuple[str | None, ...], kind: str, what: str = "array"
-    ) -> PartitionSpec:
-        """The PartitionSpec for a tensor whose dims carry these logical names. A name given
-        twice (a [T, T] table as ("seq", "seq")) is split on its first dim only: the second
-        indexes the whole of it, as attention's keys do for its queries."""
-        entries: list[tuple[str, ...] | None] = []
-        used: dict[str, str] = {}
-        for d, dim_name in enumerate(logical):
-            again = dim_name in logical[:d]
-            axes = () if dim_name is None or again else self.mesh_axes(dim_name, kind)
-            for axis in axes:
-                if axis in used:
-                    raise ConfigError(
-                        f"{what}: mesh axis {axis!r} would split both {used[axis]!r} and "
-                        f"{dim_name!r}; change the rule table so one of them uses another axis"
-                    )
-                used[axis] = dim_name
-            entries.append(axes if axes else None)
-        return PartitionSpec(*entries)
+from jaxdist.layout import AxisRules, MeshAxes, as_tuple, ways
 
 
 def check_divisible(
@@ -131,11 +53,6 @@ def variables(state: nnx.State) -> list[nnx.Variable]:
 
 def logical_axes(var: nnx.Variable) -> tuple[str | None, ...]:
     return tuple(var.get_metadata().get("logical_axes") or ())
-
-
-def ways(mesh_shape: Mapping[str, int], axes: Iterable[str]) -> int:
-    """How many devices a split over these mesh axes spreads a dimension across."""
-    return math.prod(mesh_shape.get(a, 1) for a in axes)
 
 
 def local_elements(

@@ -25,17 +25,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist import step_checks
-from jaxdist.config import Layout, StepConfig
-from jaxdist.kernels import fp8
+from jaxdist.errors import ConfigError
+from jaxdist.kernels import documents, fp8
 from jaxdist.kernels.loss import Vocab, model_loss, stage_loss
-from jaxdist.parallel import collective_matmul, context, pipeline, replica, rounds
-from jaxdist.rules import (
-    AxisRules,
-    activation_rules,
-    batch_sharding,
-    state_shardings,
-)
+from jaxdist.layout import AxisRules, Layout, StepConfig
+from jaxdist.parallel import collective_matmul, context, pipeline, replica, rounds, schedules
+from jaxdist.rules import activation_rules, batch_sharding, state_shardings
 
 
 class TrainState(NamedTuple):
@@ -261,6 +256,19 @@ def _abstract_state(shapes: TrainState, sharding: TrainState) -> TrainState:
     return jax.tree.map(placed, shapes, sharding)
 
 
+def check(layout: Layout, mesh: Mesh) -> None:
+    """Everything about the layout that can be wrong, before any shape is traced: its
+    settings, its rule table against the mesh, its own problems (jaxdist.layout), and what
+    the devices refuse (FP8 before Hopper or on a TPU)."""
+    layout.step.validate()
+    layout.rules.validate(mesh.axis_names)
+    if layout.mesh_shape != dict(mesh.shape):
+        raise ConfigError(f"a layout for mesh {layout.mesh_shape} built on mesh {dict(mesh.shape)}")
+    for problem in layout.problems()[:1]:
+        raise ConfigError(problem.message)
+    fp8.check(layout, mesh)
+
+
 def build(
     init_model: Callable[[nnx.Rngs], nnx.Module],
     tx: optax.GradientTransformation,
@@ -276,8 +284,9 @@ def build(
     when the step traces)."""
     vocab = vocab or Vocab()
     config, rules = layout.step, layout.rules
-    step_checks.check(layout, mesh)
-    tokens_sharding = batch_sharding(rules, mesh, layout.replicas > 1 and layout.sync is not None)
+    check(layout, mesh)
+    # A replica axis of one group lays the batch out as a plain step does.
+    tokens_sharding = batch_sharding(rules, mesh, layout.grouped and layout.replicas > 1)
 
     def built(at: Layout) -> nnx.Module:
         # Built under the layout: with --fp8 delayed the model holds its FP8 state.
@@ -285,14 +294,16 @@ def build(
             return init_model(nnx.Rngs(seed))
 
     abstract_model = nnx.eval_shape(lambda: built(layout))
-    step_checks.check_documents(abstract_model, layout, vocab)
+    documents.check_model(abstract_model, layout, vocab.eos_id)
     graphdef, abstract_fp8, abstract_params = _split(abstract_model)
     state_sharding, abstract_opt = _state_sharding(tx, abstract_params, abstract_fp8, rules, mesh)
     replicated = state_sharding.step
     param_sharding = state_sharding.params
-    schedule = step_checks.pipeline_schedule(mesh, config, abstract_params)
+    schedule = schedules.for_layout(layout)
+    if schedule is not None:
+        pipeline.check_layers(abstract_params, schedule)
     step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab)
-    groups = layout.sync is not None
+    groups = layout.grouped
 
     def start(params) -> TrainState:
         # The FP8 state starts afresh (scales 1, empty histories) whatever the weights.

@@ -25,15 +25,15 @@ from jaxdist.checkpoint.preemption import PreemptionSignal
 from jaxdist.checkpoint.recovery import apply_nonfinite_policy
 from jaxdist.checkpoint.resume import compare_with_checkpoint, finished_step, run_record
 from jaxdist.cluster.join import process_rows
-from jaxdist.config import Layout, RunConfig
+from jaxdist.config import RunConfig
 from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.evaluation import eval_batches, small_data_warning
 from jaxdist.kernels import fp8
+from jaxdist.layout import AxisRules, Layout
 from jaxdist.model import ModelSpec
 from jaxdist.optim import make_optimizer
 from jaxdist.parallel import replica
-from jaxdist.rules import AxisRules
 from jaxdist.step import JittedStep, Vocab, build
 
 

@@ -5,8 +5,8 @@ import pathlib
 import tomllib
 
 from jaxdist.errors import ConfigError
+from jaxdist.layout import AxisRules
 from jaxdist.mesh import MeshConfig, parse_mesh
-from jaxdist.rules import AxisRules
 
 # One row per logical axis: (logical, mesh axes for parameters, mesh axes for activations).
 # Batch splits over every replica axis; FSDP shards weights' `embed` dim (ZeRO-3: gathered per

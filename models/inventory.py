@@ -12,7 +12,7 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.config import Layout
+from jaxdist.layout import Layout
 from jaxdist.parallel.context import carrier
 from jaxdist.parallel.experts import capacity
 from jaxdist.planning.inputs import Activation, Inventory, PartialSum, PlanModel

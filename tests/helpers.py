@@ -7,7 +7,7 @@ import sys
 
 import jax
 
-from jaxdist.config import Layout, StepConfig
+from jaxdist.layout import Layout, StepConfig
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.metrics.records import latest_per_step, read_metrics
 from jaxdist.optim import OptimConfig, make_optimizer

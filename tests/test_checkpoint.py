@@ -21,9 +21,10 @@ from jaxdist.checkpoint.damage import RestoreFailed, list_checkpoints
 from jaxdist.checkpoint.interval import CheckpointConfig, Interval, daly_interval_s
 from jaxdist.checkpoint.recovery import TrainingStopped
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
-from jaxdist.config import Layout, LoopConfig, RunConfig, StepConfig
+from jaxdist.config import LoopConfig, RunConfig
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
+from jaxdist.layout import Layout, StepConfig
 from jaxdist.metrics.records import latest_per_step, read_metrics
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.step import build

@@ -12,9 +12,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.config import Layout
 from jaxdist.kernels import documents
 from jaxdist.kernels.loss import cross_entropy
+from jaxdist.layout import Layout
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.parallel import pipeline
 from jaxdist.rules import activation_rules

@@ -22,11 +22,12 @@ from rich.console import Console
 
 from jaxdist.checkpoint.interval import CheckpointConfig
 from jaxdist.checkpoint.store import restore
-from jaxdist.config import Layout, LoopConfig, RunConfig, StepConfig
+from jaxdist.config import LoopConfig, RunConfig
 from jaxdist.data import DataConfig, TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.kernels import fp8
 from jaxdist.kernels.loss import Vocab, cross_entropy
+from jaxdist.layout import Layout, StepConfig
 from jaxdist.metrics.records import latest_per_step, read_metrics
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.rules import activation_rules
@@ -330,7 +331,7 @@ def test_hardware_without_fp8_units_and_pipelines_are_refused_in_one_line():
 def test_replica_groups_keep_their_own_fp8_state():
     # Each group keeps an FP8 state of its own ([M, ...]) whose amaxes are its own batches'
     # (DiLoCo: nothing crosses `replica` between syncs); the outer step runs beside it.
-    from jaxdist.parallel.rounds import SyncConfig
+    from jaxdist.layout import SyncConfig
 
     mc = _built("delayed")[0]
     mesh = mesh_for("replica=2,fsdp=4")

@@ -9,9 +9,9 @@ import math
 import pytest
 
 from jaxdist.cli.main import main
-from jaxdist.config import StepConfig
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import get_hardware
+from jaxdist.layout import StepConfig
 from jaxdist.planning import compute, fp8
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.layouts import layout_of

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist.config import Layout
 from jaxdist.kernels.fused_loss import _chunks
 from jaxdist.kernels.loss import Vocab
+from jaxdist.layout import Layout
 from jaxdist.rules import activation_rules
 from jaxdist.step import forward_loss
 from meshes.presets import STANDARD_RULES

@@ -25,13 +25,13 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from jaxdist.cli.main import main
-from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
 from jaxdist.hf.export import export
 from jaxdist.hf.generation import generation_mesh, run_generation
 from jaxdist.hf.safetensors_io import SafetensorsDir
 from jaxdist.hf.source import Source, check, eos_ids
 from jaxdist.inference.generate import SampleConfig, pick
+from jaxdist.layout import Layout
 from jaxdist.rules import activation_rules, state_shardings
 from meshes.presets import STANDARD_RULES
 from models import hf

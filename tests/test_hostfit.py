@@ -5,9 +5,8 @@ import os
 
 import pytest
 
-from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
-from jaxdist.mesh import MESH_AXES
+from jaxdist.layout import MESH_AXES, Layout
 from jaxdist.planning import hostfit
 from meshes.presets import STANDARD_RULES
 from models.inventory import plan_model

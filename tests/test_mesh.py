@@ -4,7 +4,8 @@ import jax
 import pytest
 
 from jaxdist.errors import ConfigError
-from jaxdist.mesh import MESH_AXES, build_mesh, parse_mesh
+from jaxdist.layout import MESH_AXES
+from jaxdist.mesh import build_mesh, parse_mesh
 from meshes.presets import PRESETS, get_mesh_preset
 
 

@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
-from jaxdist.config import Layout
 from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.layout import Layout
 from jaxdist.parallel.experts import capacity, moe_ffn
 from jaxdist.rules import activation_rules
 from meshes.presets import STANDARD_RULES

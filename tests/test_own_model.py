@@ -14,8 +14,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import jaxdist
-from jaxdist.config import Layout
 from jaxdist.kernels import documents
+from jaxdist.layout import Layout
 from jaxdist.rules import activation_rules
 from meshes.presets import STANDARD_RULES
 from tests.helpers import mesh_for

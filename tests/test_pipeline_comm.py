@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from jaxdist.cli.main import main
-from jaxdist.config import Layout, StepConfig
+from jaxdist.layout import Layout, StepConfig
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.planning import hlo

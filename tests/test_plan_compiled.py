@@ -7,7 +7,7 @@ import json
 import pytest
 
 from jaxdist.cli.main import main
-from jaxdist.config import StepConfig
+from jaxdist.layout import StepConfig
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import plan, price
 from meshes.presets import STANDARD_RULES
@@ -22,7 +22,7 @@ HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 def _compiled_figures(row: dict, batch: int) -> tuple[int, int]:
     """XLA's per-device peak and the HLO's collective bytes for a planned layout, compiled here
     in the test process as `plan --verify` compiles it (float32 on CPU, AdamW)."""
-    from jaxdist.config import Layout
+    from jaxdist.layout import Layout
     from jaxdist.mesh import MeshConfig, build_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.planning import hlo
@@ -126,7 +126,7 @@ def test_interleaving_shrinks_the_priced_bubble_and_its_sends_match_the_hlo():
     assert plain["bubble_s"] / plain["compute_s"] == pytest.approx(3 / 4)  # (p-1)/m
     assert interleaved["bubble_s"] / interleaved["compute_s"] == pytest.approx(3 / 8)  # /(vm)
 
-    from jaxdist.config import Layout
+    from jaxdist.layout import Layout
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.step import build
     from models.transformer import Transformer

@@ -12,11 +12,9 @@ import pytest
 
 from jaxdist.cli.main import main
 from jaxdist.cli.remat_auto import order
-from jaxdist.config import Layout, StepConfig
-from jaxdist.mesh import SEARCHED_AXES
+from jaxdist.layout import SEARCHED_AXES, Layout, StepConfig, SyncConfig
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.parallel import exchange, rounds
-from jaxdist.parallel.rounds import SyncConfig
 from jaxdist.planning import comm_report, hlo, memory, quality, sync
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import plan

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from jaxdist.config import Layout
 from jaxdist.kernels.loss import Vocab
+from jaxdist.layout import Layout
 from jaxdist.rules import activation_rules
 from jaxdist.step import forward_loss
 from meshes.presets import STANDARD_RULES

@@ -5,9 +5,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import ConfigError
-from jaxdist.mesh import MESH_AXES
+from jaxdist.layout import MESH_AXES, AxisRules
 from jaxdist.model import LOGICAL_AXES
-from jaxdist.rules import AxisRules, check_divisible
+from jaxdist.rules import check_divisible
 from meshes.presets import STANDARD_RULES
 from tests.helpers import compiled_for, mesh_for
 

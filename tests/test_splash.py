@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist.config import Layout
 from jaxdist.kernels.documents import from_tokens
 from jaxdist.kernels.loss import Vocab
+from jaxdist.layout import Layout
 from jaxdist.parallel import attention as attn
 from jaxdist.planning import tpu
 from jaxdist.rules import activation_rules
@@ -84,8 +84,8 @@ def test_a_model_with_splash_attention_trains_as_with_xla():
 def test_splash_attention_inside_the_pipeline_trains_as_xla_unpipelined():
     # Inside the pipeline's shard_map the batch axes are manual already: splash splits only
     # the heads there (rules.shard_map_here). Same losses as XLA's attention without a pipeline.
-    from jaxdist.config import Layout, StepConfig
     from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.layout import Layout, StepConfig
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.step import build
 

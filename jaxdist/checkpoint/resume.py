@@ -14,7 +14,7 @@ from jaxdist.checkpoint.local import LocalDamaged
 from jaxdist.checkpoint.recovery import TrainingStopped
 from jaxdist.checkpoint.store import Checkpointer, Restored
 from jaxdist.errors import ConfigError
-from jaxdist.mesh import spec
+from jaxdist.layout import spec
 from jaxdist.step import JittedStep
 
 

@@ -93,9 +93,9 @@ def evaluate(args: Eval) -> int:
 
     from jaxdist.checkpoint.store import restore
     from jaxdist.cluster.join import process_rows
-    from jaxdist.config import Layout, StepConfig
     from jaxdist.data import DataConfig
     from jaxdist.evaluation import evaluate, report
+    from jaxdist.layout import Layout, StepConfig
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.parallel import replica
     from jaxdist.step import Vocab, build

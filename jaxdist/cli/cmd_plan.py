@@ -17,7 +17,7 @@ from jaxdist.cli.plan_print import (
     train_command,
 )
 from jaxdist.errors import ConfigError
-from jaxdist.mesh import SEARCHED_AXES
+from jaxdist.layout import SEARCHED_AXES
 
 PLAN_HARDWARE_HELP = (
     f"hardware preset ({', '.join(hardware_table.PRESETS)}), or a Google Cloud TPU slice as "

@@ -10,11 +10,9 @@ from typing import Annotated, Literal
 import tyro
 
 from jaxdist import hardware
-from jaxdist.config import StepConfig
 from jaxdist.errors import ConfigError
 from jaxdist.hf.source import hf_dir
-from jaxdist.parallel.rounds import SyncConfig
-from jaxdist.rules import ways
+from jaxdist.layout import StepConfig, SyncConfig
 from meshes.presets import PRESETS as MESH_PRESETS
 from models.presets import PRESETS as MODEL_PRESETS
 from models.remat import POLICIES as REMAT_POLICIES
@@ -180,7 +178,7 @@ def setup(
     the model takes the fastest policy that fits (jaxdist.planning.fit, by the one price of
     the step's memory). Returns (mesh, layout, model config, args with the batch size
     resolved)."""
-    from jaxdist.config import Layout
+    from jaxdist.layout import Layout
     from jaxdist.mesh import setup_devices
 
     args.validate()
@@ -202,15 +200,10 @@ def setup(
     platform, target_devices = _target_devices(target, gpu_target)
     model_cfg = _with_data(args, model_config(args, platform), data)
     mesh, rules = _mesh(args.mesh, platform, gpu_target, target_devices)
-    sync = args.sync_config()
+    layout = Layout.on(mesh, rules, args.step, seq_len=model_cfg.seq_len, sync=args.sync_config())
     if args.batch_size is None:
-        batch_ways = ways(mesh.shape, rules.mesh_axes("batch", "activation"))
-        groups = mesh.shape.get("replica", 1) if sync else 1
-        batch_size = max(16, groups * batch_ways * args.step.microbatches)
-        args = dataclasses.replace(args, batch_size=batch_size)
-    layout = Layout.on(
-        mesh, rules, args.step, batch_size=args.batch_size, seq_len=model_cfg.seq_len, sync=sync
-    )
+        args = dataclasses.replace(args, batch_size=max(16, layout.batch_unit))
+    layout = dataclasses.replace(layout, batch_size=args.batch_size)
     if args.remat == "auto":
         from jaxdist.cli.remat_auto import resolve
 

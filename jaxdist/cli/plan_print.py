@@ -8,8 +8,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from jaxdist.config import StepConfig
-from jaxdist.parallel.rounds import SyncConfig
+from jaxdist.layout import StepConfig, SyncConfig
 from jaxdist.planning import quality
 from jaxdist.planning.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
 

@@ -195,7 +195,7 @@ def _restore_params(run_dir, record, spec, mesh, rules, step) -> dict:
     import jax
 
     from jaxdist.checkpoint.store import Checkpointer, param_shapes
-    from jaxdist.config import Layout, StepConfig
+    from jaxdist.layout import Layout, StepConfig
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.parallel import replica
     from jaxdist.rules import batch_sharding, batch_ways

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
-from jaxdist.rules import AxisRules, activation_rules, batch_sharding, batch_ways
+from jaxdist.layout import AxisRules, Layout
+from jaxdist.rules import activation_rules, batch_sharding, batch_ways
 
 
 class Decoder(NamedTuple):

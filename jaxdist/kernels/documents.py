@@ -7,10 +7,14 @@ block-diagonal causal mask (attention never crosses a document boundary) and per
 positions (learned or RoPE). Nothing extra travels from the host: the batch stays [B, T+1].
 """
 
+import inspect
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxdist.errors import ConfigError
+from jaxdist.layout import Layout
 
 
 class Documents(NamedTuple):
@@ -38,3 +42,26 @@ def attention_mask(docs: Documents) -> jax.Array:
     by the attention call itself)."""
     seg_BT = docs.segment_ids_BT
     return seg_BT[:, None, :, None] == seg_BT[:, None, None, :]
+
+
+def check_model(abstract_model, layout: Layout, eos_id: int | None) -> None:
+    """Packed documents (data with an `eos_id`), and a sequence split over devices, need a
+    model whose __call__ takes `docs` (the latter: each token's place in the row,
+    jaxdist.parallel.context)."""
+    params = inspect.signature(type(abstract_model).__call__).parameters
+    takes = "docs" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+    name = type(abstract_model).__name__
+    if not takes and layout.seq_ways > 1:
+        raise ConfigError(
+            f"{name} takes no `docs`, which carry each token's place in the row when the "
+            f"sequence is split over {'x'.join(layout.seq_axes)}; add "
+            "`docs: jaxdist.kernels.documents.Documents | None = None` to its __call__, or use "
+            "a mesh without a context axis"
+        )
+    if layout.step.document_mask and eos_id is not None and not takes:
+        raise ConfigError(
+            f"{name} is called without document masks (its __call__ takes no `docs`), and "
+            "this data packs documents; add "
+            "`docs: jaxdist.kernels.documents.Documents | None = None` to it, or pass "
+            "--no-document-mask (StepConfig(document_mask=False))"
+        )

@@ -264,8 +264,9 @@ delayed_dot.defvjp(_delayed_fwd, _delayed_bwd)
 
 
 def check(layout, mesh) -> None:
-    """Refuses --fp8 where it cannot run as asked, before anything is traced: a TPU (no FP8
-    matrix units before v7), a GPU before compute capability 8.9, a pipeline axis."""
+    """Refuses --fp8 where the devices cannot run it, before anything is traced: a TPU (no FP8
+    matrix units before v7), a GPU before compute capability 8.9. A pipeline axis is the
+    layout's own problem (jaxdist.layout.Layout.problems)."""
     recipe_ = layout.step.fp8
     if recipe_ == "off":
         return
@@ -281,13 +282,6 @@ def check(layout, mesh) -> None:
         raise ConfigError(
             f"--fp8 {recipe_} on {kind} (compute capability {capability}): FP8 tensor cores "
             "start at 8.9 (Ada, Hopper); use --fp8 off on this GPU"
-        )
-    if layout.stages > 1:
-        raise ConfigError(
-            f"--fp8 {recipe_} with pipeline={layout.stages}: the stages run in a shard_map "
-            "that holds each device's own rows, so a tensor's amax would be one device's, and "
-            "the pipeline's schedule does not carry the delayed state; drop the pipeline axis "
-            "(fsdp/data/tensor instead) or use --fp8 off"
         )
 
 

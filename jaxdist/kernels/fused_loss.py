@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxdist.rules import active, constrain, pin, ways
+from jaxdist.layout import ways
+from jaxdist.rules import active, constrain, pin
 
 # The most bytes a chunk's fp32 logits take on a device: at a large vocabulary the chunk holds
 # fewer tokens than `chunk_tokens` asks. The TPU compiler's memory analysis counts this buffer

@@ -33,17 +33,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxdist.layout import as_tuple, ways
 from jaxdist.rules import (
     activation_rules,
     active,
     active_layout,
-    as_tuple,
     constrain,
     entered,
     logical_axes,
     position,
     variables,
-    ways,
 )
 
 

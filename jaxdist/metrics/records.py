@@ -9,7 +9,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from jaxdist.mesh import spec
+from jaxdist.layout import spec
 
 
 def throughput(

@@ -20,14 +20,11 @@ hidden behind the matmuls needs a TPU to time; `--collective-matmul two-way` giv
 Other platforms stream nothing by default; the option is TPU's alone.
 """
 
-from jaxdist.errors import ConfigError
-
-MODES = ("one-way", "two-way")
+from jaxdist.layout import CollectiveMatmul, check_choice
 
 
 def check(mode: str) -> None:
-    if mode not in MODES:
-        raise ConfigError(f"--collective-matmul {mode!r}: choose from {', '.join(MODES)}")
+    check_choice("--collective-matmul", mode, CollectiveMatmul)
 
 
 def shards_sent(mode: str, n: int) -> int:

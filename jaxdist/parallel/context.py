@@ -29,7 +29,7 @@ Legend: B batch  T seq  N query heads  G kv heads  R query heads per kv head  H 
 
 import functools
 import math
-from typing import Literal, NamedTuple
+from typing import NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +40,10 @@ from jaxdist.errors import ConfigError
 from jaxdist.kernels import attention as kernels
 from jaxdist.kernels import documents
 from jaxdist.kernels.documents import Documents
-from jaxdist.rules import active, active_layout, position, shard_map_here, ways
+from jaxdist.layout import ContextStrategy, ways
+from jaxdist.rules import active, active_layout, position, shard_map_here
 
-Strategy = Literal["all-gather", "ring", "ulysses"]
-STRATEGIES: tuple[str, ...] = ("all-gather", "ring", "ulysses")
+STRATEGIES: tuple[str, ...] = get_args(ContextStrategy)
 
 
 class Split(NamedTuple):

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.rules import active, ways
+from jaxdist.layout import ways
+from jaxdist.rules import active
 
 
 def capacity(

@@ -31,16 +31,8 @@ from optax.contrib import MuonDimensionNumbers, MuonState
 # optax.contrib.muon's iteration itself (optax is pinned; 0.2.8 has no public name for it).
 from optax.contrib._muon import _DEFAULT_NS_COEFFS, orthogonalize_via_newton_schulz
 
-from jaxdist.rules import (
-    AxisRules,
-    as_tuple,
-    entered,
-    is_variable,
-    logical_axes,
-    shard_map_here,
-    variables,
-    ways,
-)
+from jaxdist.layout import AxisRules, as_tuple, ways
+from jaxdist.rules import entered, is_variable, logical_axes, shard_map_here, variables
 
 DimsOf = Callable[[tuple[str | None, ...]], MuonDimensionNumbers]
 

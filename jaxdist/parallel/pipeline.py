@@ -44,6 +44,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import ConfigError
+from jaxdist.layout import AxisRules
 from jaxdist.model import Stages
 from jaxdist.parallel import context, stage_weights, ticks
 from jaxdist.parallel.exchange import AXIS as GROUPS
@@ -55,13 +56,7 @@ from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeli
     recv_table,
     shuffle_plan,
 )
-from jaxdist.rules import (
-    AxisRules,
-    active,
-    local_elements,
-    logical_axes,
-    variables,
-)
+from jaxdist.rules import active, local_elements, logical_axes, variables
 
 
 def _layer_vars(abstract_params) -> list[nnx.Variable]:

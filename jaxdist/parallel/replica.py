@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
+from jaxdist.layout import Layout, SyncConfig, as_tuple, ways
 from jaxdist.parallel.exchange import AXIS, EIGHT_BIT, down_many, group_spec, pinned, up_many
-from jaxdist.parallel.rounds import Action, SyncConfig
-from jaxdist.rules import activation_rules, as_tuple, logical_axes, variables, ways
+from jaxdist.parallel.rounds import Action
+from jaxdist.rules import activation_rules, logical_axes, variables
 
 
 class OuterState(NamedTuple):
@@ -56,20 +56,6 @@ class OuterState(NamedTuple):
 def anchored(sync: SyncConfig) -> bool:
     """Whether every group keeps the outer weights (the 8-bit types send changes)."""
     return sync.sync_dtype in EIGHT_BIT
-
-
-def check(layout: Layout) -> None:
-    """A replica axis needs its sync settings, and the sync settings a replica axis."""
-    M = layout.replicas
-    if layout.sync is None:
-        if M > 1:
-            raise ConfigError(
-                f"mesh replica={M} trains {M} groups apart; they need the outer step's settings "
-                "(the CLI gives --sync-every and the rest defaults; in Python pass "
-                "Layout(..., sync=SyncConfig()))"
-            )
-        return
-    layout.sync.validate(M)
 
 
 def check_nonfinite(layout: Layout, mesh: Mesh, policy: str) -> None:

@@ -22,12 +22,14 @@ same 2(vm+p-1) ticks with p-s-1 fewer inputs held.
 
 import dataclasses
 import functools
+from typing import get_args
 
 import numpy as np
 
 from jaxdist.errors import ConfigError
+from jaxdist.layout import Layout, PipelineSchedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = get_args(PipelineSchedule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,3 +231,14 @@ def shuffle_plan(p: int, v: int, back: bool = False) -> list[tuple[int, np.ndarr
                 recv_k[(d + shift) % p, a] = k
         plan.append((shift, send_j, recv_k))
     return plan
+
+
+def for_layout(layout: Layout) -> Schedule | None:
+    """The layout's schedule over its `pipeline` axis (None without one): the one the step
+    runs and the planner prices."""
+    if layout.stages <= 1:
+        return None
+    step = layout.step
+    return make_schedule(
+        step.pipeline_schedule, layout.stages, step.microbatches, layout.virtual_stages
+    )

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.rules import AxisRules, active
+from jaxdist.layout import AxisRules
+from jaxdist.rules import active
 
 
 def batch_axes(rules: AxisRules, mesh_shape: dict[str, int]) -> tuple[str, ...]:

@@ -25,15 +25,15 @@ import time
 
 import numpy as np
 
-from jaxdist.config import Layout
 from jaxdist.hardware import get_hardware
+from jaxdist.layout import Layout
 from jaxdist.mesh import MeshConfig, build_mesh
 from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.parallel import schedules
 from jaxdist.parallel.pipeline import branch_share
 from jaxdist.planning import fit, gemms, hlo, kernels
 from jaxdist.planning.memory import xla_peak
-from jaxdist.planning.traffic import schedule_of
 from jaxdist.step import JittedStep, build
 
 MEMORY_TOLERANCE = 0.15  # predicted vs XLA's per-device memory
@@ -59,7 +59,7 @@ def compile_only(jitted: JittedStep) -> dict:
     mesh = jitted.batch_sharding.mesh
     text = exe.as_text()
     layout = jitted.layout
-    share = branch_share(schedule_of(layout)) if layout.stages > 1 else None
+    share = branch_share(schedules.for_layout(layout)) if layout.stages > 1 else None
     collectives = hlo.summarize(hlo.collectives(text, dict(mesh.shape), share))
     platform = mesh.devices.flat[0].platform
     seq_len = layout.seq_len
@@ -140,7 +140,7 @@ def verify(row: dict, model: ModelSpec, layout: Layout, devices: list) -> dict:
         return _refused(row, str(e), devices, time.perf_counter() - t0)
     mem = exe.memory_analysis()
     peak, memory = xla_peak(mem), get_hardware(row["hardware"]).memory_bytes
-    share = branch_share(schedule_of(layout)) if layout.stages > 1 else None
+    share = branch_share(schedules.for_layout(layout)) if layout.stages > 1 else None
     measured = hlo.summarize(hlo.collectives(exe.as_text(), dict(mesh.shape), share))
     hlo_bytes = sum(v["bytes"] for v in measured.values())
     predicted_mem = row["memory_bytes"]["peak"]

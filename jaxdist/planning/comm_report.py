@@ -7,11 +7,11 @@ import jax.numpy as jnp
 from rich.console import Console
 from rich.table import Table
 
-from jaxdist.config import Layout
-from jaxdist.parallel import pipeline, rounds
+from jaxdist.layout import Layout
+from jaxdist.parallel import pipeline, rounds, schedules
 from jaxdist.planning import hlo, sync
 from jaxdist.planning.inputs import PlanModel
-from jaxdist.planning.traffic import layout_bytes, schedule_of
+from jaxdist.planning.traffic import layout_bytes
 
 
 def report(jitted, model: PlanModel, layout: Layout, optimizer: str = "adamw") -> dict:
@@ -20,11 +20,11 @@ def report(jitted, model: PlanModel, layout: Layout, optimizer: str = "adamw") -
     mesh = jitted.batch_sharding.mesh
     shape = (layout.batch_size, layout.seq_len + 1)
     text = jitted.compile_abstract(shape).as_text()
-    share = pipeline.branch_share(schedule_of(layout)) if layout.stages > 1 else None
+    share = pipeline.branch_share(schedules.for_layout(layout)) if layout.stages > 1 else None
     measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape), share))
     platform = mesh.devices.flat[0].platform
     # Replica groups: each group's step (the outer step is compiled apart, below).
-    inner = sync.group_layout(layout) if sync.grouped(layout) else layout
+    inner = layout.group_alone() if layout.grouped else layout
     exp = layout_bytes(model, inner, platform, optimizer=optimizer)
     out = {
         "mesh": dict(mesh.shape),
@@ -34,7 +34,7 @@ def report(jitted, model: PlanModel, layout: Layout, optimizer: str = "adamw") -
         "optimizer": optimizer,
         "rows": _rows(measured, exp),
     }
-    if sync.grouped(layout):
+    if layout.grouped:
         out["outer_rows"] = _outer_rows(jitted, model, layout)
     return out
 

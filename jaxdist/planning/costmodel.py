@@ -14,7 +14,7 @@ priced as the faster of the two.
 import math
 
 from jaxdist.hardware import Hardware, Link
-from jaxdist.rules import ways
+from jaxdist.layout import ways
 
 
 def collective_time(kind: str, nbytes: float, p: int, link: Link) -> float:

@@ -12,10 +12,10 @@ axes (a scalar per tensor: latency, not bytes), and any memory the FP8 copies ad
 
 import dataclasses
 
-from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import Hardware
 from jaxdist.kernels.fp8 import worth_fp8
+from jaxdist.layout import Layout
 from jaxdist.planning.compute import Matmul, Work
 
 

@@ -10,8 +10,8 @@ many times over.
 import dataclasses
 import os
 
-from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
+from jaxdist.layout import Layout
 from jaxdist.planning.fit import fits, usable
 from jaxdist.planning.inputs import PlanModel
 from jaxdist.planning.memory import device_peak
@@ -66,7 +66,7 @@ def check(
 def _smaller_batch(model: PlanModel, layout: Layout, local_devices: int, available: int):
     """The largest halving of the batch that fits, or else the smallest that still splits
     over the batch axes and microbatches, with its need; None if no halving splits."""
-    unit = layout.batch_ways * layout.microbatches
+    unit = layout.batch_unit
     found = None
     b = layout.batch_size // 2
     while b >= unit and b % unit == 0:

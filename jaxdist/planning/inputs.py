@@ -9,9 +9,7 @@ from collections.abc import Callable
 
 from flax import nnx
 
-from jaxdist.config import Layout, StepConfig
-from jaxdist.mesh import SEARCHED_AXES
-from jaxdist.parallel.rounds import SyncConfig
+from jaxdist.layout import SEARCHED_AXES, Layout, StepConfig, SyncConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The layouts the planner considers: every split of N devices over the mesh axes it may use, as
-jaxdist.config.Layout values, and why one cannot run a model (refused before anything is
+jaxdist.layout.Layout values, and why one cannot run a model (refused before anything is
 priced)."""
 
 import dataclasses
@@ -7,13 +7,12 @@ import dataclasses
 from flax import nnx
 from jax.sharding import AbstractMesh
 
-from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
-from jaxdist.mesh import MESH_AXES
-from jaxdist.planning import sync
+from jaxdist.layout import MESH_AXES, AxisRules, Layout, Problem
+from jaxdist.parallel import schedules
 from jaxdist.planning.inputs import PlanConfig, PlanModel
 from jaxdist.planning.sync import AXIS
-from jaxdist.rules import AxisRules, check_divisible, logical_axes
+from jaxdist.rules import check_divisible, logical_axes
 
 
 def factorizations(n: int, axes: tuple[str, ...], replicas: int = 0) -> list[dict[str, int]]:
@@ -51,36 +50,31 @@ def abstract_mesh(layout: Layout) -> AbstractMesh:
     return AbstractMesh(tuple(shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
 
 
-def why_not(layout: Layout, model: PlanModel, hw) -> str | None:
-    """The reason a layout cannot run this model, or None. Replica groups: each group's
-    layout, at its block of the batch, and the sync settings the model must divide."""
-    if sync.grouped(layout):
-        M = layout.replicas
-        if layout.batch_size % M:
-            return f"batch {layout.batch_size} not divisible by {M} replica groups"
-        try:
-            layout.sync.validate(M, model.num_layers)
-        except ConfigError as e:
-            return f"sync settings: {e}"
-        layout = sync.group_layout(layout)
+def why_not(layout: Layout, model: PlanModel, hw) -> Problem | None:
+    """The reason a layout cannot run this model, or None: the layout's own problems (the
+    ones the step refuses, counted here by kind), its pipeline schedule's, and what the model
+    and the machine add. Replica groups: each group's layout, at its block of the batch."""
+    problems = layout.problems(model.num_layers)
+    if problems:
+        return problems[0]
+    if layout.grouped:
+        layout = layout.group_alone()
     shape = layout.mesh_shape
     if shape.get("tensor", 1) > hw.devices_per_host:
-        return "tensor axis wider than a host"
+        return _plain("tensor axis wider than a host")
     if shape.get("expert", 1) > 1 and not model.num_experts:
-        return "expert axis on a dense model"
-    m, n, stages = layout.microbatches, layout.batch_ways, layout.stages
-    if layout.batch_size % (m * n):
-        return f"batch {layout.batch_size} not divisible by {m} microbatches x {n} batch ways"
-    cp = layout.seq_ways
-    if cp > 1 and layout.seq_len % (2 * cp):
-        return "sequence not a multiple of 2 x context (each device holds two equal chunks)"
-    if stages > 1 and layout.step.fp8 != "off":  # jaxdist.kernels.fp8.check refuses it
-        return "a pipeline axis with --fp8 (not runnable)"
-    if stages > 1 and m < stages:
-        return f"{m} microbatches fewer than {stages} stages"
-    v = layout.virtual_stages
-    if stages > 1 and (model.num_layers % (stages * v) or (v > 1 and m % stages)):
-        return f"layers or microbatches do not split into {stages} x {v} interleaved chunks"
+        return _plain("expert axis on a dense model")
+    stages, v = layout.stages, layout.virtual_stages
+    if stages > 1 and layout.microbatches < stages:
+        return _plain(
+            "fewer microbatches than pipeline stages"
+        )  # gpipe would run them, mostly idle
+    try:
+        schedules.for_layout(layout)
+    except ConfigError:
+        return _plain("microbatches do not fit the pipeline schedule")
+    if stages > 1 and model.num_layers % (stages * v):
+        return _plain("layers do not split over the pipeline stages")
     mesh = abstract_mesh(layout)
     for path, var in nnx.to_flat_state(model.abstract_params):
         logical = logical_axes(var)
@@ -90,5 +84,10 @@ def why_not(layout: Layout, model: PlanModel, hw) -> str | None:
                 spec = layout.rules.spec(logical, kind)
                 check_divisible(what, var.shape, logical, spec, mesh)
         except ConfigError:
-            return "a weight does not split evenly"
+            return _plain("a weight does not split evenly")
     return None
+
+
+def _plain(kind: str) -> Problem:
+    """A reason the planner alone gives: its kind is its whole message."""
+    return Problem(kind, kind)

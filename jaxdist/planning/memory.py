@@ -22,13 +22,13 @@ from typing import NamedTuple
 
 from flax import nnx
 
-from jaxdist.config import Layout
 from jaxdist.kernels.fused_loss import chunk_tokens_for
 from jaxdist.kernels.lookup import routed_table
-from jaxdist.parallel import pipeline
+from jaxdist.layout import AxisRules, Layout, ways
+from jaxdist.parallel import pipeline, schedules
 from jaxdist.planning import sync
 from jaxdist.planning.inputs import Activation, Inventory, PlanModel
-from jaxdist.rules import AxisRules, local_elements, logical_axes, variables, ways
+from jaxdist.rules import local_elements, logical_axes, variables
 
 ADAM_MOMENTS = 2
 
@@ -149,8 +149,8 @@ def device_peak(model: PlanModel, layout: Layout, platform: str) -> dict[str, fl
     With replica groups (a `replica` axis and a SyncConfig), a device holds one group's step
     and, as `outer`, its share of the outer state (planning.sync.outer_state_bytes).
     """
-    if sync.grouped(layout):
-        out = device_peak(model, sync.group_layout(layout), platform)
+    if layout.grouped:
+        out = device_peak(model, layout.group_alone(), platform)
         out["outer"] = sync.outer_state_bytes(out["params"], layout)
         out["peak"] = sum(v for k, v in out.items() if k != "peak")
         return out
@@ -208,10 +208,7 @@ def pipeline_stash(model: PlanModel, layout: Layout) -> float:
     1F1B; 0 without a pipeline."""
     if layout.stages == 1:
         return 0.0
-    step = layout.step
-    schedule = pipeline.make_schedule(
-        step.pipeline_schedule, layout.stages, layout.microbatches, layout.virtual_stages
-    )
+    schedule = schedules.for_layout(layout)
     return 3 * layout.virtual_stages * schedule.capacity * microbatch_activation(model, layout)
 
 

@@ -33,13 +33,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import Hardware, get_hardware, with_slow_link
-from jaxdist.mesh import MESH_AXES
+from jaxdist.layout import MESH_AXES, AxisRules, Layout, ways
+from jaxdist.parallel import schedules
 from jaxdist.planning import compute, costmodel, fit, fp8, layouts, memory, quality, sync, traffic
 from jaxdist.planning.inputs import PlanConfig, PlanModel
-from jaxdist.rules import AxisRules, ways
 
 OVERLAPPABLE = {"all-gather", "reduce-scatter", "collective-permute"}
 
@@ -108,8 +107,8 @@ def evaluate(
 
 
 def _evaluate(layout: Layout, model: PlanModel, hw: Hardware, efficiency, mem: dict) -> dict:
-    if sync.grouped(layout):  # one group's step, then the outer exchange beside it
-        inner = _evaluate(sync.group_layout(layout), model, hw, efficiency, mem)
+    if layout.grouped:  # one group's step, then the outer exchange beside it
+        inner = _evaluate(layout.group_alone(), model, hw, efficiency, mem)
         return sync.with_outer(inner, model.abstract_params, layout, hw)
     issued: dict = {}
     expected = traffic.layout_bytes(model, layout, hw.platform, issued)
@@ -128,7 +127,7 @@ def _evaluate(layout: Layout, model: PlanModel, hw: Hardware, efficiency, mem: d
     compute_s = priced["total"]
     # The schedule's own idle share b of stage-ticks stretches the step by b / (1 - b):
     # (p-1)/m for GPipe and 1F1B, (p-1)/(vm) interleaved.
-    idle = traffic.schedule_of(layout).bubble() if layout.stages > 1 else 0.0
+    idle = schedules.for_layout(layout).bubble() if layout.stages > 1 else 0.0
     bubble = compute_s * idle / (1 - idle)
     exposed, hidden_candidates, by_axis = _comm_seconds(expected, issued, layout, model, hw)
     t_comm = exposed + hidden_candidates
@@ -280,7 +279,7 @@ def _one_layout(models: list[PlanModel], rules: AxisRules, cfg: PlanConfig, hw) 
         )
     reason = layouts.why_not(layouts.layout_of(sizes, rules, cfg, model.seq_len), model, hw)
     if reason:
-        raise ConfigError(f"--mesh {name} cannot run {model.name}: {reason}")
+        raise ConfigError(f"--mesh {name} cannot run {model.name}: {reason.message}")
     row = price(sizes, models, rules, cfg, hw)
     _link_needs([row], models, rules, cfg, hw)
     return {
@@ -301,11 +300,8 @@ def _candidates(model, rules, cfg, hw) -> tuple[list[dict[str, int]], dict[str, 
         if reason is None:
             candidates.append(sizes)
         else:
-            # One count per kind of reason, whatever its numbers (thousands of layouts at scale).
-            key = reason.split(" ")[0] if reason.startswith("batch") else reason
-            if reason.startswith("layers or microbatches"):
-                key = "layers or microbatches do not split over the stages"
-            rejected[key] = rejected.get(key, 0) + 1
+            # One count per kind of reason (thousands of layouts at scale).
+            rejected[reason.kind] = rejected.get(reason.kind, 0) + 1
     return candidates, rejected
 
 

@@ -39,8 +39,7 @@ tokens are tied to N), so the gap, a share of its C4 losses, is applied to Chinc
 import bisect
 import math
 
-from jaxdist.config import Layout
-from jaxdist.planning.sync import grouped
+from jaxdist.layout import Layout
 from jaxdist.rules import variables
 
 # The paper's synchronization cadence for Tables 4 and 5.
@@ -132,7 +131,7 @@ def quality_terms(abstract_params, layout: Layout) -> dict[str, float]:
     """A row's price in loss per token: the loss gap, the tokens factor (1 without replica
     groups: every other layout computes data parallelism's step; the parameters are counted
     only for layouts with groups, the few among the many the planner prices)."""
-    if not grouped(layout):
+    if not layout.grouped:
         return {"loss_gap": 0.0, "tokens_factor": 1.0}
     params = param_count(abstract_params)
     gap = loss_gap(params, layout.replicas)

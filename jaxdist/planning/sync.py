@@ -27,11 +27,10 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import Hardware, Link, with_slow_link
+from jaxdist.layout import Layout, SyncConfig
 from jaxdist.parallel import exchange, replica
-from jaxdist.parallel.rounds import SyncConfig
 from jaxdist.planning import costmodel
 from jaxdist.rules import logical_axes, variables
 
@@ -41,23 +40,10 @@ AXIS = "replica"
 TARGET_UTILIZATION = 0.8
 
 
-def grouped(layout: Layout) -> bool:
-    """Whether the layout runs replica groups that meet every H steps."""
-    return layout.sync is not None and not layout.in_group
-
-
-def group_layout(layout: Layout) -> Layout:
-    """One group's layout as the planner prices its inner step: the `replica` axis at 1, the
-    group's block of the batch, no outer step."""
-    sizes = tuple((a, 1 if a == AXIS else n) for a, n in layout.sizes)
-    rows = layout.batch_size // layout.replicas
-    return dataclasses.replace(layout, sizes=sizes, batch_size=rows, sync=None, in_group=False)
-
-
 def outer_state_bytes(params_bytes: float, layout: Layout) -> float:
     """One device's outer state, from its fp32 weights' bytes (4 a parameter): 8/M bytes a
     parameter (float32, bfloat16 sync), 4 + 4/M (8-bit sync); 0 without replica groups."""
-    if not grouped(layout):
+    if not layout.grouped:
         return 0.0
     M = layout.replicas
     per_param = 4 + 4 / M if layout.sync.sync_dtype in exchange.EIGHT_BIT else 8 / M

@@ -28,16 +28,16 @@ import math
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxdist.config import Layout
 from jaxdist.kernels.lookup import Route, routed_table
+from jaxdist.layout import AxisRules, Layout, ways
 from jaxdist.optim import muon_dims
-from jaxdist.parallel import muon, pipeline
+from jaxdist.parallel import muon, pipeline, schedules
 from jaxdist.parallel.collective_matmul import check as collective_matmul_check
 from jaxdist.parallel.collective_matmul import shards_sent
 from jaxdist.planning import memory
 from jaxdist.planning.inputs import PartialSum, PlanModel
 from jaxdist.planning.layouts import abstract_mesh
-from jaxdist.rules import AxisRules, logical_axes, variables, ways
+from jaxdist.rules import logical_axes, variables
 
 # XLA's TPU compiler streams a stored-split weight through each matmul that uses it instead
 # of gathering it whole ("windowed einsums": loops of collective-permutes inside the dot)
@@ -328,7 +328,7 @@ def layout_bytes(
     )
     if layout.stages > 1:
         out[("pipeline", "collective-permute")] = pipeline.send_bytes(
-            schedule_of(layout),
+            schedules.for_layout(layout),
             model.abstract_params,
             layout.rules,
             layout.mesh_shape,
@@ -336,11 +336,3 @@ def layout_bytes(
             model.compute_bytes,
         )
     return out
-
-
-def schedule_of(layout: Layout) -> pipeline.Schedule:
-    """The layout's pipeline schedule (a pipelined layout's)."""
-    step = layout.step
-    return pipeline.make_schedule(
-        step.pipeline_schedule, layout.stages, layout.microbatches, layout.virtual_stages
-    )

@@ -13,18 +13,10 @@ import pathlib
 import jax
 from rich.console import Console
 
-from jaxdist.errors import ConfigError
 from jaxdist.metrics.records import MetricsLog
 from jaxdist.profiling import report as profile_report
 
 WATCH_STEPS = 3
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    a, sep, b = text.partition(":")
-    if not sep or not a.isdigit() or not b.isdigit() or int(b) <= int(a):
-        raise ConfigError(f"--profile {text!r} is not START:STOP with STOP > START, e.g. 5:8")
-    return int(a), int(b)
 
 
 class Capture:
@@ -44,7 +36,7 @@ class Capture:
     ):
         self.windows: list[tuple[int, int, str]] = []
         if loop.profile:
-            self.windows.append((*parse_range(loop.profile), "profile"))
+            self.windows.append((*loop.profile_steps(), "profile"))
         self.watch = loop.watch_comm
         self.watch_every = loop.watch_every
         self.jitted, self.global_shape, self.mesh = jitted, global_shape, mesh
