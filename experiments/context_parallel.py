@@ -33,9 +33,10 @@ def measured(steps: int) -> list[dict]:
     import jax
     import numpy as np
 
+    from jaxdist.config import OptimConfig
     from jaxdist.layout import Layout, StepConfig
     from jaxdist.mesh import build_mesh, parse_mesh
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.step import Vocab, build
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config

@@ -35,7 +35,8 @@ import time
 
 import numpy as np
 
-from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.config import DataConfig
+from jaxdist.data import TokenBatches
 from jaxdist.data import manifest as mf
 
 SHARD_TOKENS = 1 << 28

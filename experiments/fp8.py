@@ -29,9 +29,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def build_recipe(recipe: str, args):
     """(build for a seed, the model config): one compile per recipe, whatever the seed."""
+    from jaxdist.config import OptimConfig
     from jaxdist.layout import Layout, StepConfig
     from jaxdist.mesh import make_mesh
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.step import build
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config, model_spec
@@ -53,7 +54,8 @@ def train(recipe: str, seed: int, built, args) -> dict:
     import jax
     import numpy as np
 
-    from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.config import DataConfig
+    from jaxdist.data import TokenBatches
     from jaxdist.evaluation import evaluate
 
     make, mc = built

@@ -50,9 +50,10 @@ def main() -> None:
 
     from jaxdist.checkpoint.local import LocalTier
     from jaxdist.checkpoint.store import Checkpointer
+    from jaxdist.config import OptimConfig
     from jaxdist.layout import Layout
     from jaxdist.mesh import make_mesh
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.step import build
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config, model_spec

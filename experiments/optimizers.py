@@ -30,9 +30,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def compile_optimizer(name: str, args):
     """(build for a seed, the seed-0 JittedStep, model config): one compile per optimizer."""
+    from jaxdist.config import OptimConfig
     from jaxdist.layout import Layout, StepConfig
     from jaxdist.mesh import make_mesh
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.step import build
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config, model_spec
@@ -55,7 +56,8 @@ def train(name: str, seed: int, built, args) -> dict:
     import jax
     import numpy as np
 
-    from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.config import DataConfig
+    from jaxdist.data import TokenBatches
     from jaxdist.evaluation import evaluate
 
     make, jitted, mc = built

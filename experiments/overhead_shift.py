@@ -79,9 +79,10 @@ def compile_config(name: str, args):
     import jax
     import jax.numpy as jnp
 
+    from jaxdist.config import OptimConfig
     from jaxdist.layout import Layout, StepConfig, SyncConfig
     from jaxdist.mesh import make_mesh
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.parallel import rounds
     from jaxdist.planning import hlo
     from jaxdist.step import build
@@ -118,7 +119,8 @@ def train(name: str, seed: int, built, args) -> dict:
     import jax
     import numpy as np
 
-    from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.config import DataConfig
+    from jaxdist.data import TokenBatches
     from jaxdist.evaluation import evaluate
     from jaxdist.parallel import rounds
 

@@ -36,9 +36,10 @@ def main() -> None:
 
     from jax.experimental import topologies
 
+    from jaxdist.config import OptimConfig
     from jaxdist.layout import Layout
     from jaxdist.mesh import build_mesh, parse_mesh
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.step import Vocab, build
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config, model_spec

@@ -41,10 +41,11 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.config import DataConfig, OptimConfig
+    from jaxdist.data import TokenBatches
     from jaxdist.layout import Layout, StepConfig
     from jaxdist.mesh import make_mesh
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.parallel.pipeline import branch_share
     from jaxdist.parallel.schedules import make_schedule
     from jaxdist.planning import hlo

@@ -69,11 +69,10 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from jaxdist.config import LoopConfig, RunConfig
-    from jaxdist.data import DataConfig, TokenBatches, load_corpus
+    from jaxdist.config import DataConfig, LoopConfig, OptimConfig, RunConfig
+    from jaxdist.data import TokenBatches, load_corpus
     from jaxdist.evaluation import evaluate
     from jaxdist.mesh import make_mesh
-    from jaxdist.optim import OptimConfig
     from jaxdist.train import prepare
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config, model_spec

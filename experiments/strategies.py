@@ -36,11 +36,12 @@ LAYOUTS = [
 def measure(layout, model, microbatches, schedule, args) -> dict:
     import jax
 
-    from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.config import DataConfig, OptimConfig
+    from jaxdist.data import TokenBatches
     from jaxdist.layout import Layout, StepConfig
     from jaxdist.mesh import make_mesh
     from jaxdist.metrics.records import distribution
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.planning import hlo
     from jaxdist.planning.inputs import PlanConfig
     from jaxdist.planning.memory import xla_peak

@@ -39,8 +39,8 @@ _API = {
     "Documents": "jaxdist.kernels.documents",
     # configs, one per component
     "ModelSpec": "jaxdist.model",
-    "OptimConfig": "jaxdist.optim",
-    "DataConfig": "jaxdist.data",
+    "OptimConfig": "jaxdist.config",
+    "DataConfig": "jaxdist.config",
     "StepConfig": "jaxdist.layout",
     "LoopConfig": "jaxdist.config",
     "EvalConfig": "jaxdist.config",

@@ -1,23 +1,101 @@
-"""A run's configuration, as frozen values: one config per component the loop owns (the loop,
-evaluation) and the `RunConfig` that gathers them with the components' own (optimizer, data,
-checkpoints, the step's and the replica groups' settings, which live with the `Layout` in
-jaxdist.layout). A run records all of it (config.json).
+"""A run's configuration, as frozen values: the optimizer's, the data's, the loop's and
+evaluation's, and the `RunConfig` that gathers them with the checkpoints'
+(jaxdist.checkpoint.interval) and the step's and replica groups' (which live with the `Layout`
+in jaxdist.layout). A run records all of it (config.json).
+
+Plain values on purpose: a command line is parsed, checked and printed (`--help`) without
+loading jax, optax or grain; what runs imports them when it runs.
 """
 
 import dataclasses
-from typing import Annotated
+from typing import Annotated, Literal
 
 import tyro
 
 from jaxdist import hardware
 from jaxdist.checkpoint.interval import CheckpointConfig
-from jaxdist.checkpoint.recovery import NonFinitePolicy
 from jaxdist.cluster import faults as fault_injection
-from jaxdist.data.batches import DataConfig
 from jaxdist.errors import ConfigError
-from jaxdist.layout import StepConfig, SyncConfig
+from jaxdist.layout import StepConfig, SyncConfig, check_choice
 from jaxdist.metrics import wandb_log
-from jaxdist.optim import OptimConfig
+
+NonFinitePolicy = Literal["skip", "rollback", "stop"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    # The aliases are the command line's short names (jaxdist.cli reads these dataclasses).
+    learning_rate: Annotated[float, tyro.conf.arg(aliases=("--lr",))] = 3e-3
+    """peak learning rate, reached after the warmup (AdamW's, also beside --optimizer muon)"""
+    warmup_steps: int = 20
+    """steps of linear warmup from zero to the peak learning rate"""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """the learning rate's shape after the warmup"""
+    decay_steps: int = 0
+    """decay length; 0: the whole run"""
+    min_lr_ratio: float = 0.1
+    """the learning rate decays to this share of its peak"""
+    b1: float = 0.9
+    """AdamW's first-moment decay"""
+    b2: float = 0.95
+    """AdamW's second-moment decay"""
+    eps: float = 1e-8
+    """Adam's epsilon (and Muon's, in its normalization before Newton-Schulz)"""
+    weight_decay: float = 0.1
+    """decoupled weight decay, on weight matrices only"""
+    clip_norm: Annotated[float, tyro.conf.arg(aliases=("--clip",))] = 1.0
+    """global gradient norm clipped to this; 0: no clipping"""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """muon: Muon on the weight matrices, AdamW on embeddings, the head, norms and biases"""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate, on the same warmup and decay (--lr stays AdamW's)"""
+    muon_beta: float = 0.95
+    """Muon's (Nesterov) momentum decay"""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations that orthogonalize Muon's momentum"""
+
+    def validate(self) -> None:
+        if not self.learning_rate > 0:
+            raise ConfigError(f"--lr {self.learning_rate} must be > 0")
+        if self.warmup_steps < 0 or self.decay_steps < 0:
+            raise ConfigError(
+                f"--warmup-steps {self.warmup_steps} and --decay-steps {self.decay_steps} "
+                "must be >= 0"
+            )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio {self.min_lr_ratio} must lie in [0, 1]")
+        for name, b in (("b1", self.b1), ("b2", self.b2)):
+            if not 0 <= b < 1:
+                raise ConfigError(f"--{name} {b} must lie in [0, 1) (Adam's moment decay)")
+        if not self.eps > 0:
+            raise ConfigError(f"--eps {self.eps} must be > 0 (it keeps Adam's division finite)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay {self.weight_decay} must be >= 0")
+        if self.clip_norm < 0:
+            raise ConfigError(f"--clip {self.clip_norm} must be >= 0 (0: no clipping)")
+        if not self.muon_lr > 0:
+            raise ConfigError(f"--muon-lr {self.muon_lr} must be > 0")
+        if not 0 <= self.muon_beta < 1:
+            raise ConfigError(f"--muon-beta {self.muon_beta} must lie in [0, 1) (momentum decay)")
+        if self.muon_ns_steps < 1:
+            raise ConfigError(f"--muon-ns-steps {self.muon_ns_steps} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    path: str | None = None
+    """a tokenized directory (jaxdist tokenize), a mixture NAME=DIR:WEIGHT,..., or a text or
+    JSONL file or directory read as bytes; default: the embedded corpus (Python's stdlib)"""
+    batch_size: int = 16
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Also TokenBatches' first step: batches built without the CLI refuse the same."""
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size {self.batch_size} must be at least 1")
+        # grain's shuffle refuses a seed outside 32 bits, in a message that names no flag.
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"--seed {self.seed} must be >= 0 and below 2**32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +170,7 @@ class LoopConfig:
             raise ConfigError(f"--steps {self.steps} must be at least 1")
         if self.log_every < 1:
             raise ConfigError(f"--log-every {self.log_every} must be at least 1")
-        if self.nonfinite not in ("skip", "rollback", "stop"):
-            raise ConfigError(f"--nonfinite {self.nonfinite!r}: use skip, rollback or stop")
+        check_choice("--nonfinite", self.nonfinite, NonFinitePolicy)
         if self.watch_every < 1:
             raise ConfigError(f"--watch-every {self.watch_every} must be at least 1")
         if self.watch_comm is not None and not 0 < self.watch_comm < 1:

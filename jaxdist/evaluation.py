@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from jaxdist.cluster.join import local_value, process_rows
-from jaxdist.config import EvalConfig
-from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.config import DataConfig, EvalConfig
+from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.step import JittedStep
 

@@ -6,14 +6,18 @@ costs of its links (for the cost model), plus the device-kind strings JAX report
 running job finds its own preset. The figures, with their sources, are data: hardware.toml.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import pathlib
 import re
 import tomllib
-
-import jax
+from typing import TYPE_CHECKING
 
 from jaxdist.errors import ConfigError
+
+if TYPE_CHECKING:  # the table is read (plan, flags) without starting jax
+    import jax
 
 
 @dataclasses.dataclass(frozen=True)

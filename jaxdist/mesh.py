@@ -4,17 +4,22 @@ The mesh always carries every axis in MESH_AXES (size 1 where a layout leaves on
 rule table can name any axis under any layout and a layout change is one flag.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import glob
 import math
 import os
-
-import jax
-from jax.sharding import AxisType, Mesh
+from typing import TYPE_CHECKING
 
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import PROGRAM_SHARE
 from jaxdist.layout import MESH_AXES, spec
+
+# A layout is parsed (`--mesh`, presets) without jax; the functions that make devices and
+# meshes load it when they run.
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +97,8 @@ def setup_devices(spec: str) -> None:
     present and, on a host with none, 8 fake CPU devices. Must run before anything touches
     jax.devices(), since backends start once per process.
     """
+    import jax
+
     started = jax._src.xla_bridge.backends_are_initialized()  # noqa: SLF001 - no public query
     if spec == "auto":
         if not started:
@@ -149,6 +156,8 @@ def devices_hint(needed: int, processes: int = 1) -> str:
 def make_mesh(layout: str, devices: list | None = None) -> Mesh:
     """A mesh from a layout string such as `data=2,fsdp=2,tensor=2` over `devices` (all by
     default); `single` is one device."""
+    import jax
+
     if layout == "single":
         return build_mesh(MeshConfig(ici=()), list(devices or jax.devices())[:1])
     return build_mesh(parse_mesh(layout), devices)
@@ -156,6 +165,9 @@ def make_mesh(layout: str, devices: list | None = None) -> Mesh:
 
 def build_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
     """A mesh over exactly `devices` (all of them by default), or a ConfigError saying why not."""
+    import jax
+    from jax.sharding import AxisType, Mesh
+
     devices = list(jax.devices() if devices is None else devices)
     config = resolve_fill(config, len(devices))
     if config.num_devices != len(devices):

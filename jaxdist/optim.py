@@ -6,76 +6,13 @@ matrix is a weight with two or more dims besides the stacked `layers` and the `e
 (batch dims of Muon: one orthogonalization per layer and per expert); a weight with a `vocab`
 or `seq` axis is a lookup table or the head, and stays with AdamW, like norms and biases."""
 
-import dataclasses
-from typing import Annotated, Literal
-
 import jax
 import optax
-import tyro
 from optax.contrib import MuonDimensionNumbers
 
-from jaxdist.errors import ConfigError
+from jaxdist.config import OptimConfig
 from jaxdist.parallel import muon
 from jaxdist.rules import is_variable, logical_axes
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    # The aliases are the command line's short names (jaxdist.cli reads these dataclasses).
-    learning_rate: Annotated[float, tyro.conf.arg(aliases=("--lr",))] = 3e-3
-    """peak learning rate, reached after the warmup (AdamW's, also beside --optimizer muon)"""
-    warmup_steps: int = 20
-    """steps of linear warmup from zero to the peak learning rate"""
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """the learning rate's shape after the warmup"""
-    decay_steps: int = 0
-    """decay length; 0: the whole run"""
-    min_lr_ratio: float = 0.1
-    """the learning rate decays to this share of its peak"""
-    b1: float = 0.9
-    """AdamW's first-moment decay"""
-    b2: float = 0.95
-    """AdamW's second-moment decay"""
-    eps: float = 1e-8
-    """Adam's epsilon (and Muon's, in its normalization before Newton-Schulz)"""
-    weight_decay: float = 0.1
-    """decoupled weight decay, on weight matrices only"""
-    clip_norm: Annotated[float, tyro.conf.arg(aliases=("--clip",))] = 1.0
-    """global gradient norm clipped to this; 0: no clipping"""
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    """muon: Muon on the weight matrices, AdamW on embeddings, the head, norms and biases"""
-    muon_lr: float = 0.02
-    """Muon's peak learning rate, on the same warmup and decay (--lr stays AdamW's)"""
-    muon_beta: float = 0.95
-    """Muon's (Nesterov) momentum decay"""
-    muon_ns_steps: int = 5
-    """Newton-Schulz iterations that orthogonalize Muon's momentum"""
-
-    def validate(self) -> None:
-        if not self.learning_rate > 0:
-            raise ConfigError(f"--lr {self.learning_rate} must be > 0")
-        if self.warmup_steps < 0 or self.decay_steps < 0:
-            raise ConfigError(
-                f"--warmup-steps {self.warmup_steps} and --decay-steps {self.decay_steps} "
-                "must be >= 0"
-            )
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"--min-lr-ratio {self.min_lr_ratio} must lie in [0, 1]")
-        for name, b in (("b1", self.b1), ("b2", self.b2)):
-            if not 0 <= b < 1:
-                raise ConfigError(f"--{name} {b} must lie in [0, 1) (Adam's moment decay)")
-        if not self.eps > 0:
-            raise ConfigError(f"--eps {self.eps} must be > 0 (it keeps Adam's division finite)")
-        if self.weight_decay < 0:
-            raise ConfigError(f"--weight-decay {self.weight_decay} must be >= 0")
-        if self.clip_norm < 0:
-            raise ConfigError(f"--clip {self.clip_norm} must be >= 0 (0: no clipping)")
-        if not self.muon_lr > 0:
-            raise ConfigError(f"--muon-lr {self.muon_lr} must be > 0")
-        if not 0 <= self.muon_beta < 1:
-            raise ConfigError(f"--muon-beta {self.muon_beta} must lie in [0, 1) (momentum decay)")
-        if self.muon_ns_steps < 1:
-            raise ConfigError(f"--muon-ns-steps {self.muon_ns_steps} must be >= 1")
 
 
 def schedule(config: OptimConfig, total_steps: int, peak: float | None = None) -> optax.Schedule:

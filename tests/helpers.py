@@ -7,10 +7,11 @@ import sys
 
 import jax
 
+from jaxdist.config import OptimConfig
 from jaxdist.layout import Layout, StepConfig
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.metrics.records import latest_per_step, read_metrics
-from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.optim import make_optimizer
 from jaxdist.step import build
 from meshes.presets import STANDARD_RULES, get_mesh_preset
 from models.inventory import plan_model

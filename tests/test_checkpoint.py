@@ -19,14 +19,13 @@ from rich.console import Console
 
 from jaxdist.checkpoint.damage import RestoreFailed, list_checkpoints
 from jaxdist.checkpoint.interval import CheckpointConfig, Interval, daly_interval_s
-from jaxdist.checkpoint.recovery import TrainingStopped
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
-from jaxdist.config import LoopConfig, RunConfig
-from jaxdist.data import DataConfig, TokenBatches
-from jaxdist.errors import ConfigError
+from jaxdist.config import DataConfig, LoopConfig, OptimConfig, RunConfig
+from jaxdist.data import TokenBatches
+from jaxdist.errors import ConfigError, TrainingStopped
 from jaxdist.layout import Layout, StepConfig
 from jaxdist.metrics.records import latest_per_step, read_metrics
-from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.optim import make_optimizer
 from jaxdist.step import build
 from jaxdist.train import fit
 from meshes.presets import STANDARD_RULES

@@ -11,11 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.config import DataConfig, OptimConfig
+from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.inference.generate import check_unsplit
 from jaxdist.layout import Layout, StepConfig
-from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.optim import make_optimizer
 from jaxdist.parallel import context
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import plan
@@ -196,7 +197,8 @@ def test_layouts_it_cannot_run_are_refused_before_compiling():
     check_unsplit(STANDARD_RULES, {"fsdp": 8, "context": 1})  # no split: generation runs
     with pytest.raises(
         # the plan names the same fix as the step (one check: jaxdist.layout.Layout.problems)
-        ConfigError, match=r"fsdp=2,context=4 cannot run .*--seq-len 100 .*use --seq-len 96"
+        ConfigError,
+        match=r"fsdp=2,context=4 cannot run .*--seq-len 100 .*use --seq-len 96",
     ):
         model = plan_model(get_model_config("tiny-llama", seq_len=100))
         plan(model, STANDARD_RULES, PlanConfig(8, "h100", 8, mesh=(("context", 4), ("fsdp", 2))))

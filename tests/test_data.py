@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.config import DataConfig
+from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
 
 

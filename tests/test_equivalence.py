@@ -13,8 +13,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxdist.data import DataConfig, TokenBatches
-from jaxdist.optim import OptimConfig
+from jaxdist.config import DataConfig, OptimConfig
+from jaxdist.data import TokenBatches
 from meshes.presets import STANDARD_RULES
 from tests.helpers import compiled_for
 

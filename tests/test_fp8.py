@@ -22,14 +22,14 @@ from rich.console import Console
 
 from jaxdist.checkpoint.interval import CheckpointConfig
 from jaxdist.checkpoint.store import restore
-from jaxdist.config import LoopConfig, RunConfig
-from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.config import DataConfig, LoopConfig, OptimConfig, RunConfig
+from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.kernels import fp8
 from jaxdist.kernels.loss import Vocab, cross_entropy
 from jaxdist.layout import Layout, StepConfig
 from jaxdist.metrics.records import latest_per_step, read_metrics
-from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.optim import make_optimizer
 from jaxdist.rules import activation_rules
 from jaxdist.step import build
 from jaxdist.train import fit

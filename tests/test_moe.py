@@ -12,7 +12,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
-from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.config import DataConfig
+from jaxdist.data import TokenBatches
 from jaxdist.layout import Layout
 from jaxdist.parallel.experts import capacity, moe_ffn
 from jaxdist.rules import activation_rules

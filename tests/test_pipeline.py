@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
-from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.config import DataConfig, OptimConfig
+from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.layout import Layout, StepConfig
 from jaxdist.mesh import build_mesh, parse_mesh
-from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.optim import make_optimizer
 from jaxdist.parallel import pipeline
 from jaxdist.parallel.pipeline import make_schedule, recv_table
 from jaxdist.planning import comm_report

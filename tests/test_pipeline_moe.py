@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
-from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.config import DataConfig, OptimConfig
+from jaxdist.data import TokenBatches
 from jaxdist.layout import Layout, StepConfig
 from jaxdist.mesh import build_mesh, parse_mesh
-from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.optim import make_optimizer
 from jaxdist.step import build
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config

@@ -22,9 +22,10 @@ HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 def _compiled_figures(row: dict, batch: int) -> tuple[int, int]:
     """XLA's per-device peak and the HLO's collective bytes for a planned layout, compiled here
     in the test process as `plan --verify` compiles it (float32 on CPU, AdamW)."""
+    from jaxdist.config import OptimConfig
     from jaxdist.layout import Layout
     from jaxdist.mesh import MeshConfig, build_mesh
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.planning import hlo
     from jaxdist.step import build
     from models.presets import model_spec
@@ -126,8 +127,9 @@ def test_interleaving_shrinks_the_priced_bubble_and_its_sends_match_the_hlo():
     assert plain["bubble_s"] / plain["compute_s"] == pytest.approx(3 / 4)  # (p-1)/m
     assert interleaved["bubble_s"] / interleaved["compute_s"] == pytest.approx(3 / 8)  # /(vm)
 
+    from jaxdist.config import OptimConfig
     from jaxdist.layout import Layout
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.step import build
     from models.transformer import Transformer
 

@@ -12,8 +12,9 @@ import pytest
 
 from jaxdist.cli.main import main
 from jaxdist.cli.remat_auto import order
+from jaxdist.config import OptimConfig
 from jaxdist.layout import SEARCHED_AXES, Layout, StepConfig, SyncConfig
-from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.optim import make_optimizer
 from jaxdist.parallel import exchange, rounds
 from jaxdist.planning import comm_report, hlo, memory, quality, sync
 from jaxdist.planning.inputs import PlanConfig

@@ -17,9 +17,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.cli.main import main
 from jaxdist.cluster.join import metric_value
+from jaxdist.config import OptimConfig
 from jaxdist.errors import ConfigError
 from jaxdist.layout import Layout, StepConfig, SyncConfig
-from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.optim import make_optimizer
 from jaxdist.parallel import exchange, replica, rounds
 from jaxdist.planning import hlo
 from jaxdist.step import build

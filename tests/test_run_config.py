@@ -11,8 +11,8 @@ from helpers import losses
 from jaxdist.cli.cmd_train import Train
 from jaxdist.cli.config_file import build, read
 from jaxdist.cli.main import main
+from jaxdist.config import OptimConfig
 from jaxdist.errors import ConfigError
-from jaxdist.optim import OptimConfig
 
 SMALL = ["--devices", "cpu:8", "--compile-cache", "off"]
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxdist.cli.main import main
-from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.config import DataConfig
+from jaxdist.data import TokenBatches
 from jaxdist.data.tokenset import TokenSet
 from jaxdist.evaluation import distinct_windows
 from jaxdist.metrics.records import read_metrics

@@ -84,9 +84,10 @@ def test_a_model_with_splash_attention_trains_as_with_xla():
 def test_splash_attention_inside_the_pipeline_trains_as_xla_unpipelined():
     # Inside the pipeline's shard_map the batch axes are manual already: splash splits only
     # the heads there (rules.shard_map_here). Same losses as XLA's attention without a pipeline.
-    from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.config import DataConfig, OptimConfig
+    from jaxdist.data import TokenBatches
     from jaxdist.layout import Layout, StepConfig
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.step import build
 
     def losses(layout, kernel):

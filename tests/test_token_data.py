@@ -15,15 +15,15 @@ from rich.console import Console
 
 from jaxdist import train as loop
 from jaxdist.cli.main import main
-from jaxdist.config import EvalConfig, LoopConfig, RunConfig
-from jaxdist.data import DataConfig, TokenBatches
+from jaxdist.config import DataConfig, EvalConfig, LoopConfig, OptimConfig, RunConfig
+from jaxdist.data import TokenBatches
 from jaxdist.data.encode import TokenizeConfig, tokenize
 from jaxdist.data.tokenset import TokenSet
 from jaxdist.errors import ConfigError
 from jaxdist.evaluation import evaluate
 from jaxdist.kernels.loss import cross_entropy
 from jaxdist.layout import Layout, StepConfig
-from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.optim import make_optimizer
 from jaxdist.step import Vocab, build
 from jaxdist.train import fit
 from meshes.presets import STANDARD_RULES

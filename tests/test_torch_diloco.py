@@ -52,7 +52,8 @@ def torch_runs(reference_python, data):
     """The PyTorch DiLoCo loop's losses, gradient norms (means over the groups) and learning
     rates on the batches jaxdist's data pipeline gives steps 0..19: with SYNC, and with
     AVERAGE."""
-    from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.config import DataConfig
+    from jaxdist.data import TokenBatches
 
     batches = TokenBatches(DataConfig(path=str(data), batch_size=BATCH, seed=0), SEQ, 300)
     assert batches.eos_id is not None

@@ -107,7 +107,8 @@ class _Reference:
 def torch_run(reference_python, data):
     """The PyTorch loop's losses, gradient norms and learning rates, on the batches jaxdist's
     own data pipeline gives steps 0..19."""
-    from jaxdist.data import DataConfig, TokenBatches
+    from jaxdist.config import DataConfig
+    from jaxdist.data import TokenBatches
 
     batches = TokenBatches(DataConfig(path=str(data), batch_size=BATCH, seed=0), SEQ, 300)
     assert batches.eos_id is not None

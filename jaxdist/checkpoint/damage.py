@@ -21,8 +21,8 @@ import shutil
 
 import jax
 
-from jaxdist.checkpoint.recovery import TrainingStopped
 from jaxdist.checkpoint.writefail import dir_bytes
+from jaxdist.errors import TrainingStopped
 
 log = logging.getLogger("jaxdist.checkpoint")
 

@@ -1,18 +1,9 @@
 """Recovery policies of the loop for non-finite steps (signals: jaxdist.checkpoint.preemption)."""
 
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
-NonFinitePolicy = Literal["skip", "rollback", "stop"]
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped on purpose (a non-finite step under policy `stop`); the message says why.
-
-    The CLI prints it as one line and exits 1; every checkpoint already committed stays.
-    """
+from jaxdist.errors import TrainingStopped
 
 
 def skipped_batches(first: int, bad: int) -> str:

@@ -11,9 +11,8 @@ import jax
 
 from jaxdist.checkpoint.damage import set_aside_steps
 from jaxdist.checkpoint.local import LocalDamaged
-from jaxdist.checkpoint.recovery import TrainingStopped
 from jaxdist.checkpoint.store import Checkpointer, Restored
-from jaxdist.errors import ConfigError
+from jaxdist.errors import ConfigError, TrainingStopped
 from jaxdist.layout import spec
 from jaxdist.step import JittedStep
 

@@ -13,8 +13,7 @@ import sys
 import time
 
 from jaxdist.checkpoint.abandon import TMP_SUFFIX
-from jaxdist.checkpoint.recovery import TrainingStopped
-from jaxdist.errors import ConfigError
+from jaxdist.errors import ConfigError, TrainingStopped
 
 log = logging.getLogger("jaxdist.checkpoint")
 

@@ -31,8 +31,7 @@ def run(args: Bench) -> int:
     mesh, layout, model_cfg, args = setup(args)
     check_host_memory(mesh, layout, model_cfg)
     from jaxdist import train as loop
-    from jaxdist.config import LoopConfig, RunConfig
-    from jaxdist.data import DataConfig
+    from jaxdist.config import DataConfig, LoopConfig, RunConfig
     from jaxdist.profiling.bench import bench
     from models.presets import model_spec
 

@@ -7,7 +7,7 @@ import json
 import tyro
 
 from jaxdist.cli.options import Common, setup
-from jaxdist.optim import OptimConfig
+from jaxdist.config import OptimConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,10 +93,10 @@ def evaluate(args: Eval) -> int:
 
     from jaxdist.checkpoint.store import restore
     from jaxdist.cluster.join import process_rows
-    from jaxdist.data import DataConfig
+    from jaxdist.config import DataConfig, OptimConfig
     from jaxdist.evaluation import evaluate, report
     from jaxdist.layout import Layout, StepConfig
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.parallel import replica
     from jaxdist.step import Vocab, build
     from models.presets import from_record, model_spec

@@ -9,9 +9,8 @@ import tyro
 from jaxdist.checkpoint.interval import CheckpointConfig
 from jaxdist.cli.options import Common, check_host_memory, setup
 from jaxdist.cluster.join import DistributedConfig
-from jaxdist.config import EvalConfig, LoopConfig
+from jaxdist.config import EvalConfig, LoopConfig, OptimConfig
 from jaxdist.hf.source import hf_dir
-from jaxdist.optim import OptimConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +67,7 @@ def run(args: Train) -> int:
     )
     check_host_memory(mesh, layout, model_cfg, runs=not args.compile_only)
     from jaxdist import train as loop
-    from jaxdist.config import RunConfig
-    from jaxdist.data import DataConfig
+    from jaxdist.config import DataConfig, RunConfig
     from jaxdist.data.batches import data_vocab
     from models.presets import model_spec
 

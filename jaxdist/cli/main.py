@@ -62,7 +62,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxdist.checkpoint.recovery import TrainingStopped
+    from jaxdist.errors import TrainingStopped
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["--version"], ["-V"]):

@@ -7,6 +7,8 @@ stops on an error says why in the key-value store first (`leave`), and the other
 a relaunch resumes from the last checkpoint.
 """
 
+from __future__ import annotations
+
 import atexit
 import dataclasses
 import os
@@ -14,13 +16,16 @@ import re
 import sys
 import threading
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import jax
 import numpy as np
 import tyro
 
 from jaxdist.errors import ConfigError
+
+# The processes' flags (DistributedConfig) are parsed without jax; joining loads it.
+if TYPE_CHECKING:
+    import jax
 
 # JAX's own cluster detection reads these (Slurm, Open MPI, Kubernetes).
 _CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST")
@@ -82,6 +87,8 @@ def cluster_detected() -> bool:
 
 def initialize(config: DistributedConfig, cpu: bool) -> bool:
     """Joins the job; must run before anything starts a JAX backend. True if multi-process."""
+    import jax
+
     config.validate()
     if not config.explicit() and not cluster_detected():
         return False
@@ -165,6 +172,7 @@ def leave(code: int, why: str, exit_now: bool = True) -> None:
     waiting for peers that still train. Without it (an unexpected error, often a peer's death
     seen from here), the process ends as usual: JAX's shutdown then names a lost peer.
     Returns when the run has one process, JAX is not distributed, or not `exit_now`."""
+    import jax
     from jax._src import distributed
 
     client = distributed.global_state.client
@@ -206,6 +214,8 @@ def metric_value(name: str, x: jax.Array) -> float | bool:
 
 def process_rows(sharding, global_shape: tuple[int, ...]) -> range:
     """The batch rows this process's devices hold, which it alone must read."""
+    import jax
+
     rows: set[int] = set()
     for index in sharding.addressable_devices_indices_map(global_shape).values():
         r = index[0]

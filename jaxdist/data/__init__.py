@@ -7,7 +7,6 @@ format alone, not grain and jax (a second and 170 MB per worker)."""
 from jaxdist import lazy_api
 
 _API = {
-    "DataConfig": "jaxdist.data.batches",
     "TokenBatches": "jaxdist.data.batches",
     "default_corpus": "jaxdist.data.corpus",
     "load_corpus": "jaxdist.data.corpus",

@@ -9,7 +9,6 @@ stream. Sources: raw text as bytes (jaxdist.data.corpus), a tokenized directory 
 """
 
 import copy
-import dataclasses
 import hashlib
 import pathlib
 from typing import NamedTuple
@@ -17,29 +16,13 @@ from typing import NamedTuple
 import grain
 import numpy as np
 
+from jaxdist.config import DataConfig
 from jaxdist.data import corpus, mixture
 from jaxdist.data.manifest import is_token_dir
 from jaxdist.data.tokenset import TokenSet, TokenWindows
 from jaxdist.errors import ConfigError
 
 BYTE_VOCAB = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    path: str | None = None
-    """a tokenized directory (jaxdist tokenize), a mixture NAME=DIR:WEIGHT,..., or a text or
-    JSONL file or directory read as bytes; default: the embedded corpus (Python's stdlib)"""
-    batch_size: int = 16
-    seed: int = 0
-
-    def validate(self) -> None:
-        """Also TokenBatches' first step: batches built without the CLI refuse the same."""
-        if self.batch_size < 1:
-            raise ConfigError(f"--batch-size {self.batch_size} must be at least 1")
-        # grain's shuffle refuses a seed outside 32 bits, in a message that names no flag.
-        if not 0 <= self.seed < 2**32:
-            raise ConfigError(f"--seed {self.seed} must be >= 0 and below 2**32")
 
 
 class Source(NamedTuple):

@@ -195,8 +195,9 @@ def _restore_params(run_dir, record, spec, mesh, rules, step) -> dict:
     import jax
 
     from jaxdist.checkpoint.store import Checkpointer, param_shapes
+    from jaxdist.config import OptimConfig
     from jaxdist.layout import Layout, StepConfig
-    from jaxdist.optim import OptimConfig, make_optimizer
+    from jaxdist.optim import make_optimizer
     from jaxdist.parallel import replica
     from jaxdist.rules import batch_sharding, batch_ways
     from jaxdist.step import build

@@ -25,11 +25,12 @@ import time
 
 import numpy as np
 
+from jaxdist.config import OptimConfig
 from jaxdist.hardware import get_hardware
 from jaxdist.layout import Layout
 from jaxdist.mesh import MeshConfig, build_mesh
 from jaxdist.model import ModelSpec
-from jaxdist.optim import OptimConfig, make_optimizer
+from jaxdist.optim import make_optimizer
 from jaxdist.parallel import schedules
 from jaxdist.parallel.pipeline import branch_share
 from jaxdist.planning import fit, gemms, hlo, kernels
