@@ -19,12 +19,13 @@ from jaxdist.hardware import PROGRAM_SHARE
 # fast links (tensor) innermost; context (K/V exchanged every layer) and expert all-to-all
 # traffic sit on fast links too. `replica` is outermost of all: groups that train alone and
 # meet only every H steps (jaxdist.parallel.replica) belong across the slowest link.
+REPLICA = "replica"
 MESH_AXES: tuple[str, ...] = (
-    *("replica", "pipeline", "data", "fsdp", "context", "expert", "tensor"),
+    *(REPLICA, "pipeline", "data", "fsdp", "context", "expert", "tensor"),
 )
 # The axes a layout is searched over by default: every one but `replica`, whose groups change
 # what is computed (DiLoCo), not only where; the planner ranks it when asked.
-SEARCHED_AXES: tuple[str, ...] = tuple(a for a in MESH_AXES if a != "replica")
+SEARCHED_AXES: tuple[str, ...] = tuple(a for a in MESH_AXES if a != REPLICA)
 
 
 def spec(shape) -> str:

@@ -13,7 +13,7 @@ import pytest
 from jaxdist.cli.main import main
 from jaxdist.cli.remat_auto import order
 from jaxdist.config import Layout, StepConfig
-from jaxdist.mesh import SEARCHED_AXES
+from jaxdist.mesh import REPLICA, SEARCHED_AXES
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.parallel import exchange, rounds
 from jaxdist.parallel.rounds import SyncConfig
@@ -94,7 +94,7 @@ def _outer_collectives(jitted, layout: Layout) -> dict[str, list[int]]:
     text = jitted.step_fn.lower(jitted.abstract_state, batch, act).compile().as_text()
     found: dict[str, list[int]] = {}
     for c in hlo.collectives(text, layout.mesh_shape):
-        if sync.AXIS in c.axes:
+        if REPLICA in c.axes:
             found.setdefault(c.kind, []).extend([c.bytes] * c.executions)
     return found
 

@@ -13,6 +13,7 @@ from jaxdist import hardware
 from jaxdist.config import StepConfig
 from jaxdist.errors import ConfigError
 from jaxdist.hf.source import hf_dir
+from jaxdist.mesh import REPLICA
 from jaxdist.parallel.rounds import SyncConfig
 from jaxdist.rules import ways
 from meshes.presets import PRESETS as MESH_PRESETS
@@ -205,7 +206,7 @@ def setup(
     sync = args.sync_config()
     if args.batch_size is None:
         batch_ways = ways(mesh.shape, rules.mesh_axes("batch", "activation"))
-        groups = mesh.shape.get("replica", 1) if sync else 1
+        groups = mesh.shape.get(REPLICA, 1) if sync else 1
         batch_size = max(16, groups * batch_ways * args.step.microbatches)
         args = dataclasses.replace(args, batch_size=batch_size)
     layout = Layout.on(

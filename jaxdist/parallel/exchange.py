@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.mesh import REPLICA
 from jaxdist.rules import as_tuple, ways
 
-AXIS = "replica"
 EIGHT_BIT = {"int8": (jnp.int8, 127.0), "float8": (jnp.float8_e4m3fn, 448.0)}
 BUCKET_BYTES = 1 << 30
 """At most this many bytes one device sends in one bucket (a leaf larger travels alone). Past a
@@ -35,7 +35,7 @@ all-gather returns every group's block)."""
 
 def group_spec(spec: PartitionSpec) -> PartitionSpec:
     """A group-stacked leaf [M, ...]: one group's per device row of `replica`."""
-    return PartitionSpec(AXIS, *spec)
+    return PartitionSpec(REPLICA, *spec)
 
 
 def _quantized(x, dtype: str):
@@ -117,14 +117,14 @@ def owner_dim(spec: PartitionSpec, owner: PartitionSpec, shape, mesh_shape) -> i
     whole, as every group does), or False where the leaf is not laid out so: `replica` added
     last on one dim, every dim whole blocks (then it takes the per-leaf path)."""
     spec_, owner_ = [as_tuple(e) for e in spec], [as_tuple(e) for e in owner]
-    if len(spec_) != len(shape) or len(owner_) != len(shape) or AXIS in sum(spec_, ()):
+    if len(spec_) != len(shape) or len(owner_) != len(shape) or REPLICA in sum(spec_, ()):
         return False
     if any(n % ways(mesh_shape, o) for n, o in zip(shape, owner_, strict=True)):
         return False
     extra = [d for d in range(len(shape)) if spec_[d] != owner_[d]]
     if not extra:
         return None
-    if len(extra) > 1 or owner_[extra[0]] != (*spec_[extra[0]], AXIS):
+    if len(extra) > 1 or owner_[extra[0]] != (*spec_[extra[0]], REPLICA):
         return False
     return extra[0]
 
@@ -176,11 +176,11 @@ def _bucketed(rows: Sequence, exchange: Callable) -> list:
 
 
 def _to_owners(x):  # [M, K]: row j to replica j; row j back from replica j
-    return jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True)
+    return jax.lax.all_to_all(x, REPLICA, 0, 0, tiled=True)
 
 
 def _gathered(x):  # [1, K] from each replica, in order: [M, K]
-    return jax.lax.all_gather(x, AXIS, axis=0, tiled=True)
+    return jax.lax.all_gather(x, REPLICA, axis=0, tiled=True)
 
 
 def _split_paths(shapes, specs, owners, mesh: Mesh):
@@ -200,7 +200,7 @@ def up_many(xs_M: Sequence, specs, owners, dtype: str, mesh: Mesh) -> list:
         out[i] = up(xs_M[i], specs[i], owners[i], dtype, mesh)
     if not ok:
         return out
-    M = mesh.shape[AXIS]
+    M = mesh.shape[REPLICA]
     # A scale's rows are split as its tensor's, but for the last dim (whole in a row).
     row_dims = [None if d == len(specs[i]) - 1 else d for i, d in zip(ok, dims, strict=True)]
 
@@ -273,7 +273,7 @@ def _coded_on_owners(xs, owners, dims, dtype: str):
     maxima = []
     for x, owner in zip(xs, owners, strict=True):
         amax = _row_max(x)
-        inner = tuple(a for a in as_tuple(owner[-1]) if a != AXIS)
+        inner = tuple(a for a in as_tuple(owner[-1]) if a != REPLICA)
         maxima.append(jax.lax.pmax(amax, inner) if inner else amax)
     gathered = _bucketed([a.reshape(1, -1) for a in maxima], _gathered)
     qs, scales = [], []
@@ -328,7 +328,7 @@ def messages(shapes, specs, owners, dtype: str, mesh_shape) -> dict[str, list[fl
     bucket of each kind of buffer. A leaf on the per-leaf path (owner_dim False) is taken as
     one collective each way, its scales one more; which XLA's partitioner emits is not
     modelled."""
-    M, width, eight = mesh_shape[AXIS], WIDTH[dtype], dtype in EIGHT_BIT
+    M, width, eight = mesh_shape[REPLICA], WIDTH[dtype], dtype in EIGHT_BIT
     out: dict[str, list[float]] = {"all-to-all": [], "all-gather": []}
     joined: dict[str, list] = {"up": [], "up scales": [], "down": [], "down scales": []}
     for shape, spec, owner in zip(shapes, specs, owners, strict=True):

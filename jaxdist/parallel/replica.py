@@ -40,7 +40,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
-from jaxdist.parallel.exchange import AXIS, EIGHT_BIT, down_many, group_spec, pinned, up_many
+from jaxdist.mesh import REPLICA
+from jaxdist.parallel.exchange import EIGHT_BIT, down_many, group_spec, pinned, up_many
 from jaxdist.parallel.rounds import Action, SyncConfig
 from jaxdist.rules import activation_rules, as_tuple, logical_axes, variables, ways
 
@@ -97,8 +98,8 @@ def recorded(record: dict, mesh_shape, run_dir) -> SyncConfig | None:
     `mesh_shape`: as many groups as it trained, each laid out anew; None without groups."""
     if not record.get("sync"):
         return None
-    groups = (record.get("mesh") or {}).get(AXIS, 1)
-    if mesh_shape.get(AXIS, 1) != groups:
+    groups = (record.get("mesh") or {}).get(REPLICA, 1)
+    if mesh_shape.get(REPLICA, 1) != groups:
         raise ConfigError(
             f"{run_dir} trained {groups} replica groups: read it on a mesh of as many, "
             f"--mesh replica={groups},... (any layout of each group)"
@@ -116,7 +117,7 @@ def owner_spec(
     last: each owner's piece lies inside what its group holds, so the exchange stays on
     `replica`), not on dim `avoid` (the layers, cut into fragments); unchanged where no dim
     divides (a small leaf, reduced whole)."""
-    M = mesh_shape.get(AXIS, 1)
+    M = mesh_shape.get(REPLICA, 1)
     entries = list(spec) + [None] * (len(shape) - len(spec))
     fits = [
         d
@@ -126,7 +127,7 @@ def owner_spec(
     if M == 1 or not fits:
         return PartitionSpec(*entries)
     d = max(fits, key=lambda i: shape[i])
-    entries[d] = (*as_tuple(entries[d]), AXIS)
+    entries[d] = (*as_tuple(entries[d]), REPLICA)
     return PartitionSpec(*entries)
 
 
@@ -155,7 +156,7 @@ def grouped(step, layout: Layout, mesh: Mesh):
 
         # Each group's FP8 state (--fp8 delayed) is its own too: its amaxes are its batches'.
         with activation_rules(group, mesh):
-            params, opt_state, fp8, metrics_M = jax.vmap(one, spmd_axis_name=AXIS)(
+            params, opt_state, fp8, metrics_M = jax.vmap(one, spmd_axis_name=REPLICA)(
                 state.params, state.opt_state, state.fp8, tokens_MbT1
             )
         new = state._replace(step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8)
@@ -166,7 +167,7 @@ def grouped(step, layout: Layout, mesh: Mesh):
 
 def metrics_sharding(mesh: Mesh) -> NamedSharding:
     """The groups' metrics ([M]) stay with their group: the step's output crosses nothing."""
-    return NamedSharding(mesh, PartitionSpec(AXIS))
+    return NamedSharding(mesh, PartitionSpec(REPLICA))
 
 
 # --- Fragments ---------------------------------------------------------------------------------

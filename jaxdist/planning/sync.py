@@ -30,12 +30,14 @@ from collections.abc import Callable
 from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import Hardware, Link, with_slow_link
+from jaxdist.mesh import REPLICA
 from jaxdist.parallel import exchange, replica
 from jaxdist.parallel.rounds import SyncConfig
 from jaxdist.planning import costmodel
 from jaxdist.rules import logical_axes, variables
 
-AXIS = "replica"
+# planning.layouts reads it here until its why_not is rewritten: the constant is mesh.REPLICA.
+AXIS = REPLICA
 # The compute utilization `plan` quotes each layout's slow-link bandwidth for: compute /
 # (compute + exposed communication), as Charles et al. (arXiv:2503.09799, Table 6) quote it.
 TARGET_UTILIZATION = 0.8
@@ -49,7 +51,7 @@ def grouped(layout: Layout) -> bool:
 def group_layout(layout: Layout) -> Layout:
     """One group's layout as the planner prices its inner step: the `replica` axis at 1, the
     group's block of the batch, no outer step."""
-    sizes = tuple((a, 1 if a == AXIS else n) for a, n in layout.sizes)
+    sizes = tuple((a, 1 if a == REPLICA else n) for a, n in layout.sizes)
     rows = layout.batch_size // layout.replicas
     return dataclasses.replace(layout, sizes=sizes, batch_size=rows, sync=None, in_group=False)
 
