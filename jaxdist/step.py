@@ -307,7 +307,8 @@ def build(
         return start(_split(built(layout))[2])
 
     weights = JittedStep._field_defaults["weights"]
-    if groups:
+    if groups:  # the fragments cut the layers, known now: SyncConfig's own check, with them
+        layout.sync.validate(layout.replicas, replica.layers(abstract_params))
         where = replica.leaves(abstract_params, param_sharding, mesh, layout.sync.sync_fragments)
         state_sharding = replica.sharding(state_sharding, where, layout.sync, mesh)
         step = _grouped_step(step, layout, mesh, where)
@@ -367,7 +368,7 @@ def _split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State | None, nnx.State
 def _grouped_step(step, layout: Layout, mesh: Mesh, where):
     """The step of replica groups: each group's own step, and the outer step's parts that
     `act` (rounds.action) asks for around it."""
-    inner = replica.grouped(step, layout, mesh)
+    inner = replica.inner_step(step, layout, mesh)
 
     def grouped_step(state: TrainState, tokens_BT1: jax.Array, act: rounds.Action | None):
         act = act or rounds.Action()

@@ -2,7 +2,7 @@
 streaming form (arXiv:2501.18512), over the `replica` mesh axis.
 
 Stage 4, synchronize the update, moved: a step of M groups reduces its gradients inside each
-group only (the inner step: `grouped`, the plain step mapped over the groups), and every H
+group only (the inner step: `inner_step`, the plain step mapped over the groups), and every H
 steps the outer step moves the shared weights by the groups' mean change (`outer_step`). The
 overhead moves from communication (a gradient all-reduce over the slow axis every step) into
 computation (H inner steps each group spends on its own, slightly worse, gradient) and memory
@@ -41,9 +41,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdist.config import Layout
 from jaxdist.errors import ConfigError
 from jaxdist.mesh import REPLICA
-from jaxdist.parallel.exchange import EIGHT_BIT, down_many, group_spec, pinned, up_many
+from jaxdist.parallel.exchange import (
+    EIGHT_BIT,
+    down_many,
+    group_spec,
+    owner_spec,
+    pinned,
+    up_many,
+)
 from jaxdist.parallel.rounds import Action, SyncConfig
-from jaxdist.rules import activation_rules, as_tuple, logical_axes, variables, ways
+from jaxdist.rules import activation_rules, logical_axes, variables
 
 
 class OuterState(NamedTuple):
@@ -54,7 +61,7 @@ class OuterState(NamedTuple):
     momentum: Any
 
 
-def anchored(sync: SyncConfig) -> bool:
+def keeps_outer_copy(sync: SyncConfig) -> bool:
     """Whether every group keeps the outer weights (the 8-bit types send changes)."""
     return sync.sync_dtype in EIGHT_BIT
 
@@ -110,27 +117,6 @@ def recorded(record: dict, mesh_shape, run_dir) -> SyncConfig | None:
 # --- Layouts ---------------------------------------------------------------------------------
 
 
-def owner_spec(
-    spec: PartitionSpec, shape: tuple[int, ...], mesh_shape, avoid: int | None = None
-) -> PartitionSpec:
-    """`spec` split M ways more over `replica`, on the largest dim that divides (the axis added
-    last: each owner's piece lies inside what its group holds, so the exchange stays on
-    `replica`), not on dim `avoid` (the layers, cut into fragments); unchanged where no dim
-    divides (a small leaf, reduced whole)."""
-    M = mesh_shape.get(REPLICA, 1)
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    fits = [
-        d
-        for d, n in enumerate(shape)
-        if d != avoid and n % (ways(mesh_shape, as_tuple(entries[d])) * M) == 0
-    ]
-    if M == 1 or not fits:
-        return PartitionSpec(*entries)
-    d = max(fits, key=lambda i: shape[i])
-    entries[d] = (*as_tuple(entries[d]), REPLICA)
-    return PartitionSpec(*entries)
-
-
 def stacked(tree, M: int):
     """Every leaf repeated for the M groups: [M, ...]."""
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (M, *jnp.shape(x))), tree)
@@ -139,7 +125,7 @@ def stacked(tree, M: int):
 # --- The inner step ---------------------------------------------------------------------------
 
 
-def grouped(step, layout: Layout, mesh: Mesh):
+def inner_step(step, layout: Layout, mesh: Mesh):
     """The plain step `step(state, tokens_BT1)` run by each group on its block of the batch,
     over its own weights and optimizer state ([M, ...]); nothing crosses `replica`, the metrics
     neither: each group's own ([M]), averaged on the host (cluster.join.metric_value). A
@@ -219,16 +205,20 @@ class Leaf(NamedTuple):
 
 def leaf(shape, logical, spec: PartitionSpec, mesh_shape, fragments: int) -> Leaf:
     """Where a parameter of `shape` and logical axes `logical`, laid out by `spec` in a group,
-    lives (the step's and the planner's one rule)."""
+    lives (the step's and the planner's one rule). `fragments` divides the layers: both call
+    SyncConfig.validate with them first."""
     dim = logical.index("layers") if "layers" in logical else None
-    if dim is not None and shape[dim] % fragments:
-        raise ConfigError(
-            f"--sync-fragments {fragments} does not divide the model's {shape[dim]} "
-            f"layers; use a divisor of {shape[dim]}"
-        )
     spec = PartitionSpec(*spec, *[None] * (len(shape) - len(spec)))
     avoid = dim if fragments > 1 else None
     return Leaf(dim, spec, owner_spec(spec, tuple(shape), mesh_shape, avoid))
+
+
+def layers(abstract_params) -> int | None:
+    """The model's layers, which fragments cut (the size of its `layers` dims); None: none."""
+    for var in variables(abstract_params):
+        if "layers" in logical_axes(var):
+            return var.shape[logical_axes(var).index("layers")]
+    return None
 
 
 def leaves(abstract_params, param_sharding, mesh: Mesh, fragments: int) -> Any:
@@ -244,7 +234,7 @@ def leaves(abstract_params, param_sharding, mesh: Mesh, fragments: int) -> Any:
 
 def _kept(leaf: Leaf, sync: SyncConfig) -> PartitionSpec:
     """Where the outer weights of a parameter are kept: on its owners, or every group's own."""
-    return leaf.spec if anchored(sync) else leaf.owner
+    return leaf.spec if keeps_outer_copy(sync) else leaf.owner
 
 
 def sharding(state_sharding, where, sync: SyncConfig, mesh: Mesh):
@@ -291,7 +281,7 @@ def _send_fragment(f: int, sync: SyncConfig, mesh: Mesh, where: list, theta, out
     own = [_take(outer[i], where[i].dim, F, f, 0) for i in mine]
     m = [_take(mom[i], where[i].dim, F, f, 0) for i in mine]
     theta_M = [_take(theta[i], where[i].dim, F, f, 1) for i in mine]
-    if anchored(sync):  # each group's change from its copy of the outer weights, in 8 bits
+    if keeps_outer_copy(sync):  # each group's change from its copy of the outer weights, in 8 bits
         changes = [o[None] - t for o, t in zip(own, theta_M, strict=True)]
         means = up_many(changes, specs, owners, dtype, mesh)
         steps, m = zip(*map(functools.partial(_nesterov, sync=sync), means, m), strict=True)
@@ -339,7 +329,7 @@ def apply(state, fragments, where, sync: SyncConfig, mesh: Mesh, mix: float):
             _take(_fetched(outer[i], k, sync, mesh), places[i].dim, F, f, 0)
             for i, k in zip(mine, kept, strict=True)
         ]
-        if not anchored(sync):  # the owners' pieces, gathered in the sync type (together)
+        if not keeps_outer_copy(sync):  # the owners' pieces, gathered in the sync type (together)
             specs = [places[i].spec for i in mine]
             own = down_many(own, specs, kept, sync.sync_dtype, mesh)
         for i, o in zip(mine, own, strict=True):

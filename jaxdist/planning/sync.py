@@ -62,7 +62,7 @@ def outer_state_bytes(params_bytes: float, layout: Layout) -> float:
     if not grouped(layout):
         return 0.0
     M = layout.replicas
-    per_param = 4 + 4 / M if layout.sync.sync_dtype in exchange.EIGHT_BIT else 8 / M
+    per_param = 4 + 4 / M if replica.keeps_outer_copy(layout.sync) else 8 / M
     return params_bytes / 4 * per_param
 
 
