@@ -29,6 +29,7 @@ from jaxdist import step_checks
 from jaxdist.config import Layout, StepConfig
 from jaxdist.kernels import fp8
 from jaxdist.kernels.loss import Vocab, model_loss, stage_loss
+from jaxdist.model import param_count
 from jaxdist.parallel import collective_matmul, context, pipeline, replica, rounds
 from jaxdist.rules import (
     AxisRules,
@@ -333,7 +334,7 @@ def build(
         ),
     )
     abstract_state = _abstract_state(jax.eval_shape(init), state_sharding)
-    num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
+    num_params = param_count(x.shape for x in jax.tree.leaves(abstract_params))
     return JittedStep(
         *(step_fn, init_fn, state_sharding, tokens_sharding, abstract_state, num_params),
         *(eval_fn, layout, weights, start_fn),
