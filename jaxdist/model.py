@@ -24,7 +24,8 @@ Shape-suffix legend used throughout the code (x_BTD, logits_BTV, ...):
   K top-k choices of the router
 """
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # the contract names flax's types; reading it (a layout, a flag) loads none
@@ -75,3 +76,10 @@ class Stages(NamedTuple):
     # (weights, x_bTD) -> (h_bTD, head_DV), logits = h @ head: for the fused loss, which never
     # holds a microbatch's whole logits (jaxdist.kernels.fused_loss); None: the loss takes `head`'s.
     features: Callable | None = None
+
+
+def param_count(shapes: Iterable[tuple[int, ...]]) -> int:
+    """Parameters of a model whose weights have these shapes: all of them, embeddings and head
+    included (the figure peers report; FP8 scales and histories are state, not weights). The
+    step counts its parameter tree, the planner its abstract one, a model config its table."""
+    return sum(math.prod(shape) for shape in shapes)

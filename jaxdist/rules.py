@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.errors import ConfigError
-from jaxdist.layout import AxisRules, MeshAxes, as_tuple, ways
+from jaxdist.layout import REPLICA, AxisRules, MeshAxes, as_tuple, ways
 
 
 def check_divisible(
@@ -88,7 +88,7 @@ def batch_sharding(rules: AxisRules, mesh: Mesh, groups: bool = False) -> NamedS
     sequence is split (context parallelism) only once inputs and targets are cut from it."""
     spec = rules.spec(("batch", None), "activation", "token batch")
     if groups:
-        spec = PartitionSpec(("replica", *as_tuple(spec[0])), *spec[1:])
+        spec = PartitionSpec((REPLICA, *as_tuple(spec[0])), *spec[1:])
     return NamedSharding(mesh, spec)
 
 

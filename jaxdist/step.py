@@ -29,6 +29,7 @@ from jaxdist.errors import ConfigError
 from jaxdist.kernels import documents, fp8
 from jaxdist.kernels.loss import Vocab, model_loss, stage_loss
 from jaxdist.layout import AxisRules, Layout, StepConfig
+from jaxdist.model import param_count
 from jaxdist.parallel import collective_matmul, context, pipeline, replica, rounds, schedules
 from jaxdist.rules import activation_rules, batch_sharding, state_shardings
 
@@ -318,7 +319,8 @@ def build(
         return start(_split(built(layout))[2])
 
     weights = JittedStep._field_defaults["weights"]
-    if groups:
+    if groups:  # the fragments cut the layers, known now: SyncConfig's own check, with them
+        layout.sync.validate(layout.replicas, replica.layers(abstract_params))
         where = replica.leaves(abstract_params, param_sharding, mesh, layout.sync.sync_fragments)
         state_sharding = replica.sharding(state_sharding, where, layout.sync, mesh)
         step = _grouped_step(step, layout, mesh, where)
@@ -343,7 +345,7 @@ def build(
         ),
     )
     abstract_state = _abstract_state(jax.eval_shape(init), state_sharding)
-    num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
+    num_params = param_count(x.shape for x in jax.tree.leaves(abstract_params))
     return JittedStep(
         *(step_fn, init_fn, state_sharding, tokens_sharding, abstract_state, num_params),
         *(eval_fn, layout, weights, start_fn),
@@ -378,7 +380,7 @@ def _split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State | None, nnx.State
 def _grouped_step(step, layout: Layout, mesh: Mesh, where):
     """The step of replica groups: each group's own step, and the outer step's parts that
     `act` (rounds.action) asks for around it."""
-    inner = replica.grouped(step, layout, mesh)
+    inner = replica.inner_step(step, layout, mesh)
 
     def grouped_step(state: TrainState, tokens_BT1: jax.Array, act: rounds.Action | None):
         act = act or rounds.Action()

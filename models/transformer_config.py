@@ -9,6 +9,7 @@ import math
 from typing import Literal
 
 from jaxdist.errors import ConfigError
+from jaxdist.model import param_count
 from models import rope
 from models.moe import EXPERT_WEIGHTS, moe_shapes
 
@@ -96,8 +97,8 @@ class TransformerConfig:
         return self.attention_bias if self.attention_out_bias is None else self.attention_out_bias
 
     def num_params(self) -> int:
-        """All parameters, embeddings included (the figure peers report)."""
-        return sum(math.prod(s) for s in _param_shapes(self).values())
+        """All parameters, embeddings included (jaxdist.model.param_count)."""
+        return param_count(_param_shapes(self).values())
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token, PaLM formula: 6*N + 12*L*D*T.

@@ -59,11 +59,11 @@ def test_a_tiny_model_keeps_its_projections_in_bf16():
 def test_hardware_without_fp8_units_is_refused_in_one_line(capsys):
     model = _model("tiny")
     for hardware in ("tpu-v5p", "tpu-v6e", "a100"):
-        with pytest.raises(ConfigError, match=f"{hardware} has no FP8 matmul units"):
+        with pytest.raises(ConfigError, match=f"on {hardware}: no FP8 matrix units"):
             _priced(model, hardware, {"fsdp": 8}, 16, fp8="delayed")
     assert main(["plan", "--model", "tiny", "--hardware", "v5p-16", "--fp8", "current"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "tpu-v5p has no FP8 matmul units" in err and len(err.splitlines()) == 1
+    assert "on tpu-v5p: no FP8 matrix units" in err and len(err.splitlines()) == 1
 
 
 def test_fp8_gemms_run_at_twice_the_rate_on_the_same_curve_and_pay_their_casts():

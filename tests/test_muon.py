@@ -1,7 +1,8 @@
 """--optimizer muon: Muon on the weight matrices that the logical axes name, AdamW on the rest.
 
 One device equals optax.contrib.muon (with AdamW on embeddings, head, norms and biases, labels
-written out by hand here) over 10 steps; the default layout equals one device; each Muon weight
+written out by hand here) over 10 steps; an update traced outside a step is refused; the
+default layout equals one device; each Muon weight
 moves twice its shard a step (jaxdist.parallel.muon), counted from the compiled HLO, and
 `jaxdist comm` prices it so (the fallback's gather too); a resume with another optimizer is
 refused in one line."""
@@ -144,6 +145,16 @@ def test_matrices_and_the_rest_are_decided_by_logical_axes():
 
 def test_one_device_equals_optax_contrib_muon_with_adamw_for_the_rest():
     _assert_same_run(_run("single"), _run("single", reference=True), 1e-5)
+
+
+def test_an_update_traced_outside_a_step_is_refused_in_one_line():
+    # Without activation_rules there is no mesh to move the momenta over: refused, not run
+    # unsharded as the arrays lie (the slow path the module's docstring warns of).
+    params = nnx.split(nnx.eval_shape(lambda: Transformer(get_model_config("tiny"), nnx.Rngs(0))))
+    tx, _ = make_optimizer(CONFIG, STEPS)
+    with pytest.raises(RuntimeError, match="outside activation_rules") as e:
+        jax.eval_shape(lambda p: tx.update(p, tx.init(p), p), params[1])
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("layers", [2, 4])

@@ -13,7 +13,7 @@ import pytest
 from jaxdist.cli.main import main
 from jaxdist.cli.remat_auto import order
 from jaxdist.config import OptimConfig
-from jaxdist.layout import SEARCHED_AXES, Layout, StepConfig, SyncConfig
+from jaxdist.layout import REPLICA, SEARCHED_AXES, Layout, StepConfig, SyncConfig
 from jaxdist.optim import make_optimizer
 from jaxdist.parallel import exchange, rounds
 from jaxdist.planning import comm_report, hlo, memory, quality, sync
@@ -93,7 +93,7 @@ def _outer_collectives(jitted, layout: Layout) -> dict[str, list[int]]:
     text = jitted.step_fn.lower(jitted.abstract_state, batch, act).compile().as_text()
     found: dict[str, list[int]] = {}
     for c in hlo.collectives(text, layout.mesh_shape):
-        if sync.AXIS in c.axes:
+        if REPLICA in c.axes:
             found.setdefault(c.kind, []).extend([c.bytes] * c.executions)
     return found
 

@@ -191,7 +191,7 @@ def test_the_bucketed_exchange_gives_the_per_leaf_exchanges_weights(sync, monkey
     steps = 6 if sync.sync_dtype == "float32" else 2  # 8 bits: one sync, before training on
     losses_, weights, _ = _train("replica=2,fsdp=2,tensor=2", sync, "tiny", steps)
     # Every leaf on the per-leaf path (exchange.up, down): one collective a leaf, as before.
-    monkeypatch.setattr(exchange, "owner_dim", lambda *_: False)
+    monkeypatch.setattr(exchange, "bucket_dim", lambda *_: (None, True))
     alone, alone_weights, _ = _train("replica=2,fsdp=2,tensor=2", sync, "tiny", steps)
     pairs = list(zip(jax.tree.leaves(weights), jax.tree.leaves(alone_weights), strict=True))
     if sync.sync_dtype == "float32":  # the same values, moved in fewer messages: bitwise

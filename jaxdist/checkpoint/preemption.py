@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import jax
 
+from jaxdist.cluster.join import client
 from jaxdist.cluster.restarts import GRACE_EXIT
 
 
@@ -116,15 +117,15 @@ class PreemptionSignal:
         if multihost_utils.reached_preemption_sync_point(step):
             self.received = self.received or "SIGTERM"
             return step
-        client = _client()
-        found = client.key_value_dir_get(_STOP)
+        store = client()
+        found = store.key_value_dir_get(_STOP)
         if not found and self.received is not None:
             try:
                 proposal = f"{step + 2}:{self.received}:{jax.process_index()}"
-                client.key_value_set(f"{_STOP}at", proposal, allow_overwrite=False)
+                store.key_value_set(f"{_STOP}at", proposal, allow_overwrite=False)
             except Exception:  # noqa: BLE001 - another process proposed first: its step stands
                 pass
-            found = client.key_value_dir_get(_STOP)
+            found = store.key_value_dir_get(_STOP)
         if not found:
             return None
         at, name, by = found[0][1].split(":")
@@ -160,12 +161,6 @@ class PreemptionSignal:
 
 
 _STOP = "jaxdist/stop/"
-
-
-def _client():
-    from jax._src import distributed
-
-    return distributed.global_state.client
 
 
 def _interactive() -> bool:

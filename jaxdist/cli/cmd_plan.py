@@ -17,7 +17,7 @@ from jaxdist.cli.plan_print import (
     train_command,
 )
 from jaxdist.errors import ConfigError
-from jaxdist.layout import SEARCHED_AXES
+from jaxdist.layout import REPLICA, SEARCHED_AXES
 
 PLAN_HARDWARE_HELP = (
     f"hardware preset ({', '.join(hardware_table.PRESETS)}), or a Google Cloud TPU slice as "
@@ -133,8 +133,8 @@ def _plan_config(args: Plan, devices: int):
     if args.mesh != "auto":
         mesh = tuple(get_mesh_preset(args.mesh).mesh.sizes().items())
     axes = tuple(a.strip() for a in args.axes.split(",") if a.strip())
-    if args.replicas is not None and "replica" not in axes:
-        axes = ("replica", *axes)
+    if args.replicas is not None and REPLICA not in axes:
+        axes = (REPLICA, *axes)
     return PlanConfig(
         devices=devices,
         hardware=args.hardware,
@@ -160,7 +160,7 @@ def _check_sync(args: Plan, cfg, layers: int) -> None:
             f"--replicas {M} must be at least 2 and divide the {cfg.devices} devices; e.g. "
             "--replicas 2"
         )
-    grouped = "replica" in cfg.axes or dict(cfg.mesh).get("replica", 1) > 1
+    grouped = REPLICA in cfg.axes or dict(cfg.mesh).get(REPLICA, 1) > 1
     if not grouped:
         changed = args.sync.changed_flags()
         if changed:
@@ -169,7 +169,7 @@ def _check_sync(args: Plan, cfg, layers: int) -> None:
                 "add --replicas M (or replica to --axes, or to --mesh), or drop the flag"
             )
         return
-    args.sync.validate(M or dict(cfg.mesh).get("replica", 1), layers)
+    args.sync.validate(M or dict(cfg.mesh).get(REPLICA, 1), layers)
 
 
 def _check_verify(args: Plan, hw, devices: int):

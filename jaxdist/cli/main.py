@@ -170,9 +170,9 @@ def _distributed() -> bool:
     started to find out."""
     if "jax" not in sys.modules:
         return False
-    from jax._src import distributed
+    import jax
 
-    return distributed.global_state.client is not None
+    return jax.distributed.is_initialized()
 
 
 def _leave(code: int, why: str, exit_now: bool = True) -> None:

@@ -165,6 +165,15 @@ def _write_all(fd: int, data: bytes) -> None:
 ENDED = "jaxdist/end/"  # a process that stops the run posts why here (watchdog reads it)
 
 
+def client():
+    """The key-value store of JAX's coordination service, where the processes of a run agree
+    (None before jax.distributed.initialize). The one private name jaxdist reads from JAX:
+    jax 0.11.2 has no public one for it (orbax and jax.experimental read it the same way)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
 def leave(code: int, why: str, exit_now: bool = True) -> None:
     """A process of several that stops with an error (a restore that fails, a save that cannot
     be written, a bug) tells the others why (their watchdogs end them at once, naming it) and,
@@ -173,14 +182,12 @@ def leave(code: int, why: str, exit_now: bool = True) -> None:
     seen from here), the process ends as usual: JAX's shutdown then names a lost peer.
     Returns when the run has one process, JAX is not distributed, or not `exit_now`."""
     import jax
-    from jax._src import distributed
 
-    client = distributed.global_state.client
-    if client is None or jax.process_count() == 1:
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
         return
     me = jax.process_index()
     try:
-        client.key_value_set(f"{ENDED}stopped-{me}", why.partition("\n")[0][:500])
+        client().key_value_set(f"{ENDED}stopped-{me}", why.partition("\n")[0][:500])
     except Exception:  # noqa: BLE001 - the service may be gone: the heartbeat tells them
         pass
     if not exit_now:

@@ -30,19 +30,13 @@ import time
 import jax
 from rich.console import Console
 
-from jaxdist.cluster.join import ENDED
+from jaxdist.cluster.join import ENDED, client
 from jaxdist.cluster.restarts import HANG_EXIT
 
 _PREFIX = "jaxdist/progress/"
 _HOSTS = "jaxdist/host/"
 HANG_FLOOR_S = 600.0  # the default timeout's floor: a slow save or eval is not a hang
 HANG_FACTOR = 20.0  # the default timeout, in p50 steps
-
-
-def _client():
-    from jax._src import distributed
-
-    return distributed.global_state.client
 
 
 def hang_limit(timeout: float | None, p50: float | None) -> float | None:
@@ -81,7 +75,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, daemon=True, name="jaxdist-watchdog")
         if self.multi:
             me = jax.process_index()
-            _client().key_value_set(f"{_HOSTS}{me}", socket.gethostname(), allow_overwrite=True)
+            client().key_value_set(f"{_HOSTS}{me}", socket.gethostname(), allow_overwrite=True)
 
     def __enter__(self) -> "Watchdog":
         self._thread.start()
@@ -94,7 +88,7 @@ class Watchdog:
     def finished(self, step: int, p50: float | None) -> None:
         self.last_step, self.last_time, self.p50 = step, time.monotonic(), p50
         if self.multi:
-            _client().key_value_set(
+            client().key_value_set(
                 f"{_PREFIX}{jax.process_index()}", f"{step}:{self.entered}", allow_overwrite=True
             )
 
@@ -111,7 +105,7 @@ class Watchdog:
         if not self.multi:
             return {0: (self.last_step, self.entered)}
         posted = {}
-        for k, v in _client().key_value_dir_get(_PREFIX):
+        for k, v in client().key_value_dir_get(_PREFIX):
             done, _, entered = v.partition(":")
             posted[int(k.rsplit("/", 1)[1])] = (int(done), int(entered or -1))
         return {p: posted.get(p, (-1, -1)) for p in range(jax.process_count())}
@@ -155,7 +149,7 @@ class Watchdog:
         if not self.multi:
             return {}
         try:
-            return {k.rsplit("/", 1)[1]: v for k, v in _client().key_value_dir_get(ENDED)}
+            return {k.rsplit("/", 1)[1]: v for k, v in client().key_value_dir_get(ENDED)}
         except Exception:  # noqa: BLE001 - the service may be down: the own timeout still runs
             return {}
 
@@ -183,7 +177,7 @@ class Watchdog:
             if self.multi:
                 value = f"{','.join(map(str, stuck or ()))}|{line}"
                 try:
-                    _client().key_value_set(f"{ENDED}hang", value, allow_overwrite=False)
+                    client().key_value_set(f"{ENDED}hang", value, allow_overwrite=False)
                 except Exception:  # noqa: BLE001 - another process declared first: its stands
                     told = self._told().get("hang")
         if told is not None:
@@ -235,7 +229,7 @@ def _bounded(fn, seconds: float) -> None:
 
 def _hosts() -> dict[int, str]:
     try:
-        return {int(k.rsplit("/", 1)[1]): v for k, v in _client().key_value_dir_get(_HOSTS)}
+        return {int(k.rsplit("/", 1)[1]): v for k, v in client().key_value_dir_get(_HOSTS)}
     except Exception:  # noqa: BLE001 - the service may be down: hosts stay unnamed
         return {}
 

@@ -1,8 +1,9 @@
 """FP8 matmuls (stage 2, compute forward/backward): which projections run on FP8 operands, and
 the FP8 projection itself.
 
-The rule `worth_fp8` is shared: the model applies it to each projection, and the planner prices
-a projection's GEMMs in FP8 only where the model would run them so (one rule, not two copies).
+The rule `projection_recipe` is shared: the model applies it to each projection (`recipe`), and
+the planner prices a projection's GEMMs in FP8 only where it says the model runs them so
+(jaxdist.planning.fp8), as it refuses hardware without FP8 units in `no_fp8_units`' words.
 
 Why a filter at all: quantizing costs a pass over each operand (amax, scale, cast) that a small
 GEMM does not win back. torchao measured the crossover for tensorwise scaling on H100 and skips
@@ -47,7 +48,6 @@ from jax import lax
 from jaxdist.errors import ConfigError
 from jaxdist.rules import current_layout
 
-RECIPES = ("off", "current", "delayed")
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # The delayed state of one projection, per layer: a scale [1] and an amax history [A] for each
 # of its input (x), its weight (w) and its output gradient (g).
@@ -90,17 +90,20 @@ def fans(spec: str, w_shape: tuple[int, ...]) -> tuple[int, int]:
     return d_in, math.prod(w_shape) // d_in
 
 
-def recipe(spec: str, w_shape: tuple[int, ...]) -> str:
-    """The recipe the active layout runs this projection in (w_shape: one layer's weight):
-    its --fp8, or off where --fp8-filter auto finds it too small to gain. Outside a layout
-    (a model built or called on its own): off."""
-    layout = current_layout()
-    step = getattr(layout, "step", None)
-    if step is None or step.fp8 == "off":
-        return "off"
-    if step.fp8_filter == "auto" and not worth_fp8(*fans(spec, w_shape)):
+def projection_recipe(step, d_in: int, d_out: int) -> str:
+    """The recipe a projection from d_in to d_out features runs in under `step` (a
+    jaxdist.config.StepConfig): its --fp8, or off where --fp8-filter auto finds it too small
+    to gain (worth_fp8)."""
+    if step.fp8 == "off" or (step.fp8_filter == "auto" and not worth_fp8(d_in, d_out)):
         return "off"
     return step.fp8
+
+
+def recipe(spec: str, w_shape: tuple[int, ...]) -> str:
+    """The recipe the active layout runs this projection in (w_shape: one layer's weight).
+    Outside a layout (a model built or called on its own): off."""
+    step = getattr(current_layout(), "step", None)
+    return "off" if step is None else projection_recipe(step, *fans(spec, w_shape))
 
 
 # --- The delayed state ----------------------------------------------------------------------
@@ -263,6 +266,12 @@ delayed_dot.defvjp(_delayed_fwd, _delayed_bwd)
 # --- Where FP8 runs -------------------------------------------------------------------------
 
 
+def no_fp8_units(recipe_: str, kind: str, why: str, fix: str) -> ConfigError:
+    """The refusal of --fp8 on hardware without FP8 matrix units, a run's (`check`) or a plan's
+    (jaxdist.planning.fp8): one line, the hardware, why it has none, the fix."""
+    return ConfigError(f"--fp8 {recipe_} on {kind}: no FP8 matrix units ({why}); {fix}")
+
+
 def check(layout, mesh) -> None:
     """Refuses --fp8 where the devices cannot run it, before anything is traced: a TPU (no FP8
     matrix units before v7), a GPU before compute capability 8.9. A pipeline axis is the
@@ -273,16 +282,12 @@ def check(layout, mesh) -> None:
     device = mesh.devices.flat[0]
     kind = getattr(device, "device_kind", device.platform)
     if device.platform == "tpu":
-        raise ConfigError(
-            f"--fp8 {recipe_} on {kind}: TPU v4, v5e, v5p and v6e have no FP8 matrix units (XLA "
-            "would emulate the GEMMs, slower than bfloat16); use --fp8 off on TPUs"
-        )
+        why = "TPU v4, v5e, v5p and v6e: XLA would emulate the GEMMs, slower than bfloat16"
+        raise no_fp8_units(recipe_, kind, why, "use --fp8 off on TPUs")
     capability = getattr(device, "compute_capability", None)
     if capability and tuple(int(p) for p in str(capability).split(".")[:2]) < (8, 9):
-        raise ConfigError(
-            f"--fp8 {recipe_} on {kind} (compute capability {capability}): FP8 tensor cores "
-            "start at 8.9 (Ada, Hopper); use --fp8 off on this GPU"
-        )
+        why = f"compute capability {capability}: FP8 tensor cores start at 8.9, Ada and Hopper"
+        raise no_fp8_units(recipe_, kind, why, "use --fp8 off on this GPU")
 
 
 def platform_note(layout, mesh) -> str | None:

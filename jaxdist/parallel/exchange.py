@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.layout import as_tuple, ways
+from jaxdist.layout import REPLICA, as_tuple, ways
 
-AXIS = "replica"
 EIGHT_BIT = {"int8": (jnp.int8, 127.0), "float8": (jnp.float8_e4m3fn, 448.0)}
 BUCKET_BYTES = 1 << 30
 """At most this many bytes one device sends in one bucket (a leaf larger travels alone). Past a
@@ -35,7 +34,7 @@ all-gather returns every group's block)."""
 
 def group_spec(spec: PartitionSpec) -> PartitionSpec:
     """A group-stacked leaf [M, ...]: one group's per device row of `replica`."""
-    return PartitionSpec(AXIS, *spec)
+    return PartitionSpec(REPLICA, *spec)
 
 
 def _quantized(x, dtype: str):
@@ -112,21 +111,45 @@ def down(x, spec: PartitionSpec, owner: PartitionSpec, dtype: str, mesh: Mesh):
 # --- Bucketed: the leaves of one exchange in one collective per type and direction -------------
 
 
-def owner_dim(spec: PartitionSpec, owner: PartitionSpec, shape, mesh_shape) -> int | None | bool:
-    """The dim `owner` splits over `replica` beyond `spec` (None: the owners hold the leaf
-    whole, as every group does), or False where the leaf is not laid out so: `replica` added
-    last on one dim, every dim whole blocks (then it takes the per-leaf path)."""
+def owner_spec(
+    spec: PartitionSpec, shape: tuple[int, ...], mesh_shape, avoid: int | None = None
+) -> PartitionSpec:
+    """`spec` split M ways more over `replica`, on the largest dim that divides (the axis added
+    last: each owner's piece lies inside what its group holds, so the exchange stays on
+    `replica`), not on dim `avoid` (the layers, cut into fragments); unchanged where no dim
+    divides (a small leaf, reduced whole)."""
+    M = mesh_shape.get(REPLICA, 1)
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    fits = [
+        d
+        for d, n in enumerate(shape)
+        if d != avoid and n % (ways(mesh_shape, as_tuple(entries[d])) * M) == 0
+    ]
+    if M == 1 or not fits:
+        return PartitionSpec(*entries)
+    d = max(fits, key=lambda i: shape[i])
+    entries[d] = (*as_tuple(entries[d]), REPLICA)
+    return PartitionSpec(*entries)
+
+
+def bucket_dim(
+    spec: PartitionSpec, owner: PartitionSpec, shape, mesh_shape
+) -> tuple[int | None, bool]:
+    """(d, alone): d the dim `owner` splits over `replica` beyond `spec` (None: the owners hold
+    the leaf whole, as every group does); alone where the leaf is not laid out as owner_spec
+    lays it (`replica` added last on one dim, every dim whole blocks): it then takes the
+    per-leaf path (`up`, `down`), d None."""
     spec_, owner_ = [as_tuple(e) for e in spec], [as_tuple(e) for e in owner]
-    if len(spec_) != len(shape) or len(owner_) != len(shape) or AXIS in sum(spec_, ()):
-        return False
+    if len(spec_) != len(shape) or len(owner_) != len(shape) or REPLICA in sum(spec_, ()):
+        return None, True
     if any(n % ways(mesh_shape, o) for n, o in zip(shape, owner_, strict=True)):
-        return False
+        return None, True
     extra = [d for d in range(len(shape)) if spec_[d] != owner_[d]]
     if not extra:
-        return None
-    if len(extra) > 1 or owner_[extra[0]] != (*spec_[extra[0]], AXIS):
-        return False
-    return extra[0]
+        return None, False
+    if len(extra) > 1 or owner_[extra[0]] != (*spec_[extra[0]], REPLICA):
+        return None, True
+    return extra[0], False
 
 
 def _cut(x, d: int | None, M: int):
@@ -176,19 +199,19 @@ def _bucketed(rows: Sequence, exchange: Callable) -> list:
 
 
 def _to_owners(x):  # [M, K]: row j to replica j; row j back from replica j
-    return jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True)
+    return jax.lax.all_to_all(x, REPLICA, 0, 0, tiled=True)
 
 
 def _gathered(x):  # [1, K] from each replica, in order: [M, K]
-    return jax.lax.all_gather(x, AXIS, axis=0, tiled=True)
+    return jax.lax.all_gather(x, REPLICA, axis=0, tiled=True)
 
 
 def _split_paths(shapes, specs, owners, mesh: Mesh):
     """(indices bucketed, their owner dims, indices per leaf)."""
     mesh_shape = dict(mesh.shape)
-    dims = [owner_dim(*so, n, mesh_shape) for n, *so in zip(shapes, specs, owners, strict=True)]
-    ok = [i for i, d in enumerate(dims) if d is not False]
-    return ok, [dims[i] for i in ok], [i for i, d in enumerate(dims) if d is False]
+    found = [bucket_dim(*so, n, mesh_shape) for n, *so in zip(shapes, specs, owners, strict=True)]
+    ok = [i for i, (_, alone) in enumerate(found) if not alone]
+    return ok, [found[i][0] for i in ok], [i for i, (_, alone) in enumerate(found) if alone]
 
 
 def up_many(xs_M: Sequence, specs, owners, dtype: str, mesh: Mesh) -> list:
@@ -200,7 +223,7 @@ def up_many(xs_M: Sequence, specs, owners, dtype: str, mesh: Mesh) -> list:
         out[i] = up(xs_M[i], specs[i], owners[i], dtype, mesh)
     if not ok:
         return out
-    M = mesh.shape[AXIS]
+    M = mesh.shape[REPLICA]
     # A scale's rows are split as its tensor's, but for the last dim (whole in a row).
     row_dims = [None if d == len(specs[i]) - 1 else d for i, d in zip(ok, dims, strict=True)]
 
@@ -273,7 +296,7 @@ def _coded_on_owners(xs, owners, dims, dtype: str):
     maxima = []
     for x, owner in zip(xs, owners, strict=True):
         amax = _row_max(x)
-        inner = tuple(a for a in as_tuple(owner[-1]) if a != AXIS)
+        inner = tuple(a for a in as_tuple(owner[-1]) if a != REPLICA)
         maxima.append(jax.lax.pmax(amax, inner) if inner else amax)
     gathered = _bucketed([a.reshape(1, -1) for a in maxima], _gathered)
     qs, scales = [], []
@@ -325,16 +348,16 @@ def messages(shapes, specs, owners, dtype: str, mesh_shape) -> dict[str, list[fl
     """Bytes per device of each collective over `replica` (its result: planning.hlo's
     convention) that up_many ("all-to-all") and down_many ("all-gather") send for leaves of
     these shapes (a group's, without the group dim) laid out `specs`, owned `owners`: one a
-    bucket of each kind of buffer. A leaf on the per-leaf path (owner_dim False) is taken as
+    bucket of each kind of buffer. A leaf on the per-leaf path (bucket_dim's alone) is taken as
     one collective each way, its scales one more; which XLA's partitioner emits is not
     modelled."""
-    M, width, eight = mesh_shape[AXIS], WIDTH[dtype], dtype in EIGHT_BIT
+    M, width, eight = mesh_shape[REPLICA], WIDTH[dtype], dtype in EIGHT_BIT
     out: dict[str, list[float]] = {"all-to-all": [], "all-gather": []}
     joined: dict[str, list] = {"up": [], "up scales": [], "down": [], "down scales": []}
     for shape, spec, owner in zip(shapes, specs, owners, strict=True):
-        d = owner_dim(spec, owner, shape, mesh_shape)
+        d, alone = bucket_dim(spec, owner, shape, mesh_shape)
         local, rows = _block(shape, spec, mesh_shape)
-        if d is False:
+        if alone:
             for kind in out:
                 out[kind] += [local * width, *([4 * rows] if eight else [])]
             continue

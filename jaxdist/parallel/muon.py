@@ -2,20 +2,17 @@
 
 A stacked weight [L, (E,) rows, cols] is stored split over its matrix dims (FSDP, tensor), and
 Newton-Schulz needs whole matrices. Left to itself, XLA's partitioner runs the iteration's
-matmuls on the shards and sums partial products across devices over and over (26 MB a step
-per device on 8 devices for a 4-layer tiny model, against 3.4 MB for all of AdamW's step);
-asked for a layout with the layers split instead, it gathers the whole tensor first. Here each
-momentum moves in one all-to-all over the mesh axes that split its matrix dims, so that every
-device owns whole matrices of a slice of a batch dim (`layers`, `expert`): Newton-Schulz runs
-locally, and the reverse all-to-all brings the result back, each device's share moving twice.
-Where no batch dim divides among those devices (fewer layers than devices), the matrices are
-gathered instead, the fallback: one all-gather in a shard_map, each device keeping its own
-block of the result. Pinning the gathered layout and leaving the rest to XLA moved 10x that
-(15.5 MB against 1.6 MB a step, tiny at 2 layers on data=2,fsdp=2,tensor=2): its partitioner
-spread the Newton-Schulz matmuls over the devices anyway, `data` among them (all-gathers and
-collective-permutes over data, fsdp and tensor). Outside a step traced under
-jaxdist.rules.activation_rules there is no mesh, and the update is optax.contrib.muon's as the
-arrays lie.
+matmuls on the shards and sums partial products across devices over and over (several times
+all of AdamW's step: experiments/README.md, "Muon, sharded"); asked for a layout with the
+layers split instead, it gathers the whole tensor first. Here each momentum moves in one
+all-to-all over the mesh axes that split its matrix dims, so that every device owns whole
+matrices of a slice of a batch dim (`layers`, `expert`): Newton-Schulz runs locally, and the
+reverse all-to-all brings the result back, each device's share moving twice. Where no batch
+dim divides among those devices (fewer layers than devices), the matrices are gathered
+instead, the fallback: one all-gather in a shard_map, each device keeping its own block of the
+result (pinning the gathered layout and leaving the rest to XLA let its partitioner spread the
+Newton-Schulz matmuls over the devices anyway, `data` among them). The update is traced inside
+jaxdist.rules.activation_rules, as the step traces it: the mesh it moves over is read there.
 """
 
 import math
@@ -28,16 +25,41 @@ import optax
 from jax.sharding import PartitionSpec
 from optax.contrib import MuonDimensionNumbers, MuonState
 
-# optax.contrib.muon's iteration itself (optax is pinned; 0.2.8 has no public name for it).
-from optax.contrib._muon import _DEFAULT_NS_COEFFS, orthogonalize_via_newton_schulz
-
 from jaxdist.layout import AxisRules, as_tuple, ways
 from jaxdist.rules import entered, is_variable, logical_axes, shard_map_here, variables
 
 DimsOf = Callable[[tuple[str | None, ...]], MuonDimensionNumbers]
+# optax.contrib.muon's default coefficients of the quintic iteration (modded-nanogpt's).
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
-def owner_dim(
+def newton_schulz(x, coeffs, steps: int, eps: float, dims: MuonDimensionNumbers):
+    """Each matrix of x (`dims`: its reduction and output dims, the rest batch dims)
+    orthogonalized as optax.contrib.muon does with its default preconditioning, whose
+    iteration optax 0.2.8 names only privately: divided by its Frobenius norm, then `steps`
+    times X <- c0 X + (c1 A + c2 A A) X with A = X X^T, X taken wide (transposed where it has
+    more rows than columns)."""
+    matrix = (*dims.reduction_axis, *dims.output_axis)
+    order = (*[d for d in range(x.ndim) if d not in matrix], *matrix)
+    groups = (order[: x.ndim - len(matrix)], dims.reduction_axis, dims.output_axis)
+    coeffs = coeffs.astype(x.dtype)
+
+    def one(m):
+        tall = m.shape[0] > m.shape[1]
+        m = m.T if tall else m
+        m = m / (jnp.linalg.norm(m, ord="fro") + eps)
+        for _ in range(steps):
+            a = m @ m.T
+            b = coeffs[1] * a + coeffs[2] * a @ a
+            m = coeffs[0] * m + b @ m
+        return m.T if tall else m
+
+    flat = x.transpose(order).reshape([math.prod(x.shape[d] for d in g) for g in groups])
+    y = jax.vmap(one)(flat).reshape([x.shape[d] for d in order])
+    return y.transpose(sorted(range(x.ndim), key=order.__getitem__))
+
+
+def batch_dim(
     stored: PartitionSpec, shape: tuple[int, ...], dims: MuonDimensionNumbers, mesh_shape
 ) -> int | None:
     """The batch dim (one `dims` leaves out) whose per-device slice divides among the devices
@@ -60,9 +82,9 @@ def _moves(stored: PartitionSpec, dims: MuonDimensionNumbers) -> list[tuple[int,
 
 
 def _route(stored: PartitionSpec, shape, dims: MuonDimensionNumbers, mesh_shape):
-    """(owner dim or None: the fallback, moves): how a momentum stored as `stored` reaches
+    """(batch dim or None: the fallback, moves): how a momentum stored as `stored` reaches
     whole matrices, the one decision that both the step and its pricing (`moved`) read."""
-    return owner_dim(stored, shape, dims, mesh_shape), _moves(stored, dims)
+    return batch_dim(stored, shape, dims, mesh_shape), _moves(stored, dims)
 
 
 class Moved(NamedTuple):
@@ -123,7 +145,7 @@ def _assemble(x, rest: list[int], moves: list[tuple[int, str]], sizes: list[int]
     return x.reshape(x.shape[0], *_whole(x.shape[1:], rest, moves))
 
 
-def _gathered(x, moves: list[tuple[int, str]], sizes: list[int]):
+def _whole_matrices(x, moves: list[tuple[int, str]], sizes: list[int]):
     """Inside shard_map, the fallback: this device's block of x -> the whole matrices of its
     slice of the other dims, in one all-gather over every axis of `moves`."""
     x = jax.lax.all_gather(x, tuple(a for _, a in moves), axis=0)  # [source, block]
@@ -131,7 +153,7 @@ def _gathered(x, moves: list[tuple[int, str]], sizes: list[int]):
 
 
 def _own_block(y, moves: list[tuple[int, str]], sizes: list[int]):
-    """Inside shard_map: this device's block of whole matrices y (`_gathered` undone)."""
+    """Inside shard_map: this device's block of whole matrices y (`_whole_matrices` undone)."""
     for d in sorted({dim for dim, _ in moves}):
         index, n = 0, 1  # the linear index over the dim's axes, major first
         for (dim, a), size in zip(moves, sizes, strict=True):
@@ -172,29 +194,22 @@ def _from_owner(y, batch: int, moves: list[tuple[int, str]], sizes: list[int]):
 
 def _orthogonalized(x, axes, dims: MuonDimensionNumbers, coeffs, ns_steps: int, eps: float):
     """Newton-Schulz of each matrix of x, run where each device owns whole matrices."""
+    layout, mesh = entered()  # outside a traced step: no mesh to move over, refused
 
-    def ns(x):
-        return orthogonalize_via_newton_schulz(x, coeffs, ns_steps, "frobenius", eps, dims)
+    def ns(x, coeffs):
+        return newton_schulz(x, coeffs, ns_steps, eps, dims)
 
-    try:
-        layout, mesh = entered()
-    except RuntimeError:  # not inside a jaxdist step: no mesh to move over
-        return ns(x)
     stored = layout.rules.spec(axes, "param")
     mesh_shape = dict(mesh.shape)
     batch, moves = _route(stored, x.shape, dims, mesh_shape)
     sizes = [mesh_shape[a] for _, a in moves]
     if math.prod(sizes) == 1:  # the matrices already lie whole on each device
-        return ns(x)
+        return ns(x, coeffs)
 
     def local(x, coeffs):
         if batch is None:  # the fallback: every device of `moves` orthogonalizes them all
-            y = _gathered(x, moves, sizes)
-            y = orthogonalize_via_newton_schulz(y, coeffs, ns_steps, "frobenius", eps, dims)
-            return _own_block(y, moves, sizes)
-        owned = _to_owner(x, batch, moves, sizes)
-        y = orthogonalize_via_newton_schulz(owned, coeffs, ns_steps, "frobenius", eps, dims)
-        return _from_owner(y, batch, moves, sizes)
+            return _own_block(ns(_whole_matrices(x, moves, sizes), coeffs), moves, sizes)
+        return _from_owner(ns(_to_owner(x, batch, moves, sizes), coeffs), batch, moves, sizes)
 
     return shard_map_here(local, (stored, PartitionSpec()), stored)(x, coeffs)
 
@@ -210,7 +225,7 @@ def scale_by_muon(
         return MuonState(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params),
-            ns_coeffs=jnp.asarray(_DEFAULT_NS_COEFFS),
+            ns_coeffs=jnp.asarray(NS_COEFFS),
         )
 
     def update(updates, state, params=None):

@@ -44,10 +44,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import ConfigError
-from jaxdist.layout import AxisRules
+from jaxdist.layout import REPLICA, AxisRules
 from jaxdist.model import Stages
 from jaxdist.parallel import context, stage_weights, ticks
-from jaxdist.parallel.exchange import AXIS as GROUPS
 from jaxdist.parallel.schedules import (  # noqa: F401 - re-exported: the pipeline's public surface
     SCHEDULES,
     Schedule,
@@ -283,7 +282,7 @@ def value_and_grad(
         batch=batch,
         nb=math.prod(mesh.shape[a] for a in batch),
         auto=tuple(
-            a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in {axis, *batch, GROUPS}
+            a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in {axis, *batch, REPLICA}
         ),
         dtype=jnp.dtype(stages.compute_dtype),
     )
@@ -313,7 +312,7 @@ def value_and_grad(
             check_vma=False,
         )(layers, shared, feed, scale, *tables)
 
-    if mesh.shape.get(GROUPS, 1) > 1:
+    if mesh.shape.get(REPLICA, 1) > 1:
         run = _mapped_over_groups(run, pipe, mesh, in_specs, out_specs)
     losses, g_layers, g_shared = run(layers, shared, feed, jnp.asarray(scale), *tables)
     return losses[0], {**g_layers, **g_shared}, losses[1]
@@ -325,9 +324,9 @@ def _mapped_over_groups(run: Callable, pipe: Pipeline, mesh, in_specs, out_specs
     running its group's stage on its group's [1, ...] slice. jax 0.11's own batching of the
     shard_map gives the groups a wrong local shape, and with `replica` manual it would add
     `replica` to the sharding constraints inside, where a manual axis may not appear."""
-    manual = {pipe.axis, *pipe.batch, GROUPS}
-    grouped_in = jax.tree.map(lambda s: P(GROUPS, *s), in_specs, is_leaf=_is_spec)
-    grouped_out = jax.tree.map(lambda s: P(GROUPS, *s), out_specs, is_leaf=_is_spec)
+    manual = {pipe.axis, *pipe.batch, REPLICA}
+    grouped_in = jax.tree.map(lambda s: P(REPLICA, *s), in_specs, is_leaf=_is_spec)
+    grouped_out = jax.tree.map(lambda s: P(REPLICA, *s), out_specs, is_leaf=_is_spec)
 
     def one(*args):  # this device's group: drop the groups' dim, run the stage, put it back
         out = _stage(pipe, *jax.tree.map(lambda x: x[0], args))

@@ -2,7 +2,7 @@
 streaming form (arXiv:2501.18512), over the `replica` mesh axis.
 
 Stage 4, synchronize the update, moved: a step of M groups reduces its gradients inside each
-group only (the inner step: `grouped`, the plain step mapped over the groups), and every H
+group only (the inner step: `inner_step`, the plain step mapped over the groups), and every H
 steps the outer step moves the shared weights by the groups' mean change (`outer_step`). The
 overhead moves from communication (a gradient all-reduce over the slow axis every step) into
 computation (H inner steps each group spends on its own, slightly worse, gradient) and memory
@@ -39,8 +39,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.errors import ConfigError
-from jaxdist.layout import Layout, SyncConfig, as_tuple, ways
-from jaxdist.parallel.exchange import AXIS, EIGHT_BIT, down_many, group_spec, pinned, up_many
+from jaxdist.layout import REPLICA, Layout, SyncConfig
+from jaxdist.parallel.exchange import (
+    EIGHT_BIT,
+    down_many,
+    group_spec,
+    owner_spec,
+    pinned,
+    up_many,
+)
 from jaxdist.parallel.rounds import Action
 from jaxdist.rules import activation_rules, logical_axes, variables
 
@@ -53,7 +60,7 @@ class OuterState(NamedTuple):
     momentum: Any
 
 
-def anchored(sync: SyncConfig) -> bool:
+def keeps_outer_copy(sync: SyncConfig) -> bool:
     """Whether every group keeps the outer weights (the 8-bit types send changes)."""
     return sync.sync_dtype in EIGHT_BIT
 
@@ -83,8 +90,8 @@ def recorded(record: dict, mesh_shape, run_dir) -> SyncConfig | None:
     `mesh_shape`: as many groups as it trained, each laid out anew; None without groups."""
     if not record.get("sync"):
         return None
-    groups = (record.get("mesh") or {}).get(AXIS, 1)
-    if mesh_shape.get(AXIS, 1) != groups:
+    groups = (record.get("mesh") or {}).get(REPLICA, 1)
+    if mesh_shape.get(REPLICA, 1) != groups:
         raise ConfigError(
             f"{run_dir} trained {groups} replica groups: read it on a mesh of as many, "
             f"--mesh replica={groups},... (any layout of each group)"
@@ -95,27 +102,6 @@ def recorded(record: dict, mesh_shape, run_dir) -> SyncConfig | None:
 # --- Layouts ---------------------------------------------------------------------------------
 
 
-def owner_spec(
-    spec: PartitionSpec, shape: tuple[int, ...], mesh_shape, avoid: int | None = None
-) -> PartitionSpec:
-    """`spec` split M ways more over `replica`, on the largest dim that divides (the axis added
-    last: each owner's piece lies inside what its group holds, so the exchange stays on
-    `replica`), not on dim `avoid` (the layers, cut into fragments); unchanged where no dim
-    divides (a small leaf, reduced whole)."""
-    M = mesh_shape.get(AXIS, 1)
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    fits = [
-        d
-        for d, n in enumerate(shape)
-        if d != avoid and n % (ways(mesh_shape, as_tuple(entries[d])) * M) == 0
-    ]
-    if M == 1 or not fits:
-        return PartitionSpec(*entries)
-    d = max(fits, key=lambda i: shape[i])
-    entries[d] = (*as_tuple(entries[d]), AXIS)
-    return PartitionSpec(*entries)
-
-
 def stacked(tree, M: int):
     """Every leaf repeated for the M groups: [M, ...]."""
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (M, *jnp.shape(x))), tree)
@@ -124,7 +110,7 @@ def stacked(tree, M: int):
 # --- The inner step ---------------------------------------------------------------------------
 
 
-def grouped(step, layout: Layout, mesh: Mesh):
+def inner_step(step, layout: Layout, mesh: Mesh):
     """The plain step `step(state, tokens_BT1)` run by each group on its block of the batch,
     over its own weights and optimizer state ([M, ...]); nothing crosses `replica`, the metrics
     neither: each group's own ([M]), averaged on the host (cluster.join.metric_value). A
@@ -141,7 +127,7 @@ def grouped(step, layout: Layout, mesh: Mesh):
 
         # Each group's FP8 state (--fp8 delayed) is its own too: its amaxes are its batches'.
         with activation_rules(group, mesh):
-            params, opt_state, fp8, metrics_M = jax.vmap(one, spmd_axis_name=AXIS)(
+            params, opt_state, fp8, metrics_M = jax.vmap(one, spmd_axis_name=REPLICA)(
                 state.params, state.opt_state, state.fp8, tokens_MbT1
             )
         new = state._replace(step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8)
@@ -152,7 +138,7 @@ def grouped(step, layout: Layout, mesh: Mesh):
 
 def metrics_sharding(mesh: Mesh) -> NamedSharding:
     """The groups' metrics ([M]) stay with their group: the step's output crosses nothing."""
-    return NamedSharding(mesh, PartitionSpec(AXIS))
+    return NamedSharding(mesh, PartitionSpec(REPLICA))
 
 
 # --- Fragments ---------------------------------------------------------------------------------
@@ -204,16 +190,20 @@ class Leaf(NamedTuple):
 
 def leaf(shape, logical, spec: PartitionSpec, mesh_shape, fragments: int) -> Leaf:
     """Where a parameter of `shape` and logical axes `logical`, laid out by `spec` in a group,
-    lives (the step's and the planner's one rule)."""
+    lives (the step's and the planner's one rule). `fragments` divides the layers: both call
+    SyncConfig.validate with them first."""
     dim = logical.index("layers") if "layers" in logical else None
-    if dim is not None and shape[dim] % fragments:
-        raise ConfigError(
-            f"--sync-fragments {fragments} does not divide the model's {shape[dim]} "
-            f"layers; use a divisor of {shape[dim]}"
-        )
     spec = PartitionSpec(*spec, *[None] * (len(shape) - len(spec)))
     avoid = dim if fragments > 1 else None
     return Leaf(dim, spec, owner_spec(spec, tuple(shape), mesh_shape, avoid))
+
+
+def layers(abstract_params) -> int | None:
+    """The model's layers, which fragments cut (the size of its `layers` dims); None: none."""
+    for var in variables(abstract_params):
+        if "layers" in logical_axes(var):
+            return var.shape[logical_axes(var).index("layers")]
+    return None
 
 
 def leaves(abstract_params, param_sharding, mesh: Mesh, fragments: int) -> Any:
@@ -229,7 +219,7 @@ def leaves(abstract_params, param_sharding, mesh: Mesh, fragments: int) -> Any:
 
 def _kept(leaf: Leaf, sync: SyncConfig) -> PartitionSpec:
     """Where the outer weights of a parameter are kept: on its owners, or every group's own."""
-    return leaf.spec if anchored(sync) else leaf.owner
+    return leaf.spec if keeps_outer_copy(sync) else leaf.owner
 
 
 def sharding(state_sharding, where, sync: SyncConfig, mesh: Mesh):
@@ -276,7 +266,7 @@ def _send_fragment(f: int, sync: SyncConfig, mesh: Mesh, where: list, theta, out
     own = [_take(outer[i], where[i].dim, F, f, 0) for i in mine]
     m = [_take(mom[i], where[i].dim, F, f, 0) for i in mine]
     theta_M = [_take(theta[i], where[i].dim, F, f, 1) for i in mine]
-    if anchored(sync):  # each group's change from its copy of the outer weights, in 8 bits
+    if keeps_outer_copy(sync):  # each group's change from its copy of the outer weights, in 8 bits
         changes = [o[None] - t for o, t in zip(own, theta_M, strict=True)]
         means = up_many(changes, specs, owners, dtype, mesh)
         steps, m = zip(*map(functools.partial(_nesterov, sync=sync), means, m), strict=True)
@@ -324,7 +314,7 @@ def apply(state, fragments, where, sync: SyncConfig, mesh: Mesh, mix: float):
             _take(_fetched(outer[i], k, sync, mesh), places[i].dim, F, f, 0)
             for i, k in zip(mine, kept, strict=True)
         ]
-        if not anchored(sync):  # the owners' pieces, gathered in the sync type (together)
+        if not keeps_outer_copy(sync):  # the owners' pieces, gathered in the sync type (together)
             specs = [places[i].spec for i in mine]
             own = down_many(own, specs, kept, sync.sync_dtype, mesh)
         for i, o in zip(mine, own, strict=True):

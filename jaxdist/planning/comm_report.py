@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from rich.console import Console
 from rich.table import Table
 
-from jaxdist.layout import Layout
+from jaxdist.layout import REPLICA, Layout
 from jaxdist.parallel import pipeline, rounds, schedules
 from jaxdist.planning import hlo, sync
 from jaxdist.planning.inputs import PlanModel
@@ -50,8 +50,8 @@ def _outer_rows(jitted, model: PlanModel, layout: Layout) -> list[dict]:
     )
     text = jitted.step_fn.lower(jitted.abstract_state, batch, act).compile().as_text()
     measured = hlo.summarize(hlo.collectives(text, dict(mesh.shape)))
-    measured = {k: v for k, v in measured.items() if k[0] == sync.AXIS}
-    exp = {(sync.AXIS, k): b for k, b in sync.exchange_bytes(model.abstract_params, layout).items()}
+    measured = {k: v for k, v in measured.items() if k[0] == REPLICA}
+    exp = {(REPLICA, k): b for k, b in sync.exchange_bytes(model.abstract_params, layout).items()}
     return _rows(measured, exp)
 
 

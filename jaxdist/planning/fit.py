@@ -4,8 +4,10 @@ one rule that says whether a step fits a device.
 Policies trade memory for recompute: keeping every activation is fastest and largest, full
 remat recomputes a whole forward and keeps only each layer's input. Which one a step needs
 depends on the model, the batch, the layout and the device, so no fixed default serves: a
-preset's `dots` left a Llama-2-7B at 4 rows per v5p chip where full remat fits 47, while a
-small model would pay full remat's extra forward for nothing.
+preset's `dots` left a Llama-2-7B at 4 rows per v5p chip where full remat fits 47 (compiled for
+v5p-16 by jax 0.11.2 with libtpu 0.0.48 at 750f0cc, 2026-12-02; experiments/README.md, "Beside
+MaxText on the same compiler"), while a small model would pay full remat's extra forward for
+nothing.
 
 `choose` walks the policies from fastest to leanest (the model family's order) and takes the
 first whose predicted peak (jaxdist.planning.memory.device_peak) `fits`: the device's budget

@@ -1,20 +1,20 @@
 """FP8 in the plan (`--fp8 current|delayed`): which GEMMs the model runs on FP8 operands, and
 what the layout gains over the same layout in the compute dtype.
 
-The projections of attention and the MLP, each by jaxdist.kernels.fp8.worth_fp8 (the model's
-own rule; `--fp8-filter none`: all of them), run their forward and both backward GEMMs at the
-hardware's FP8 peak, scaled by the same efficiency curve as bf16's (planning.compute: one rate
-per GEMM shape, from the peak its operands run at), and pay for casting their operands
-(planning.compute.fp8_cast_bytes). The head, attention's own products and MoE's experts stay in
-the compute dtype, as the model keeps them. Not priced: the amax's all-reduce over the batch
-axes (a scalar per tensor: latency, not bytes), and any memory the FP8 copies add.
+The projections of attention and the MLP, each where jaxdist.kernels.fp8.projection_recipe
+runs it in FP8 (the model's own rule; `--fp8-filter none`: all of them), run their forward and
+both backward GEMMs at the hardware's FP8 peak, scaled by the same efficiency curve as bf16's
+(planning.compute: one rate per GEMM shape, from the peak its operands run at), and pay for
+casting their operands (planning.compute.fp8_cast_bytes). The head, attention's own products
+and MoE's experts stay in the compute dtype, as the model keeps them. Not priced: the amax's
+all-reduce over the batch axes (a scalar per tensor: latency, not bytes), and any memory the
+FP8 copies add.
 """
 
 import dataclasses
 
-from jaxdist.errors import ConfigError
 from jaxdist.hardware import Hardware
-from jaxdist.kernels.fp8 import worth_fp8
+from jaxdist.kernels.fp8 import no_fp8_units, projection_recipe
 from jaxdist.layout import Layout
 from jaxdist.planning.compute import Matmul, Work
 
@@ -24,27 +24,24 @@ def projections(work: Work) -> list[Matmul]:
     return [m for m in work.matmuls if m.in_layers and not m.expert]
 
 
-def _admitted(m: Matmul, fp8_filter: str) -> bool:
+def _admitted(m: Matmul, step) -> bool:
+    """Whether the model runs this projection in FP8 (the kernel's rule on its d_in, d_out)."""
     d_in, d_out = (m.embed, m.other) if m.embed_in else (m.other, m.embed)
-    return fp8_filter == "none" or worth_fp8(d_in, d_out)
+    return projection_recipe(step, d_in, d_out) != "off"
 
 
 def admit(work: Work, layout: Layout, hw: Hardware) -> Work:
     """The work with the projections the step runs in FP8 marked (none with --fp8 off). A
-    ConfigError where the hardware has no FP8 matmul units."""
+    ConfigError where the hardware has no FP8 matmul units (kernels.fp8.no_fp8_units)."""
     step = layout.step
     if step.fp8 == "off":
         return work
     if not hw.fp8_peak_flops:
-        raise ConfigError(
-            f"--fp8 {step.fp8}: {hw.name} has no FP8 matmul units (jaxdist/hardware.toml: no "
-            "fp8_peak_flops); drop --fp8, or plan for h100 or h200"
-        )
+        why = "jaxdist/hardware.toml gives it no fp8_peak_flops"
+        raise no_fp8_units(step.fp8, hw.name, why, "drop --fp8, or plan for h100 or h200")
     eligible = set(map(id, projections(work)))
     matmuls = tuple(
-        dataclasses.replace(m, fp8=True)
-        if id(m) in eligible and _admitted(m, step.fp8_filter)
-        else m
+        dataclasses.replace(m, fp8=True) if id(m) in eligible and _admitted(m, step) else m
         for m in work.matmuls
     )
     return dataclasses.replace(work, matmuls=matmuls)

@@ -8,10 +8,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from jaxdist.errors import ConfigError
-from jaxdist.layout import MESH_AXES, AxisRules, Layout, Problem
+from jaxdist.layout import MESH_AXES, REPLICA, AxisRules, Layout, Problem
 from jaxdist.parallel import schedules
 from jaxdist.planning.inputs import PlanConfig, PlanModel
-from jaxdist.planning.sync import AXIS
 from jaxdist.rules import check_divisible, logical_axes
 
 
@@ -22,7 +21,7 @@ def factorizations(n: int, axes: tuple[str, ...], replicas: int = 0) -> list[dic
         return [{}] if n == 1 else []
     out = []
     for size in range(1, n + 1):
-        if n % size == 0 and not (axes[0] == AXIS and replicas and size not in (1, replicas)):
+        if n % size == 0 and not (axes[0] == REPLICA and replicas and size not in (1, replicas)):
             for rest in factorizations(n // size, axes[1:]):
                 out.append({axes[0]: size, **rest})
     return out
@@ -40,7 +39,7 @@ def layout_of(
     if step.microbatches == 1 and stages > 1:
         step = dataclasses.replace(step, microbatches=4 * stages)
     full = tuple((a, sizes.get(a, 1)) for a in MESH_AXES)
-    groups = cfg.sync if sizes.get(AXIS, 1) > 1 else None  # how a replica axis's groups meet
+    groups = cfg.sync if sizes.get(REPLICA, 1) > 1 else None  # how a replica axis's groups meet
     return Layout(full, rules, step, remat, cfg.batch_size, seq_len, groups)
 
 

@@ -144,7 +144,9 @@ def device_peak(model: PlanModel, layout: Layout, platform: str) -> dict[str, fl
     its own assignment, about a second copy of the fp32 logits chunk, and of the state a loop
     carries and the weights it reads (experiments/tpu_loop_state.py isolates that share): for
     a pipeline stage, its weights (its layers, and the table and head it holds gathered) and
-    their gradient accumulators, carried through the tick loop. Measured on v5p, not derived.
+    their gradient accumulators, carried through the tick loop. Measured, not derived: compiled
+    for a v5p slice by libtpu 0.0.48 (jax 0.11.2) at 7d7519e, 2026-12-01 (experiments/README.md,
+    "What the TPU compiler counts beyond its buffer assignment").
 
     With replica groups (a `replica` axis and a SyncConfig), a device holds one group's step
     and, as `outer`, its share of the outer state (planning.sync.outer_state_bytes).

@@ -40,6 +40,7 @@ import bisect
 import math
 
 from jaxdist.layout import Layout
+from jaxdist.model import param_count
 from jaxdist.rules import variables
 
 # The paper's synchronization cadence for Tables 4 and 5.
@@ -123,17 +124,13 @@ def tokens_factor(gap: float, params: float) -> float:
     return base ** (1 / c["beta"])
 
 
-def param_count(abstract_params) -> int:
-    return sum(math.prod(v.shape) for v in variables(abstract_params))
-
-
 def quality_terms(abstract_params, layout: Layout) -> dict[str, float]:
     """A row's price in loss per token: the loss gap, the tokens factor (1 without replica
     groups: every other layout computes data parallelism's step; the parameters are counted
     only for layouts with groups, the few among the many the planner prices)."""
     if not layout.grouped:
         return {"loss_gap": 0.0, "tokens_factor": 1.0}
-    params = param_count(abstract_params)
+    params = param_count(v.shape for v in variables(abstract_params))
     gap = loss_gap(params, layout.replicas)
     return {"loss_gap": gap, "tokens_factor": tokens_factor(gap, params)}
 

@@ -34,7 +34,7 @@ from jaxdist.parallel import exchange, replica
 from jaxdist.planning import costmodel
 from jaxdist.rules import logical_axes, variables
 
-AXIS = "replica"
+# planning.layouts reads it here until its why_not is rewritten: the constant is mesh.REPLICA.
 # The compute utilization `plan` quotes each layout's slow-link bandwidth for: compute /
 # (compute + exposed communication), as Charles et al. (arXiv:2503.09799, Table 6) quote it.
 TARGET_UTILIZATION = 0.8
@@ -46,7 +46,7 @@ def outer_state_bytes(params_bytes: float, layout: Layout) -> float:
     if not layout.grouped:
         return 0.0
     M = layout.replicas
-    per_param = 4 + 4 / M if layout.sync.sync_dtype in exchange.EIGHT_BIT else 8 / M
+    per_param = 4 + 4 / M if replica.keeps_outer_copy(layout.sync) else 8 / M
     return params_bytes / 4 * per_param
 
 

@@ -5,6 +5,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from jaxdist.layout import REPLICA
 from jaxdist.profiling import spans as iv
 from jaxdist.profiling.xplane import Event, Trace, step_windows
 
@@ -119,7 +120,7 @@ def _device_step(num, d, ws, we, events, sync_s, axes_of, bytes_of) -> dict:
 def _outer(e: Event, axes_of: dict[str, str], bytes_of: dict[str, int]) -> bool:
     """A collective of the replica groups' outer step: over `replica`, and more than the few
     scalars of the logged metrics."""
-    if e.kind != "collective" or "replica" not in axes_of.get(e.name, "").split("+"):
+    if e.kind != "collective" or REPLICA not in axes_of.get(e.name, "").split("+"):
         return False
     return bytes_of.get(e.name, 0) > 64
 
