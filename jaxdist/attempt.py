@@ -3,10 +3,10 @@ besides the train state, and the work it does between steps.
 
 `Run` is what the attempt is given, the same for every attempt of the run: the model, its
 jitted step, the data, the run directory. `open_attempt` starts one: the run's record (checked
-against its checkpoint before anything is written), the first state (the newest good
-checkpoint's, or a new one), the logs (metrics.jsonl and its sinks: TensorBoard, W&B), the step
-timer and the checkpoint tiers. `Attempt` places batches and evaluates; `close_attempt` commits
-the last save and writes summary.json.
+against its checkpoint before anything is written), the first state (`restore_or_init`: the
+newest good checkpoint of either tier, or a new one), the logs (metrics.jsonl and its sinks:
+TensorBoard, W&B), the step timer and the checkpoint tiers. `Attempt` places batches and
+evaluates; `close_attempt` commits the last save and writes summary.json.
 """
 
 import dataclasses
@@ -20,16 +20,19 @@ from jax.sharding import Mesh
 from rich.console import Console
 
 from jaxdist import hardware
-from jaxdist.checkpoint.resume import rerun_hint, restore_or_init, write_record
-from jaxdist.checkpoint.store import param_shapes
-from jaxdist.checkpoint.tiers import Tiers, close_stores, open_stores
+from jaxdist.checkpoint.damage import set_aside_steps
+from jaxdist.checkpoint.local import LocalDamaged, LocalTier
+from jaxdist.checkpoint.resume import rerun_hint, write_record
+from jaxdist.checkpoint.store import Restored, param_shapes
+from jaxdist.checkpoint.tiers import Stores, Tiers, open_stores
 from jaxdist.cluster.faults import Faults
 from jaxdist.cluster.watchdog import Watchdog
 from jaxdist.config import RunConfig
 from jaxdist.data import TokenBatches
 from jaxdist.data.mixture import Tally
+from jaxdist.errors import TrainingStopped
 from jaxdist.evaluation import coverage, evaluate
-from jaxdist.layout import AxisRules
+from jaxdist.layout import AxisRules, spec
 from jaxdist.metrics import wandb_log
 from jaxdist.metrics.goodput import Ledger, read_report, totals
 from jaxdist.metrics.progress import step_of
@@ -39,6 +42,11 @@ from jaxdist.metrics.tensorboard import TensorBoardLog
 from jaxdist.model import ModelSpec
 from jaxdist.profiling.capture import Capture
 from jaxdist.step import JittedStep
+
+
+class NoCheckpointRestores(TrainingStopped):
+    """The run holds checkpoints, none of which restores, and --allow-fresh-start was not
+    given; they all stay. The CLI prints the message as one line and exits 1."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +164,7 @@ def open_attempt(run: Run, extra: dict | None = None, init_state=None) -> tuple[
         run_dir, model, mesh, run.rules, config, data_record(batches), extra, console
     )
     faults = Faults(loop.faults(), run_dir, jax.process_index())
-    checkpointer, local = open_stores(config.checkpoint, run_dir, faults)
+    stores = open_stores(config.checkpoint, run_dir, faults)
     shapes = param_shapes(jitted.abstract_state.params)
     t_start = time.perf_counter()
     ledger = Ledger()  # goodput: every second of this attempt, from its process's start
@@ -164,13 +172,13 @@ def open_attempt(run: Run, extra: dict | None = None, init_state=None) -> tuple[
     past = read_metrics(run_dir / "metrics.jsonl")
     try:
         state, start, restored = restore_or_init(
-            checkpointer, jitted, shapes, run_dir, past, console, init_state, local,
+            stores, jitted, shapes, run_dir, past, console, init_state,
             config.checkpoint.allow_fresh_start,
         )  # fmt: skip
     except BaseException:
         # Orbax's threads (the temporary directories' cleanup) end before the process does,
         # or they complain at interpreter shutdown, after the one message that matters.
-        close_stores(checkpointer, local)
+        stores.close()
         raise
     ledger.begin(start, past)
     log = _logs(run, record, ledger, start)
@@ -187,7 +195,7 @@ def open_attempt(run: Run, extra: dict | None = None, init_state=None) -> tuple[
         "mesh": dict(mesh.shape),
         "run": str(run_dir.resolve()),  # a local tier is used only by the run that wrote it
     }
-    tiers = Tiers(checkpointer, local, config.checkpoint, ckpt_meta, timer, ledger, log, console)
+    tiers = Tiers(stores, config.checkpoint, ckpt_meta, timer, ledger, log, console)
     if restored is not None:
         tiers.resume(restored.step, past)
     tiers.prepare(jitted.abstract_state)
@@ -203,6 +211,78 @@ def open_attempt(run: Run, extra: dict | None = None, init_state=None) -> tuple[
         f"batch {config.data.batch_size} x {model.seq_len}; run dir {run_dir}"
     )
     return attempt, state
+
+
+def restore_or_init(
+    stores: Stores,
+    jitted: JittedStep,
+    shapes,
+    run_dir,
+    past: list[dict],
+    console,
+    init_state=None,
+    allow_fresh_start: bool = False,
+):
+    """Stage 5, recover: the newest checkpoint of either tier that reads and verifies (the
+    local tier's only where it is newer), resharded onto this mesh, or a fresh state
+    (`init_state(compiled)` if given, e.g. pretrained weights, else the model's init).
+    `past`: the run's metrics records so far. Returns (state, first step to run, the restored
+    checkpoint)."""
+    checkpointer = stores.checkpointer
+    before = checkpointer.steps()
+    newest = before[-1] if before else -1
+    restored = _restore_local(stores.local, newest, jitted, run_dir, console)
+    restored = restored or checkpointer.restore_latest(jitted.abstract_state, shapes)
+    if restored is None:
+        aside = set_aside_steps(checkpointer.directory)
+        if (before or aside) and not allow_fresh_start:
+            raise NoCheckpointRestores(
+                f"{run_dir} holds checkpoints but none restores (set aside as damaged: "
+                f"{', '.join(aside) or 'none'}, in {checkpointer.directory}); starting again "
+                "at step 0 would leave their work behind. Look at them (jaxdist runs "
+                f"{run_dir}), or pass --allow-fresh-start to start over beside them"
+            )
+        return (init_state or (lambda c: c.init_fn()))(jitted), 0, None
+    start = int(restored.state.step)
+    logged = [r["step"] for r in past if "loss" in r]
+    redo = (
+        f"; steps {start}..{max(logged)} are recomputed" if logged and max(logged) >= start else ""
+    )
+    tier = " (local tier)" if restored.meta.get("tier") == "local" else ""
+    console.print(
+        f"resuming from checkpoint step {restored.step}{tier} (written on mesh "
+        f"{_mesh_spec(restored.meta.get('mesh'))}) at step {start}{redo}",
+        soft_wrap=True,
+    )
+    return restored.state, start, restored
+
+
+def _mesh_spec(mesh) -> str:
+    """A checkpoint's recorded mesh as --mesh takes it (as recorded, where it is no dict)."""
+    return spec(mesh) if isinstance(mesh, dict) else str(mesh)
+
+
+def _restore_local(
+    local: LocalTier | None, persistent_newest: int, jitted: JittedStep, run_dir, console
+) -> Restored | None:
+    """The local tier's newest checkpoint every process holds, if newer than the persistent
+    tier's; None (fall back to the persistent tier) if it is not, or does not read."""
+    if local is None:
+        return None
+    run = str(pathlib.Path(run_dir).resolve())
+    step = local.newest_common(jitted.abstract_state, accept=lambda meta: meta.get("run") == run)
+    if step is None or step <= persistent_newest:
+        return None
+    try:
+        state = local.restore(step, jitted.abstract_state)
+    except LocalDamaged as e:
+        console.print(
+            f"local checkpoint {step} does not restore ({e}); falling back to the persistent tier",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return None
+    return Restored(state, step, {"tier": "local", "mesh": dict(jitted.batch_sharding.mesh.shape)})
 
 
 def close_attempt(a: Attempt, preempted: tuple[int, str] | None) -> dict:

@@ -12,16 +12,29 @@ then over fewer distinct tokens than it averages, which `coverage` counts and
 """
 
 import math
+from collections.abc import Callable
+from typing import Protocol
 
 import grain
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxdist.cluster.join import local_value, process_rows
 from jaxdist.config import DataConfig, EvalConfig
 from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
-from jaxdist.step import JittedStep
+
+
+class Evaluates(Protocol):
+    """What `evaluate` runs: a train step's jitted functions (jaxdist.step.JittedStep), or an
+    opened run's forward alone (jaxdist.inference.runs.Forward)."""
+
+    @property
+    def eval_fn(self) -> Callable: ...
+
+    @property
+    def batch_sharding(self) -> NamedSharding: ...
 
 
 def eval_batches(
@@ -50,7 +63,7 @@ def eval_batches(
         return None
 
 
-def evaluate(jitted: JittedStep, params, batches: TokenBatches, steps) -> float:
+def evaluate(jitted: Evaluates, params, batches: TokenBatches, steps) -> float:
     """Mean loss of `params` over the batches of these steps, no update: a held-out loss when
     the batches come from data (or positions of the stream) the run never trains on."""
     losses = []

@@ -327,7 +327,7 @@ def build(
         weights = jax.jit(lambda state: state.outer.params, out_shardings=param_sharding)
     init_fn = jax.jit(init, out_shardings=state_sharding)
     start_fn = jax.jit(start, out_shardings=state_sharding, donate_argnums=0)
-    eval_fn = _eval_fn(built, layout, mesh, vocab, (param_sharding, tokens_sharding))
+    eval_fn = eval_function(init_model, layout, mesh, vocab, (param_sharding, tokens_sharding))
 
     def traced_step(state, batch, act=None):
         with activation_rules(layout, mesh):
@@ -352,13 +352,25 @@ def build(
     )
 
 
-def _eval_fn(built: Callable, layout: Layout, mesh: Mesh, vocab: Vocab, in_shardings):
+def eval_function(
+    init_model: Callable[[nnx.Rngs], nnx.Module],
+    layout: Layout,
+    mesh: Mesh,
+    vocab: Vocab,
+    in_shardings,
+) -> Callable[[nnx.State, jax.Array], jax.Array]:
     """The held-out loss `eval_fn(params, tokens_BT1)`: the whole batch at once, no
     microbatches (the lookup weighs them), in the compute dtype (FP8 is how the step trains,
-    not the model: its model holds no FP8 state)."""
+    not the model: its model holds no FP8 state). The one forward loss of both `build` and a
+    run opened for use (jaxdist.inference.runs), which builds no step."""
     config = layout.step
     whole = dataclasses.replace(layout, step=dataclasses.replace(config, microbatches=1, fp8="off"))
-    graphdef = nnx.split(nnx.eval_shape(lambda: built(whole)))[0]
+
+    def built() -> nnx.Module:
+        with activation_rules(whole, mesh):
+            return init_model(nnx.Rngs(0))
+
+    graphdef = nnx.split(nnx.eval_shape(built))[0]
 
     def eval_loss(params: nnx.State, tokens_BT1: jax.Array) -> jax.Array:
         with activation_rules(whole, mesh):

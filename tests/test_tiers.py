@@ -11,7 +11,7 @@ from rich.console import Console
 from jaxdist.checkpoint.interval import CheckpointConfig
 from jaxdist.checkpoint.local import LocalTier
 from jaxdist.checkpoint.store import Checkpointer
-from jaxdist.checkpoint.tiers import Tier, Tiers
+from jaxdist.checkpoint.tiers import Stores, Tier, Tiers
 from jaxdist.metrics.goodput import Ledger
 
 
@@ -60,7 +60,7 @@ def _tiers(config: CheckpointConfig, local: bool = True):
     timer, log = Timer(), Log()
     meta = {"param_shapes": {}}
     console = Console(file=io.StringIO())
-    tiers = Tiers(persistent, near, config, meta, timer, Ledger(), log, console)
+    tiers = Tiers(Stores(persistent, near), config, meta, timer, Ledger(), log, console)
     return tiers, persistent, near, timer, log
 
 
@@ -168,6 +168,7 @@ def test_the_local_tier_is_discarded_only_when_the_run_finished(finished):
     # would only be left behind. A stopped run keeps them for its resume.
     near = Discardable(0.25)
     config = CheckpointConfig(every="4", local_dir="unused", local_every="2")
-    tiers = Tiers(Store(0.5), near, config, {}, Timer(), Ledger(), Log(), Console(quiet=True))
+    stores = Stores(Store(0.5), near)
+    tiers = Tiers(stores, config, {}, Timer(), Ledger(), Log(), Console(quiet=True))
     tiers.close(finished=finished)
     assert near.closed and near.discarded == finished

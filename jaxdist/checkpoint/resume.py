@@ -1,5 +1,6 @@
-"""The run directory's record and resuming from it (stage 5, recover): config.json, the data
-check a resume must pass, and the newest good checkpoint or a fresh state."""
+"""The run directory's record (stage 5, recover): config.json, and the check a resume must pass
+against its checkpoint's record (the same model, data stream, optimizer, replica groups and FP8
+recipe). Restoring the state itself is the loop's: jaxdist.attempt.restore_or_init."""
 
 import dataclasses
 import json
@@ -9,17 +10,7 @@ from typing import Any
 
 import jax
 
-from jaxdist.checkpoint.damage import set_aside_steps
-from jaxdist.checkpoint.local import LocalDamaged
-from jaxdist.checkpoint.store import Checkpointer, Restored
-from jaxdist.errors import ConfigError, TrainingStopped
-from jaxdist.layout import spec
-from jaxdist.step import JittedStep
-
-
-class NoCheckpointRestores(TrainingStopped):
-    """The run holds checkpoints, none of which restores, and --allow-fresh-start was not
-    given; they all stay. The CLI prints the message as one line and exits 1."""
+from jaxdist.errors import ConfigError
 
 
 def _as_record(obj) -> Any:
@@ -83,10 +74,6 @@ def _checkpointed_record(run_dir: pathlib.Path) -> tuple[int, dict] | None:
         except (OSError, KeyError, ValueError):
             continue  # restore_latest sets an unreadable checkpoint aside
     return None
-
-
-def _as_spec(mesh) -> str:
-    return spec(mesh) if isinstance(mesh, dict) else str(mesh)
 
 
 def rerun_hint(run_dir: pathlib.Path) -> str:
@@ -179,69 +166,3 @@ def write_record(
             f"cannot write run directory {run_dir}: {e.strerror}; pass a writable --run-dir"
         ) from None
     return record
-
-
-def restore_or_init(
-    checkpointer: Checkpointer,
-    jitted: JittedStep,
-    shapes,
-    run_dir,
-    past: list[dict],
-    console,
-    init_state=None,
-    local=None,
-    allow_fresh_start: bool = False,
-):
-    """Stage 5, recover: the newest checkpoint of either tier that reads and verifies (the
-    local tier's only where it is newer), resharded onto this mesh, or a fresh state
-    (`init_state(compiled)` if given, e.g. pretrained weights, else the model's init).
-    `past`: the run's metrics records so far. Returns (state, first step to run, the restored
-    checkpoint)."""
-    before = checkpointer.steps()
-    restored = _restore_local(local, before[-1] if before else -1, jitted, run_dir, console)
-    restored = restored or checkpointer.restore_latest(jitted.abstract_state, shapes)
-    if restored is None:
-        aside = set_aside_steps(checkpointer.directory)
-        if (before or aside) and not allow_fresh_start:
-            raise NoCheckpointRestores(
-                f"{run_dir} holds checkpoints but none restores (set aside as damaged: "
-                f"{', '.join(aside) or 'none'}, in {checkpointer.directory}); starting again "
-                "at step 0 would leave their work behind. Look at them (jaxdist runs "
-                f"{run_dir}), or pass --allow-fresh-start to start over beside them"
-            )
-        return (init_state or (lambda c: c.init_fn()))(jitted), 0, None
-    start = int(restored.state.step)
-    logged = [r["step"] for r in past if "loss" in r]
-    redo = (
-        f"; steps {start}..{max(logged)} are recomputed" if logged and max(logged) >= start else ""
-    )
-    tier = " (local tier)" if restored.meta.get("tier") == "local" else ""
-    console.print(
-        f"resuming from checkpoint step {restored.step}{tier} (written on mesh "
-        f"{_as_spec(restored.meta.get('mesh'))}) at step {start}{redo}",
-        soft_wrap=True,
-    )
-    return restored.state, start, restored
-
-
-def _restore_local(
-    local, persistent_newest: int, jitted: JittedStep, run_dir, console
-) -> Restored | None:
-    """The local tier's newest checkpoint every process holds, if newer than the persistent
-    tier's; None (fall back to the persistent tier) if it is not, or does not read."""
-    if local is None:
-        return None
-    run = str(pathlib.Path(run_dir).resolve())
-    step = local.newest_common(jitted.abstract_state, accept=lambda meta: meta.get("run") == run)
-    if step is None or step <= persistent_newest:
-        return None
-    try:
-        state = local.restore(step, jitted.abstract_state)
-    except LocalDamaged as e:
-        console.print(
-            f"local checkpoint {step} does not restore ({e}); falling back to the persistent tier",
-            highlight=False,
-            soft_wrap=True,
-        )
-        return None
-    return Restored(state, step, {"tier": "local", "mesh": dict(jitted.batch_sharding.mesh.shape)})

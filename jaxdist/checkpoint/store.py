@@ -28,6 +28,7 @@ import os
 import pathlib
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn
 
 import jax
@@ -138,6 +139,18 @@ class Restored(NamedTuple):
     state: Any
     step: int  # the checkpoint's step: the state after that step's update
     meta: dict
+
+
+class Part(NamedTuple):
+    """A part of a saved state, read alone (Orbax's partial restore), as a model's user reads
+    a checkpoint: its weights, not the optimizer state beside them."""
+
+    tree: dict
+    """the part, abstract, keyed as the saved tree is (the state's fields by name):
+    {"params": ...}"""
+    first: Callable[[dict], int]
+    """where the part's leaves start among the saved state's (the fingerprint's entries),
+    from the saved tree's metadata (dicts by field name, None where the state holds none)"""
 
 
 class Checkpointer:
@@ -328,14 +341,15 @@ class Checkpointer:
         return json.loads((self.directory / str(step) / "meta" / "metadata").read_text())
 
     def restore_latest(
-        self, abstract_state, expect_shapes: dict[str, list[int]]
+        self, abstract_state, expect_shapes: dict[str, list[int]], steps: list[int] | None = None
     ) -> Restored | None:
-        """The newest checkpoint that reads and verifies, laid out as `abstract_state` says.
+        """The newest checkpoint (of `steps`; default: all) that reads and verifies, laid out as
+        `abstract_state` says; a `Part` of the state reads that part alone.
 
         A checkpoint the read shows damaged is set aside and the next older tried; any other
         error raises RestoreFailed, every checkpoint left in place (jaxdist.checkpoint.damage).
         """
-        for step in reversed(self.steps()):
+        for step in reversed(self.steps() if steps is None else steps):
             path = self.directory / str(step)
             try:
                 self.faults.before_restore(step)
@@ -347,10 +361,7 @@ class Checkpointer:
                         "parameter shapes than this run's model; use another --run-dir, or the "
                         "--model and sizes it was written with"
                     )
-                restored = self._manager.restore(
-                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-                )
-                state = restored.state
+                state, where = self._read(step, abstract_state)
                 fp = fingerprint(state)
             except ConfigError:
                 raise
@@ -360,12 +371,29 @@ class Checkpointer:
                     raise damage.restore_failed(path, e, self.rerun) from e
                 self._set_aside(step, why)
                 continue
-            want = np.asarray(meta["fingerprint"])
+            want = np.asarray(meta["fingerprint"])[where : where + len(fp)]
             if fp.shape != want.shape or not np.allclose(fp, want, rtol=1e-4, atol=1e-3):
                 self._set_aside(step, "its contents do not match the fingerprint saved with it")
                 continue
             return Restored(state, step, meta)
         return None
+
+    def _read(self, step: int, abstract_state) -> tuple[Any, int]:
+        """The state of checkpoint `step` (or the `Part` of it), and where its leaves start
+        among the saved state's."""
+        if not isinstance(abstract_state, Part):
+            args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            return self._manager.restore(step, args=args).state, 0
+        path = self.directory / str(step) / "state"
+        saved = ocp.StandardCheckpointHandler().metadata(path).tree
+        part = abstract_state.tree
+        args = ocp.args.PyTreeRestore(
+            item=part,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(part),
+            partial_restore=True,
+        )
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(path, args=args), abstract_state.first(saved)
 
     def _set_aside(self, step: int, why: str) -> None:
         damage.set_aside(self.directory, step, why)

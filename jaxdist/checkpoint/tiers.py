@@ -41,25 +41,29 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
-def open_stores(
-    config: CheckpointConfig, run_dir: pathlib.Path, faults: Faults
-) -> tuple[Checkpointer, LocalTier | None]:
+class Stores(NamedTuple):
     """The persistent store and the local tier (None without --local-checkpoint-dir), opened
-    before the restore, which reads both."""
+    before the restore, which reads both; `Tiers` then saves to them."""
+
+    checkpointer: Checkpointer
+    local: LocalTier | None
+
+    def close(self) -> None:
+        """Waits for the saves in flight to commit (the persistent one raises if it failed)."""
+        self.checkpointer.close()
+        if self.local is not None:
+            self.local.close()
+
+
+def open_stores(config: CheckpointConfig, run_dir: pathlib.Path, faults: Faults) -> Stores:
+    """The run's persistent store and, with --local-checkpoint-dir, its local tier."""
     checkpointer = Checkpointer(run_dir / "checkpoints", config.keep, rerun_hint(run_dir), faults)
     if config.local_dir is None:
-        return checkpointer, None
+        return Stores(checkpointer, None)
     # A folder per run: runs sharing a node's disk never prune each other's checkpoints.
     run = str(run_dir.resolve())
     key = f"{run_dir.resolve().name}-{hashlib.sha1(run.encode()).hexdigest()[:8]}"
-    return checkpointer, LocalTier(pathlib.Path(config.local_dir) / key, keep=2)
-
-
-def close_stores(checkpointer: Checkpointer, local: LocalTier | None) -> None:
-    """Waits for the saves in flight to commit (the persistent one raises if it failed)."""
-    checkpointer.close()
-    if local is not None:
-        local.close()
+    return Stores(checkpointer, LocalTier(pathlib.Path(config.local_dir) / key, keep=2))
 
 
 class _Scheduled(NamedTuple):
@@ -79,8 +83,7 @@ class Tiers:
 
     def __init__(
         self,
-        checkpointer: Checkpointer,
-        local: LocalTier | None,
+        stores: Stores,
         config: CheckpointConfig,
         meta: dict,
         timer: StepTimer,
@@ -88,13 +91,14 @@ class Tiers:
         log: MetricsLog | None,
         console: Console,
     ):
-        self.checkpointer, self.local, self.meta = checkpointer, local, meta
+        self.stores, self.meta = stores, meta
+        self.checkpointer, self.local = stores
         self.timer, self.ledger, self.log, self.console = timer, ledger, log, console
         n = jax.device_count()
-        self._persistent = _Scheduled("persistent", checkpointer, Interval(config, n))
+        self._persistent = _Scheduled("persistent", self.checkpointer, Interval(config, n))
         self._local = None
-        if local is not None:
-            self._local = _Scheduled("local", local, Interval(config, n, tier="local"))
+        if self.local is not None:
+            self._local = _Scheduled("local", self.local, Interval(config, n, tier="local"))
         self.saves: list[float] = []  # the persistent tier's blocked seconds, for summary.json
         self._shown: dict[str, float] = {}  # per tier, the interval last printed (seconds)
         self._compiling = None  # the fingerprint's compile, beside the loop (`prepare`)
@@ -140,7 +144,7 @@ class Tiers:
         if self._compiling is not None:  # no thread left compiling as the process ends
             concurrent.futures.wait([self._compiling])
         with self.ledger.part("checkpoint"):
-            close_stores(self.checkpointer, self.local)
+            self.stores.close()
         if finished and self.local is not None:
             self.local.discard()
 

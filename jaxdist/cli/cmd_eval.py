@@ -10,8 +10,9 @@ from typing import Annotated
 
 import tyro
 
-from jaxdist.cli.options import DEFAULT_CACHE, MESH_HELP, Common, setup
+from jaxdist.cli.options import DEFAULT_CACHE, MESH_HELP, Common, computes, devices_and_mesh
 from jaxdist.errors import ConfigError
+from jaxdist.inference import runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,17 +33,6 @@ class Eval:
     """default: the run's"""
     compile_cache: str = DEFAULT_CACHE
     """persistent XLA compilation cache directory, or off"""
-
-
-def _record(run_dir: pathlib.Path) -> dict:
-    """The run's config.json, or one line saying it is not a run directory."""
-    try:
-        return json.loads((run_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(
-            f"{run_dir}/config.json is missing or unreadable ({e}); pass a run directory "
-            "made by jaxdist train"
-        ) from None
 
 
 def _held_out(args: Eval, record: dict, held, model, num_batches: int):
@@ -73,40 +63,28 @@ def _held_out(args: Eval, record: dict, held, model, num_batches: int):
 
 def evaluate(args: Eval) -> int:
     run_dir = pathlib.Path(args.run_dir)
-    record = _record(run_dir)
+    record = runs.read_record(run_dir)
     num_batches = args.batches
     if num_batches is None:
         num_batches = record.get("eval", {}).get("eval_batches", 20)
     if num_batches < 1:
         raise ConfigError(f"--batches {num_batches} must be at least 1")
     batch_size = args.batch_size or record["data"]["batch_size"]
-    common = Common(
-        mesh=args.mesh,
-        devices=args.devices,
-        batch_size=batch_size,
-        compile_cache=args.compile_cache,
-    )
-    mesh, layout, platform_cfg, _ = setup(common)
-    rules = layout.rules
+    common = Common(mesh=args.mesh, devices=args.devices, compile_cache=args.compile_cache)
+    mesh, rules, platform = devices_and_mesh(common)
 
     import jax
 
-    from jaxdist.checkpoint.store import restore
     from jaxdist.cluster.join import process_rows
-    from jaxdist.config import DataConfig, OptimConfig
+    from jaxdist.config import DataConfig
     from jaxdist.evaluation import evaluate, report
-    from jaxdist.layout import Layout, StepConfig
-    from jaxdist.optim import make_optimizer
-    from jaxdist.parallel import replica
-    from jaxdist.step import Vocab, build
+    from jaxdist.kernels.loss import Vocab
     from models.presets import from_record, model_spec
 
     # The recorded model, computed as this platform computes (dtype, attention kernel).
-    model_cfg = dataclasses.replace(
-        from_record(record["model"]),
-        compute_dtype=platform_cfg.compute_dtype,
-        attention=platform_cfg.attention,
-    )
+    compute_dtype, attention = computes(platform)
+    model_cfg = from_record(record["model"])
+    model_cfg = dataclasses.replace(model_cfg, compute_dtype=compute_dtype, attention=attention)
     model = model_spec(model_cfg)
     held = DataConfig(
         path=args.data or record["data"]["path"],
@@ -114,26 +92,14 @@ def evaluate(args: Eval) -> int:
         seed=record["data"]["seed"],
     )
     batches = _held_out(args, record, held, model, num_batches)
-    # The optimizer's structure must match the checkpoint's, though only parameters are used.
-    tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
-    step_cfg = StepConfig(
-        document_mask=record["step"].get("document_mask", True),
-        **StepConfig.recorded_state(record["step"]),  # --fp8 delayed: its state's shape
-    )
-    vocab = Vocab(batches.vocab_size, batches.eos_id)
-    sync = replica.recorded(record, mesh.shape, run_dir)  # replica groups: the outer weights
-    layout = Layout.on(
-        mesh, rules, step_cfg, batch_size=batch_size, seq_len=model.seq_len, sync=sync
-    )
-    jitted = build(model.init, tx, lr, layout, mesh, vocab=vocab)
-    batches = batches.for_rows(process_rows(jitted.batch_sharding, (batch_size, model.seq_len + 1)))
-    restored = restore(run_dir, jitted.abstract_state)
-    if restored is None:
-        raise ConfigError(f"{run_dir} holds no valid checkpoint to evaluate")
-    loss = evaluate(jitted, jitted.weights(restored.state), batches, range(num_batches))
+    run = runs.open_run(run_dir, model, mesh, rules)
+    forward = run.forward(Vocab(batches.vocab_size, batches.eos_id), batch_size)
+    shape = (batch_size, model.seq_len + 1)
+    batches = batches.for_rows(process_rows(forward.batch_sharding, shape))
+    loss = evaluate(forward, run.params, batches, range(num_batches))
     # The checkpoint's step, as train names it (checkpoint 299, "eval loss (step 299)"), not
     # the state's count of updates (300).
-    out = {"run_dir": str(run_dir), "step": restored.step}
+    out = {"run_dir": str(run_dir), "step": run.step}
     out |= report(loss, batches, num_batches)
     out |= {"mesh": dict(mesh.shape), "data": held.path or "embedded"}
     if jax.process_index() == 0:

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from jaxdist.cli.options import DEFAULT_CACHE, MESH_HELP, Common, setup
+from jaxdist.cli.options import DEFAULT_CACHE, MESH_HELP, Common, computes, devices_and_mesh
 from jaxdist.errors import ConfigError
 from jaxdist.hf.source import Checked, check, hf_dir, load
 from models.hf_adapter import ADAPTER
@@ -67,8 +67,9 @@ class Generate:
 
 
 def _load(checked: Checked, mesh: str, devices: str, cache: str, step: int | None = None):
-    mesh_, layout, platform_cfg, _ = setup(Common(mesh=mesh, devices=devices, compile_cache=cache))
-    return load(checked, mesh_, layout.rules, platform_cfg.compute_dtype, step)
+    common = Common(mesh=mesh, devices=devices, compile_cache=cache)
+    mesh_, rules, platform = devices_and_mesh(common)
+    return load(checked, mesh_, rules, computes(platform)[0], step)
 
 
 def export_hf(args: ExportHF) -> int:

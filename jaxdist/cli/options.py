@@ -1,6 +1,8 @@
 """What every step-building command shares: the model, the mesh, the devices, the step's own
 settings; and `setup`, which turns them into a mesh, a rule table and a model config, all
-checked before anything compiles. Preset lists in the help come from the registries."""
+checked before anything compiles. The commands that use a trained model (eval, generate,
+export-hf) build no model of their own: `devices_and_mesh` gives them the mesh alone. Preset
+lists in the help come from the registries."""
 
 import dataclasses
 import os
@@ -211,6 +213,30 @@ def setup(
     return mesh, dataclasses.replace(layout, remat=model_cfg.remat), model_cfg, args
 
 
+def devices_and_mesh(args: Common):
+    """The devices, the compile cache, and the mesh of --mesh over the devices with its rule
+    table, for a command that uses a trained model (its record says what the model is: no
+    preset is built, no remat chosen). Returns (mesh, rules, platform)."""
+    import jax
+
+    from jaxdist.mesh import setup_devices
+
+    setup_devices(args.devices)
+    if args.compile_cache != "off":
+        _persistent_cache(args.compile_cache)
+    platform = jax.default_backend()
+    mesh, rules = _mesh(args.mesh, platform, None, None)
+    return mesh, rules, platform
+
+
+def computes(platform: str, dtype: str = "auto", attention: str = "auto") -> tuple[str, str]:
+    """The compute dtype and attention kernel of a model on `platform`: auto is bfloat16 on
+    GPU/TPU, float32 on CPU, and the platform's fused kernel."""
+    if dtype == "auto":
+        dtype = "float32" if platform == "cpu" else "bfloat16"
+    return dtype, _attention(platform, dtype, attention)
+
+
 def _with_data(args: Common, model_cfg, data: str | None):
     """The model with the data's vocabulary (jaxdist.data.batches.data_vocab), but for a
     pretrained architecture (`hf:`), which keeps its own."""
@@ -264,9 +290,7 @@ def model_config(args: Common, platform: str):
     """The model preset with the flags' overrides, for the platform's dtype and attention."""
     from models.presets import get_model_config
 
-    dtype = args.compute_dtype
-    if dtype == "auto":
-        dtype = "float32" if platform == "cpu" else "bfloat16"
+    dtype, attention = computes(platform, args.compute_dtype, args.attention)
     moe = {}
     if args.capacity_factor is not None or args.dropless:
         if args.model == "custom" or not get_model_config(args.model).num_experts:
@@ -283,7 +307,7 @@ def model_config(args: Common, platform: str):
         **args.model_overrides(),
         compute_dtype=dtype,
         **({} if args.remat in ("preset", "auto") else {"remat": args.remat}),
-        attention=_attention(platform, dtype, args.attention),
+        attention=attention,
     )
 
 

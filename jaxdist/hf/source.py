@@ -1,6 +1,6 @@
-"""Where a model comes from, for generation and export: a run's checkpoint restored onto a mesh
-(any mesh: it is resharded), or a local Hugging Face directory (`hf:PATH`) read straight into
-one; with the vocabulary, EOS and tokenizer that go with it.
+"""Where a model comes from, for generation and export: a run's checkpoint opened on a mesh
+(jaxdist.inference.runs: any mesh, it is resharded), or a local Hugging Face directory
+(`hf:PATH`) read straight into one; with the vocabulary, EOS and tokenizer that go with it.
 
 `check` finds everything a user can get wrong before any device starts; `load` then puts the
 checked source on a mesh. What is model-specific comes from an HFAdapter (jaxdist/hf/adapter.py)
@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from jaxdist.errors import ConfigError
 from jaxdist.hf.adapter import HFAdapter, OpenedModel
+from jaxdist.inference import runs
 from jaxdist.model import ModelSpec
 
 TOKENIZER = "tokenizer.json"
@@ -47,6 +48,58 @@ class Source(NamedTuple):
         first = () if self.eos_id is None else (self.eos_id,)
         return tuple(dict.fromkeys(first + self.eos_ids))
 
+    @classmethod
+    def from_hf(cls, model: OpenedModel, adapter: HFAdapter, mesh, rules, compute_dtype: str):
+        """A Hugging Face directory's model, read straight onto `mesh`."""
+        from jaxdist.hf.safetensors_io import SafetensorsDir
+
+        tok = model.path / TOKENIZER
+        stops = eos_ids(model.hf_config, model.path)
+        return cls(
+            spec=model.spec,
+            params=adapter.from_hf(model, _targets(model.spec, mesh, rules)),
+            mesh=mesh,
+            rules=rules,
+            compute_dtype=compute_dtype,
+            vocab_size=model.vocab_size,
+            eos_id=stops[0] if stops else None,
+            tokenizer=tok if tok.is_file() else None,
+            hf_config=model.hf_config,
+            source_dir=model.path,
+            dtype=SafetensorsDir(model.path).dtype(),
+            adapter=adapter,
+            eos_ids=stops,
+        )
+
+    @classmethod
+    def from_run(cls, run: runs.OpenRun, adapter: HFAdapter, compute_dtype: str):
+        """A run's checkpoint opened on a mesh (jaxdist.inference.runs), with the vocabulary,
+        EOS and tokenizer of its data, else of the model it started from (--init-from)."""
+        record = run.record
+        init = record.get("init_from") or {}
+        data = record.get("data_source") or {}
+        vocab = data.get("vocab_size") or init.get("vocab_size") or run.spec.vocab_size
+        init_dir = pathlib.Path(init["path"]) if init else None
+        # The data's document separator, and whatever ends the source model's generation.
+        stops = (data["eos_id"],) if data.get("eos_id") is not None else ()
+        if init:
+            stops = tuple(dict.fromkeys(stops + eos_ids(init.get("config", {}), init_dir)))
+        return cls(
+            spec=run.spec,
+            params=run.by_name(),
+            mesh=run.mesh,
+            rules=run.rules,
+            compute_dtype=compute_dtype,
+            vocab_size=min(vocab, init.get("vocab_size", vocab)),
+            eos_id=stops[0] if stops else None,
+            tokenizer=_run_tokenizer(record, init_dir),
+            hf_config=init.get("config"),
+            source_dir=init_dir,
+            dtype=init.get("dtype", "float32"),
+            adapter=adapter,
+            eos_ids=stops,
+        )
+
 
 class Checked(NamedTuple):
     """A source found usable, nothing loaded yet."""
@@ -56,16 +109,6 @@ class Checked(NamedTuple):
     spec: ModelSpec
     model: OpenedModel | None  # hf:PATH, opened, its weights checked
     record: dict | None  # RUN_DIR's config.json
-
-
-def read_record(run_dir: pathlib.Path) -> dict:
-    try:
-        return json.loads((run_dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"{run_dir}/config.json is missing or unreadable ({e}); pass a run directory made by "
-            "jaxdist train, or hf:PATH for a Hugging Face model directory"
-        ) from None
 
 
 def eos_ids(hf: dict, directory: pathlib.Path | None) -> tuple[int, ...]:
@@ -103,7 +146,7 @@ def check(source: str, adapter: HFAdapter) -> Checked:
         model.check_weights()
         return Checked(source, adapter, model.spec, model, None)
     run_dir = pathlib.Path(source)
-    record = read_record(run_dir)
+    record = runs.read_record(run_dir, ", or hf:PATH for a Hugging Face model directory")
     steps = [p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
     if not steps:
         raise ConfigError(
@@ -115,54 +158,10 @@ def check(source: str, adapter: HFAdapter) -> Checked:
 def load(checked: Checked, mesh, rules, compute_dtype: str, step: int | None = None) -> Source:
     """The checked source's parameters on `mesh` as `rules` lay them out; a run's checkpoint of
     `step` (default: the newest good one); generation computes in `compute_dtype`."""
-    adapter, spec, model = checked.adapter, checked.spec, checked.model
-    if model is not None:
-        from jaxdist.hf.safetensors_io import SafetensorsDir
-
-        params = adapter.from_hf(model, _targets(spec, mesh, rules))
-        tok = model.path / TOKENIZER
-        stops = eos_ids(model.hf_config, model.path)
-        return Source(
-            spec,
-            params,
-            mesh,
-            rules,
-            compute_dtype,
-            model.vocab_size,
-            stops[0] if stops else None,
-            tok if tok.is_file() else None,
-            model.hf_config,
-            model.path,
-            SafetensorsDir(model.path).dtype(),
-            adapter,
-            stops,
-        )
-    run_dir, record = pathlib.Path(checked.source), checked.record
-    params = _restore_params(run_dir, record, spec, mesh, rules, step)
-    init = record.get("init_from") or {}
-    data = record.get("data_source") or {}
-    vocab = data.get("vocab_size") or init.get("vocab_size") or spec.vocab_size
-    init_dir = pathlib.Path(init["path"]) if init else None
-    # The data's document separator, and whatever ends the source model's generation.
-    stops = (data["eos_id"],) if data.get("eos_id") is not None else ()
-    if init:
-        stops = tuple(dict.fromkeys(stops + eos_ids(init.get("config", {}), init_dir)))
-    eos = stops[0] if stops else None
-    return Source(
-        spec,
-        params,
-        mesh,
-        rules,
-        compute_dtype,
-        min(vocab, init.get("vocab_size", vocab)),
-        eos,
-        _run_tokenizer(record, init_dir),
-        init.get("config"),
-        init_dir,
-        init.get("dtype", "float32"),
-        adapter,
-        stops,
-    )
+    if checked.model is not None:
+        return Source.from_hf(checked.model, checked.adapter, mesh, rules, compute_dtype)
+    run = runs.open_run(pathlib.Path(checked.source), checked.spec, mesh, rules, step)
+    return Source.from_run(run, checked.adapter, compute_dtype)
 
 
 def _targets(spec: ModelSpec, mesh, rules) -> dict:
@@ -189,50 +188,3 @@ def _run_tokenizer(record: dict, init_dir: pathlib.Path | None) -> pathlib.Path 
     if init_dir is not None and (init_dir / TOKENIZER).is_file():
         return init_dir / TOKENIZER
     return None
-
-
-def _restore_params(run_dir, record, spec, mesh, rules, step) -> dict:
-    import jax
-
-    from jaxdist.checkpoint.store import Checkpointer, param_shapes
-    from jaxdist.config import OptimConfig
-    from jaxdist.layout import Layout, StepConfig
-    from jaxdist.optim import make_optimizer
-    from jaxdist.parallel import replica
-    from jaxdist.rules import batch_sharding, batch_ways
-    from jaxdist.step import build
-
-    class OneStep(Checkpointer):
-        """Restores `step` only, verified as any restore is."""
-
-        def steps(self) -> list[int]:
-            return [s for s in super().steps() if step is None or s == step]
-
-    # The optimizer's structure must match the checkpoint's, though only parameters are used.
-    tx, lr = make_optimizer(OptimConfig(**record["optim"]), record["loop"]["steps"])
-    rows = batch_ways(batch_sharding(rules, mesh))
-    # Replica groups: the checkpoint holds each group's weights and the outer ones, which are
-    # the model's.
-    sync = replica.recorded(record, mesh.shape, run_dir)
-    groups = mesh.shape.get("replica", 1) if sync else 1
-    # --fp8 delayed: the state holds its FP8 state too.
-    step_cfg = StepConfig(**StepConfig.recorded_state(record.get("step") or {}))
-    layout = Layout.on(mesh, rules, step_cfg, batch_size=rows * groups, sync=sync)
-    jitted = build(spec.init, tx, lr, layout, mesh)
-    checkpointer = OneStep(run_dir / "checkpoints")
-    try:
-        if step is not None and step not in checkpointer.steps():
-            have = Checkpointer.steps(checkpointer)
-            raise ConfigError(
-                f"{run_dir} holds no checkpoint of step {step}; it has {have or 'none'}"
-            )
-        shapes = param_shapes(jitted.abstract_state.params)
-        restored = checkpointer.restore_latest(jitted.abstract_state, shapes)
-    finally:
-        checkpointer.close()
-    if restored is None:
-        raise ConfigError(f"{run_dir} holds no valid checkpoint (all were set aside as damaged)")
-    state = restored.state
-    weights = state.params if state.outer is None else state.outer.params
-    flat = jax.tree_util.tree_flatten_with_path(weights)[0]
-    return {path[0].key: x for path, x in flat}
