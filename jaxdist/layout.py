@@ -1,12 +1,9 @@
-"""How one step lays out over a mesh, in plain values: the mesh's axis names, the rule table that
-maps the models' logical axes onto them, the step's settings (`StepConfig`), the replica groups'
-(`SyncConfig`), and the `Layout` that holds them and answers, once, what every room asks of it:
-how many devices share the batch or the sequence, whether groups train apart, one group's own
-layout, the smallest batch it splits, and whether it can run at all (`problems`).
+"""How one step lays out over a mesh, in plain values: the mesh's axis names, the rule table
+from the models' logical axes onto them, the step's and the replica groups' settings, and the
+`Layout` that holds them and answers, once, what every room asks of it (`problems` among them).
 
-Low in the house on purpose: it imports no jax, no parallel/ and no planner, so the planner,
-the step, the kernels, the CLI's flags and a run's record all read one Layout, and a command
-line is parsed without loading what runs it.
+Low in the house on purpose: no jax, no parallel/, no planner. The planner, the step, the
+kernels, the CLI's flags and a run's record read one Layout, and a flag parses without jax.
 """
 
 import dataclasses
@@ -28,8 +25,7 @@ MESH_AXES: tuple[str, ...] = (REPLICA, "pipeline", "data", "fsdp", "context", "e
 # what is computed (DiLoCo), not only where; the planner ranks it when asked.
 SEARCHED_AXES: tuple[str, ...] = tuple(a for a in MESH_AXES if a != REPLICA)
 
-# The choices of the step's and the groups' settings: each type is the one list of its values
-# (parallel/ and the flags read them with typing.get_args).
+# Each setting's choices, listed once (parallel/ and the flags read them with typing.get_args).
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 ContextStrategy = Literal["all-gather", "ring", "ulysses"]
 CollectiveMatmul = Literal["one-way", "two-way"]
@@ -68,9 +64,8 @@ def ways(mesh_shape: Mapping[str, int], axes: Iterable[str]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class AxisRules:
-    """Rows of (logical axis, mesh axes for parameters, mesh axes for activations): FSDP splits
-    `embed` of a weight over `fsdp` while the activations split `batch` over it.
-    jaxdist.rules resolves them to shardings."""
+    """Rows of (logical axis, mesh axes for parameters, mesh axes for activations), which
+    jaxdist.rules resolves to shardings: FSDP splits a weight's `embed` and a batch over `fsdp`."""
 
     rows: tuple[tuple[str, MeshAxes, MeshAxes], ...]
 
@@ -373,9 +368,8 @@ class Layout:
         return groups * self.batch_ways * self.step.microbatches
 
     def group(self) -> "Layout":
-        """The layout one replica group steps under, traced as the program runs it: its block
-        of the batch, the groups' axis kept for jaxdist.parallel.replica to map the step
-        over."""
+        """One replica group's layout as the program traces it: its block of the batch, the
+        groups' axis kept for jaxdist.parallel.replica to map the step over."""
         return dataclasses.replace(self, batch_size=self.batch_size // self.replicas, in_group=True)
 
     def group_alone(self) -> "Layout":
