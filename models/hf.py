@@ -23,7 +23,7 @@ from models.hf_config import (  # noqa: F401 (the adapter's and the tests' names
 )
 from models.hf_pieces import Piece, export_pieces, hf_tensor, layered, pieces  # noqa: F401
 from models.presets import model_spec
-from models.transformer import TransformerConfig, _param_shapes
+from models.transformer_config import TransformerConfig, _param_shapes
 
 # Non-weights that some saved checkpoints carry: attention-mask and RoPE buffers.
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")

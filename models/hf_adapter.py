@@ -11,7 +11,7 @@ from jaxdist.hf.adapter import HFTensor
 from jaxdist.model import ModelSpec
 from models import hf
 from models.presets import from_record, model_spec
-from models.transformer import TransformerConfig
+from models.transformer_config import TransformerConfig
 
 
 class TransformerHF:

@@ -14,7 +14,7 @@ from jaxdist.data import padded_vocab
 from jaxdist.errors import ConfigError
 from models import rope
 from models.hf_pieces import moe_architecture
-from models.transformer import TransformerConfig
+from models.transformer_config import TransformerConfig
 
 SUPPORTED = (
     "LlamaForCausalLM",

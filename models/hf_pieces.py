@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxdist.errors import ConfigError
-from models.transformer import TransformerConfig
+from models.transformer_config import TransformerConfig
 
 
 class Piece(NamedTuple):

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from jaxdist.parallel.experts import moe_ffn
 from jaxdist.rules import batch_mean
 
-EXPERT_WEIGHTS = ("w_up_LEDF", "w_gate_LEDF", "w_down_LEFD")
 MOE_LOGICAL = {
     # The router is small and every device routes its own tokens: replicated over experts.
     "router_LDE": ("layers", "embed", None),
@@ -21,15 +20,6 @@ MOE_LOGICAL = {
     "w_gate_LEDF": ("layers", "expert", "embed", "mlp"),
     "w_down_LEFD": ("layers", "expert", "mlp", "embed"),
 }
-
-
-def moe_shapes(L: int, D: int, F: int, E: int) -> dict[str, tuple[int, ...]]:
-    return {
-        "router_LDE": (L, D, E),
-        "w_up_LEDF": (L, E, D, F),
-        "w_gate_LEDF": (L, E, D, F),
-        "w_down_LEFD": (L, E, F, D),
-    }
 
 
 def moe_mlp(c, h_BTD, w) -> tuple[jax.Array, dict]:

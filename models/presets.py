@@ -12,8 +12,7 @@ from jaxdist.data import padded_vocab
 from jaxdist.errors import ConfigError
 from jaxdist.hf.source import hf_dir
 from jaxdist.model import ModelSpec
-from models import decode
-from models.transformer import Transformer, TransformerConfig
+from models.transformer_config import TransformerConfig
 
 BYTE_VOCAB = 256  # the embedded default corpus is read as bytes
 GPT_VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 128 for tiling
@@ -115,7 +114,11 @@ def from_record(fields: dict) -> TransformerConfig:
 
 
 def model_spec(config: TransformerConfig) -> ModelSpec:
-    """What the training loop, generation and export need of this model."""
+    """What the training loop, generation and export need of this model. The model's code
+    loads here, not with the presets' names (a flag or --help reads those without jax)."""
+    from models import decode
+    from models.transformer import Transformer
+
     return ModelSpec(
         name=config.name,
         init=lambda rngs: Transformer(config, rngs),

@@ -41,8 +41,8 @@ from jaxdist.model import Stages
 from jaxdist.parallel.attention import attention, document_mask
 from jaxdist.rules import constrain, gathered
 from models import moe, remat, rope
-from models.moe import EXPERT_WEIGHTS, MOE_LOGICAL
-from models.transformer_config import TransformerConfig, _param_shapes
+from models.moe import MOE_LOGICAL
+from models.transformer_config import EXPERT_WEIGHTS, TransformerConfig, _param_shapes
 
 LOGICAL = {
     "tok_embed_VD": ("vocab", "embed"),

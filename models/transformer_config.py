@@ -11,7 +11,21 @@ from typing import Literal
 from jaxdist.errors import ConfigError
 from jaxdist.model import param_count
 from models import rope
-from models.moe import EXPERT_WEIGHTS, moe_shapes
+
+# The names of models/remat.py's policies (its POLICIES), read by the flags without jax.
+RematPolicy = Literal["none", "full", "dots", "dots_except_mlp", "offload"]
+
+# A MoE layer's weights (models/moe.py): the router, and each expert's SwiGLU, stacked over E.
+EXPERT_WEIGHTS = ("w_up_LEDF", "w_gate_LEDF", "w_down_LEFD")
+
+
+def moe_shapes(L: int, D: int, F: int, E: int) -> dict[str, tuple[int, ...]]:
+    return {
+        "router_LDE": (L, D, E),
+        "w_up_LEDF": (L, E, D, F),
+        "w_gate_LEDF": (L, E, D, F),
+        "w_down_LEFD": (L, E, F, D),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +63,7 @@ class TransformerConfig:
     # A policy of models/remat.py: none keeps all activations, full recomputes each layer in
     # the backward pass, dots keeps matmul and attention-kernel outputs, dots_except_mlp all
     # but the MLP's, offload dots' set in host memory.
-    remat: Literal["none", "full", "dots", "dots_except_mlp", "offload"] = "none"
+    remat: RematPolicy = "none"
     # The attention kernel (jaxdist.kernels.attention): cudnn on GPUs, splash on TPUs, xla anywhere.
     attention: Literal["xla", "cudnn", "splash"] = "xla"
     # Mixture of experts (every layer's MLP) when num_experts > 0; d_mlp is each expert's.

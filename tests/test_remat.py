@@ -5,6 +5,7 @@ keeping everything; and the recompute share each is priced at."""
 import contextlib
 import functools
 import io
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from meshes.presets import STANDARD_RULES
 from models import remat
 from models.presets import get_model_config
 from models.transformer import Transformer, TransformerConfig, _block
+from models.transformer_config import RematPolicy
 from tests.helpers import mesh_for
 
 # One tiny-llama layer with splash attention at B=2 rows of T=256 on one device: D=128, N=4
@@ -129,3 +131,8 @@ def test_order_lists_every_policy_but_offload_once():
     # offload's host copies are not priced by the planner: auto never picks it.
     assert sorted(remat.ORDER) == sorted(set(remat.POLICIES) - {"offload"})
     assert remat.ORDER[0] == "none" and remat.ORDER[-1] == "full"
+
+
+def test_the_flags_name_every_policy_and_only_those():
+    """The config's and the flags' policy names (read without jax) are the policies' keys."""
+    assert set(get_args(RematPolicy)) == set(remat.POLICIES)

@@ -17,7 +17,7 @@ from jaxdist.hf.source import hf_dir
 from jaxdist.layout import StepConfig, SyncConfig
 from meshes.presets import PRESETS as MESH_PRESETS
 from models.presets import PRESETS as MODEL_PRESETS
-from models.remat import POLICIES as REMAT_POLICIES
+from models.transformer_config import RematPolicy
 
 # The user's own cache, unless told otherwise (tests point it at a temporary directory).
 DEFAULT_CACHE = os.environ.get(
@@ -64,7 +64,7 @@ class Common:
     sync: tyro.conf.OmitArgPrefixes[SyncConfig] = SyncConfig()
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto: bfloat16 on GPU/TPU, float32 on CPU; parameters stay float32"""
-    remat: Literal[("auto", "preset", *REMAT_POLICIES)] = "auto"  # type: ignore[valid-type]
+    remat: Literal["auto", "preset"] | RematPolicy = "auto"
     """rematerialization: auto (the fastest policy whose step fits the device's memory, by
     the planner's memory model, confirmed by the compiler for a --target), preset (the model
     preset's own), none, full (recompute each layer), dots (save matmul and attention

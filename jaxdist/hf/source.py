@@ -7,14 +7,19 @@ checked source on a mesh. What is model-specific comes from an HFAdapter (jaxdis
 and the model's ModelSpec. `hf_dir` alone decides which model names are Hugging Face directories.
 """
 
+from __future__ import annotations
+
 import json
 import pathlib
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from jaxdist.errors import ConfigError
 from jaxdist.hf.adapter import HFAdapter, OpenedModel
-from jaxdist.inference import runs
 from jaxdist.model import ModelSpec
+
+# `hf_dir` is read by the flags and the model presets, which load no jax; opening a run does.
+if TYPE_CHECKING:
+    from jaxdist.inference import runs
 
 TOKENIZER = "tokenizer.json"
 _HF = "hf:"
@@ -145,6 +150,8 @@ def check(source: str, adapter: HFAdapter) -> Checked:
         model = adapter.open(path)
         model.check_weights()
         return Checked(source, adapter, model.spec, model, None)
+    from jaxdist.inference import runs
+
     run_dir = pathlib.Path(source)
     record = runs.read_record(run_dir, ", or hf:PATH for a Hugging Face model directory")
     steps = [p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
@@ -160,6 +167,8 @@ def load(checked: Checked, mesh, rules, compute_dtype: str, step: int | None = N
     `step` (default: the newest good one); generation computes in `compute_dtype`."""
     if checked.model is not None:
         return Source.from_hf(checked.model, checked.adapter, mesh, rules, compute_dtype)
+    from jaxdist.inference import runs
+
     run = runs.open_run(pathlib.Path(checked.source), checked.spec, mesh, rules, step)
     return Source.from_run(run, checked.adapter, compute_dtype)
 
