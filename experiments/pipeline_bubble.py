@@ -41,13 +41,13 @@ def main() -> None:
     import jax
     import numpy as np
 
+    from jaxdist.compiled import hlo
     from jaxdist.config import Layout, StepConfig
     from jaxdist.data import DataConfig, TokenBatches
     from jaxdist.mesh import make_mesh
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.parallel.pipeline import branch_share
     from jaxdist.parallel.schedules import make_schedule
-    from jaxdist.planning import hlo
     from jaxdist.profiling.breakdown import breakdown
     from jaxdist.profiling.xplane import load
     from jaxdist.step import build

@@ -58,7 +58,7 @@ _API = {
     "restore": "jaxdist.checkpoint.store",
     # looking at a step
     "profile": "jaxdist.profiling.report",
-    "compile_only": "jaxdist.planning.aot",
+    "compile_only": "jaxdist.compiled.aot",
     "plan": "jaxdist.planning.planner",
     "PlanConfig": "jaxdist.planning.inputs",
     "PlanModel": "jaxdist.planning.inputs",

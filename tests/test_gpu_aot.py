@@ -1,4 +1,4 @@
-"""Compiling for H100 and H200 GPUs from this CPU host (jaxdist.planning.gpu): XLA's GPU
+"""Compiling for H100 and H200 GPUs from this CPU host (jaxdist.compiled.gpu): XLA's GPU
 compiler, with the target configs of the real cards, gives the optimized GPU program and its
 memory. The compiles skip, saying why, where the gpu-aot extra is not installed; what a user
 without it is told is tested in tests/test_extras.py."""
@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from jaxdist.compiled import gpu
+from jaxdist.compiled.kernels import analyze
 from jaxdist.errors import ConfigError
-from jaxdist.planning import gpu
-from jaxdist.planning.kernels import analyze
 from tests.extras import needs_gpu_aot
 from tests.helpers import cli
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist.compiled import hlo
 from jaxdist.config import Layout
 from jaxdist.kernels.lookup import lookup, reduce_scatter, routing
-from jaxdist.planning import hlo
 from jaxdist.rules import activation_rules, constrain
 from meshes.presets import STANDARD_RULES as RULES
 from tests.helpers import mesh_for

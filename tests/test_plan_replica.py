@@ -12,12 +12,13 @@ import pytest
 
 from jaxdist.cli.main import main
 from jaxdist.cli.remat_auto import order
+from jaxdist.compiled import comm_report, hlo
 from jaxdist.config import Layout, StepConfig
 from jaxdist.mesh import SEARCHED_AXES
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.parallel import exchange, rounds
 from jaxdist.parallel.rounds import SyncConfig
-from jaxdist.planning import comm_report, hlo, memory, quality, sync
+from jaxdist.planning import memory, quality, sync
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import plan
 from jaxdist.step import build

@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxdist.cli.remat_auto import device_memory, order, target_hardware
+from jaxdist.compiled import aot, gemms
 from jaxdist.errors import ConfigError
-from jaxdist.planning import aot, fit, gemms
+from jaxdist.planning import fit
 
 
 def compile_only(args, model_cfg, mesh, layout, vocab: tuple[int, int | None]) -> int:

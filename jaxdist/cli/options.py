@@ -233,7 +233,7 @@ def _gpu_target(target: str | None):
     """The GPU target to compile for, its compiler's flags set (read when JAX starts)."""
     if not target:
         return None
-    from jaxdist.planning import gpu
+    from jaxdist.compiled import gpu
 
     if not gpu.is_gpu_target(target):
         return None
@@ -257,11 +257,11 @@ def _target_devices(target: str | None, gpu_target) -> tuple[str, list | None]:
     import jax
 
     if gpu_target:
-        from jaxdist.planning import gpu
+        from jaxdist.compiled import gpu
 
         return "gpu", gpu.gpu_devices(gpu_target)
     if target:
-        from jaxdist.planning.tpu import parse_target, tpu_devices
+        from jaxdist.compiled.tpu import parse_target, tpu_devices
 
         return "tpu", tpu_devices(parse_target(target))
     return jax.default_backend(), None

@@ -10,7 +10,7 @@ projections x forward, data-gradient and weight-gradient GEMMs).
 What XLA 0.11.2's GPU compiler (jax-cuda13-plugin, compiled for the H100 target config from a
 CPU host) emits, for `flax.linen.fp8_ops.fp8_scaled_dot_general` forward and backward on bf16
 [1024, 2048] x [2048, 4096] (and jaxdist's model steps):
-- with Triton GEMMs on (XLA's default, and jaxdist's: planning.gpu sets only the tiling cost
+- with Triton GEMMs on (XLA's default, and jaxdist's: compiled.gpu sets only the tiling cost
   model): every GEMM is a `fusion(...), kind=kCustom` whose backend_config names
   `"kind":"__triton_nested_gemm_fusion"`; the fused computation holds the `dot`, and its
   operands are that computation's parameters (or nested fusions): f8e4m3fn x f8e4m3fn for the

@@ -2,7 +2,7 @@
 kernel, the matmuls whose operands are not 16-bit, the kernels launched, and host transfers
 inside the step; and the warnings a slow or oversized step deserves.
 
-The compile-only report (jaxdist.planning.aot) adds these for accelerator targets: most of
+The compile-only report (jaxdist.compiled.aot) adds these for accelerator targets: most of
 what decides a GPU step's speed is visible in the program before any GPU runs it.
 """
 

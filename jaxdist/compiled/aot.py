@@ -1,5 +1,5 @@
 """Ahead-of-time: compile the real train step for abstract inputs, on the devices present or on
-a target this host does not have (jaxdist.planning.tpu, jaxdist.planning.gpu), and read XLA's
+a target this host does not have (jaxdist.compiled.tpu, jaxdist.compiled.gpu), and read XLA's
 own figures: memory per device and the collectives per mesh axis. Nothing is allocated and
 nothing runs, so a layout that cannot fit is found before the fleet is rented.
 
@@ -16,7 +16,7 @@ What compiling without the device cannot see, where it matters:
   tpu_copies, jaxdist.planning.memory).
 On a real GPU, XLA writes the config it compiled for beside each dumped module
 (XLA_FLAGS=--xla_dump_to=DIR: *.gpu_target_config.pbtxt), the one to check
-planning/gpu_targets/ against (experiments/h200.py saves it).
+compiled/gpu_targets/ against (experiments/h200.py saves it).
 """
 
 import math
@@ -25,13 +25,14 @@ import time
 
 import numpy as np
 
+from jaxdist.compiled import gemms, hlo, kernels
 from jaxdist.config import Layout
 from jaxdist.hardware import get_hardware
 from jaxdist.mesh import MeshConfig, build_mesh
 from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.parallel.pipeline import branch_share
-from jaxdist.planning import fit, gemms, hlo, kernels
+from jaxdist.planning import fit
 from jaxdist.planning.memory import xla_peak
 from jaxdist.planning.traffic import schedule_of
 from jaxdist.step import JittedStep, build
