@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from jaxdist.compiled import gemms, hlo, kernels
+from jaxdist.compiled import gemms, hlo
 from jaxdist.config import Layout
 from jaxdist.hardware import get_hardware
 from jaxdist.mesh import MeshConfig, build_mesh
@@ -63,11 +63,11 @@ def compile_only(jitted: JittedStep) -> dict:
     share = branch_share(schedule_of(layout)) if layout.stages > 1 else None
     collectives = hlo.summarize(hlo.collectives(text, dict(mesh.shape), share))
     platform = mesh.devices.flat[0].platform
-    seq_len = layout.seq_len
     accelerator = {}
     if platform in ("gpu", "tpu"):
-        # The GEMMs by the types they read: FP8 projections that fell back to 16 bits show.
-        accelerator = {"kernels": kernels.analyze(text, seq_len), "gemms": gemms.census(text)}
+        # The GEMMs by the types they read (FP8 projections that fell back to 16 bits show),
+        # the attention kernel and host transfers.
+        accelerator = gemms.analyze(text, layout.seq_len)
     hosts = np.vectorize(lambda d: d.process_index)(mesh.devices)
     if hosts.max() > 0:
         # Axes whose neighbours sit on other hosts: their collectives cross the network.
@@ -118,11 +118,47 @@ def target_report(hardware: str, report: dict, model: ModelSpec, layout: Layout)
     }
     if "kernels" in report:
         attention = getattr(model.config, "attention", None)
-        out["attention_kernel"] = kernels.attention_kernel(
-            report["kernels"], report["platform"], attention
-        )
+        out["attention_kernel"] = attention_kernel(report["kernels"], report["platform"], attention)
         usable = fit.usable(hw.memory_bytes, hw.platform, predicted=False)
-        out["warnings"] = kernels.warnings(report | out, usable)
+        out["warnings"] = warnings(report | out, usable)
+    return out
+
+
+def attention_kernel(kernels: dict, platform: str, attention: str | None) -> str:
+    """The attention the program runs, in words."""
+    a = kernels["attention"]
+    if platform == "gpu":
+        if a["cudnn_fused_forward"] and a["cudnn_fused_backward"]:
+            return "cudnn fused (forward and backward)"
+        if a["cudnn_fused_forward"]:
+            return "cudnn fused forward, XLA backward"
+        return "xla (fallback: T x T scores in memory)"
+    if platform == "tpu":
+        if attention == "splash" and a["tpu_custom_calls"]:
+            return "splash (Pallas kernel)"
+        return "xla (T x T scores in memory)"
+    return "xla"
+
+
+def warnings(report: dict, memory_bytes: float) -> list[str]:
+    """What would make the step slow or fail on the target, one line each."""
+    out = []
+    if not report["attention_kernel"].startswith(("cudnn fused (", "splash")):
+        out.append(f"attention is not fused: {report['attention_kernel']}")
+    wide = sum(report["gemms"]["not_16bit"].values())
+    if wide:
+        out.append(
+            f"{wide} matmuls with 32-bit operands (slower than bf16 on tensor cores): see "
+            "gemms.not_16bit"
+        )
+    if report["kernels"]["host_transfers"]:
+        out.append(f"{report['kernels']['host_transfers']} host transfers inside the step")
+    peak = report["per_device_bytes"]["peak_estimate"]
+    if peak > memory_bytes:
+        out.append(
+            f"peak {peak / 2**30:.1f} GiB per device is over the "
+            f"{memory_bytes / 2**30:.1f} GiB a program may hold on the device"
+        )
     return out
 
 
