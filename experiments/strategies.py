@@ -37,13 +37,13 @@ def measure(layout, model, microbatches, schedule, args) -> dict:
     import jax
 
     from jaxdist.compiled import hlo
+    from jaxdist.compiled.memory import xla_peak
     from jaxdist.config import Layout, StepConfig
     from jaxdist.data import DataConfig, TokenBatches
     from jaxdist.mesh import make_mesh
     from jaxdist.metrics.records import distribution
     from jaxdist.optim import OptimConfig, make_optimizer
     from jaxdist.planning.inputs import PlanConfig
-    from jaxdist.planning.memory import xla_peak
     from jaxdist.planning.planner import price
     from jaxdist.step import build
     from meshes.presets import STANDARD_RULES

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from jaxdist.cli.main import main
-from jaxdist.cli.remat_auto import order
 from jaxdist.compiled import comm_report, hlo
 from jaxdist.config import Layout, StepConfig
 from jaxdist.mesh import SEARCHED_AXES
@@ -25,6 +24,7 @@ from jaxdist.step import build
 from meshes.presets import STANDARD_RULES
 from models.inventory import plan_model
 from models.presets import get_model_config
+from models.remat import ORDER
 from models.transformer import Transformer
 from tests.helpers import mesh_for
 
@@ -134,7 +134,7 @@ def test_the_planner_counts_the_messages_the_compiled_outer_step_sends(
 def _ranked(link_gbps: float | None, sync_every: int) -> list[dict]:
     """1B on two H100 hosts, layouts of 2 replica groups beside the rest, fastest first."""
     base = get_model_config("1b", compute_dtype="bfloat16", seq_len=2048)
-    models = [plan_model(dataclasses.replace(base, remat=p)) for p in order()]
+    models = [plan_model(dataclasses.replace(base, remat=p)) for p in ORDER]
     cfg = PlanConfig(
         devices=16,
         hardware="h100",

@@ -225,9 +225,9 @@ def run(args: Plan) -> int:
     model_cfg = model_config(args, hw.platform)
     policies = [model_cfg.remat]
     if args.remat == "auto":  # each layout takes the fastest policy that fits it
-        from jaxdist.cli.remat_auto import order
+        from models.remat import ORDER
 
-        policies = list(order())
+        policies = list(ORDER)
     configs = [dataclasses.replace(model_cfg, remat=p) for p in policies]
     models = [plan_model(c) for c in configs]
     cfg = _plan_config(args, devices)

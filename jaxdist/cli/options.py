@@ -5,6 +5,7 @@ checked before anything compiles. Preset lists in the help come from the registr
 import dataclasses
 import os
 import pathlib
+import sys
 from typing import Annotated, Literal
 
 import tyro
@@ -17,6 +18,7 @@ from jaxdist.parallel.rounds import SyncConfig
 from jaxdist.rules import ways
 from meshes.presets import PRESETS as MESH_PRESETS
 from models.presets import PRESETS as MODEL_PRESETS
+from models.remat import ORDER as REMAT_ORDER
 from models.remat import POLICIES as REMAT_POLICIES
 
 # The user's own cache, unless told otherwise (tests point it at a temporary directory).
@@ -212,10 +214,28 @@ def setup(
         mesh, rules, args.step, batch_size=args.batch_size, seq_len=model_cfg.seq_len, sync=sync
     )
     if args.remat == "auto":
-        from jaxdist.cli.remat_auto import resolve
-
-        model_cfg = resolve(model_cfg, layout, mesh, target, platform)
+        model_cfg = _remat_auto(model_cfg, layout, mesh, target, platform)
     return mesh, dataclasses.replace(layout, remat=model_cfg.remat), model_cfg, args
+
+
+def _remat_auto(model_cfg, layout, mesh, target: str | None, platform: str):
+    """`--remat auto`: the model family's fastest policy (models/remat.py) predicted to fit the
+    device (jaxdist.planning.fit.resolve); one line on stderr says which."""
+    from jaxdist.compiled.memory import device_memory
+    from jaxdist.planning import fit
+    from models.inventory import plan_model
+
+    memory = device_memory(mesh, target)
+    if memory is None:
+        return dataclasses.replace(model_cfg, remat=REMAT_ORDER[0])
+
+    def plan_at(policy: str):
+        return plan_model(dataclasses.replace(model_cfg, remat=policy))
+
+    choice = fit.resolve(REMAT_ORDER, plan_at, layout, memory, platform)
+    if choice.said:
+        print(choice.line(), file=sys.stderr)
+    return dataclasses.replace(model_cfg, remat=choice.policy)
 
 
 def _with_data(args: Common, model_cfg, data: str | None):

@@ -22,18 +22,20 @@ compiled/gpu_targets/ against (experiments/h200.py saves it).
 import math
 import re
 import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from jaxdist.compiled import gemms, hlo
+from jaxdist.compiled.memory import xla_peak
 from jaxdist.config import Layout
+from jaxdist.errors import ConfigError
 from jaxdist.hardware import get_hardware
 from jaxdist.mesh import MeshConfig, build_mesh
 from jaxdist.model import ModelSpec
 from jaxdist.optim import OptimConfig, make_optimizer
 from jaxdist.parallel.pipeline import branch_share
 from jaxdist.planning import fit
-from jaxdist.planning.memory import xla_peak
 from jaxdist.planning.traffic import schedule_of
 from jaxdist.step import JittedStep, build
 
@@ -84,6 +86,37 @@ def compile_only(jitted: JittedStep) -> dict:
         ],
         **accelerator,
     }
+
+
+def compile_fitting(
+    policy: str, order: Sequence[str], compile_at: Callable[[str], dict]
+) -> tuple[dict, list[str]]:
+    """The report of the step compiled at `policy` (`compile_at(policy)`, with `fits` where
+    the device's memory is known) and the policies tried. Where the compiler refuses the step
+    for lack of memory, or its peak does not fit, the next leaner policy of `order`
+    (jaxdist.planning.fit.next_policy) is compiled in turn, until one fits or none is left;
+    an empty `order` tries `policy` alone. A ConfigError where every policy tried was refused."""
+    tried = []
+    while True:
+        tried.append(policy)
+        try:
+            report, refusal = compile_at(policy), None
+        except Exception as e:  # XLA's TPU compiler refuses a step that cannot fit the chip
+            if not fit.refused_for_memory(e):
+                raise
+            report, refusal = None, str(e).splitlines()[0][:200]
+        leaner = fit.next_policy(order, policy)
+        if leaner is None or (report is not None and report.get("fits", True)):
+            break
+        policy = leaner
+    if report is None:
+        leaner = "" if order else ", a leaner --remat (or auto)"
+        raise ConfigError(
+            f"XLA refused the step for lack of memory at every policy tried ({', '.join(tried)}): "
+            f"{refusal}; use a smaller --batch-size{leaner} or a mesh that shards more "
+            "(a context axis splits long rows)"
+        )
+    return report, tried
 
 
 def memory_fit(report: dict, memory_bytes: float | None, predicted_peak: float) -> dict:

@@ -213,14 +213,3 @@ def pipeline_stash(model: PlanModel, layout: Layout) -> float:
         step.pipeline_schedule, layout.stages, layout.microbatches, layout.virtual_stages
     )
     return 3 * layout.virtual_stages * schedule.capacity * microbatch_activation(model, layout)
-
-
-def xla_peak(stats) -> int:
-    """XLA's own per-device figure from a compiled step's memory analysis: arguments, outputs
-    and temporaries, with donated state (aliased to its output) counted once."""
-    return (
-        stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        - stats.alias_size_in_bytes
-        + stats.temp_size_in_bytes
-    )
