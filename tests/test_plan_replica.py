@@ -289,27 +289,6 @@ def test_a_delay_hides_the_exchange_behind_the_next_steps():
     assert streamed["outer_exposed_s"] == 0.0 and streamed["outer_hidden_s"] == 3.0 / 8
 
 
-# Charles et al., "Scaling Laws for DiLoCo" (arXiv:2503.09799), Table 6: Gbit/s between the
-# groups for 80% compute utilization. (parameters, seconds per step, H, Gbit/s); H = 1 is
-# data parallelism. experiments/diloco_bandwidth.py prints ours beside them.
-TABLE_6 = [
-    (10e9, 0.8, 1, 184.2),
-    (10e9, 0.8, 100, 6.2),
-    (405e9, 26.0, 1, 222.3),  # Llama-3-405B
-    (405e9, 26.0, 100, 7.5),
-    (671e9, 20.0, 1, 569.0),  # DeepSeek-V3
-    (671e9, 20.0, 100, 16.0),
-]
-
-
-@pytest.mark.parametrize("params, step_s, sync_every, paper_gbps", TABLE_6)
-def test_table_6_of_the_diloco_scaling_laws_within_15_percent(
-    params, step_s, sync_every, paper_gbps
-):
-    ours = sync.paper_bandwidth(params, step_s, sync_every)
-    assert ours == pytest.approx(paper_gbps, rel=0.15)
-
-
 @pytest.mark.parametrize(
     "flags, message",
     [
