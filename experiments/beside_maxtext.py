@@ -11,7 +11,7 @@ It installs nothing. Give it a Python with MaxText (its own venv; see experiment
 Both programs compile for the slice from this host (no TPU): MaxText's own `train_compile`
 (Google names the slice `v5p-16`, 8 chips) and `jaxdist train --compile-only --target`. Memory
 per chip is XLA's argument + output + temp - alias in both. Collectives are counted in each
-compiled HLO by jaxdist.planning.hlo (loop trips multiplied in); bytes each chip sends per step
+compiled HLO by jaxdist.compiled.hlo (loop trips multiplied in); bytes each chip sends per step
 are all-gather x (n-1)/n, all-reduce x 2(n-1)/n, reduce-scatter x (n-1)/n of the full buffer,
 collective-permute x 1. jaxdist compiles each policy twice: with its one-way rings (the
 default) and with XLA's two-way rings, as MaxText compiles them (`--collective-matmul two-way`).
@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 
-from jaxdist.planning import hlo
+from jaxdist.compiled import hlo
 
 # MaxText's model and the same model as a Hugging Face config for jaxdist (models/configs).
 MODELS = {"llama2-7b": "llama2-7b", "llama3-8b": "llama3-8b"}

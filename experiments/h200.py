@@ -3,7 +3,7 @@
 Parts, in the order they run (the first ones are the issue's targets; a part whose estimated
 time no longer fits the budget is skipped and named in the file):
   1. the device's own GPU target config (XLA dumps it beside a compile), against the
-     committed jaxdist/planning/gpu_targets/h200.txtpb;
+     committed jaxdist/compiled/gpu_targets/h200.txtpb;
   2. `jaxdist bench` beside the torch.compile peer: gpt2-124m batch 32, 1b batch 8 (remat dots,
      the presets' own, which the deviceless compile puts under the peer's memory);
   3. `jaxdist bench --model moe-1b` (MFU on active parameters);

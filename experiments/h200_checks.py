@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMMITTED_TARGET = ROOT / "jaxdist" / "planning" / "gpu_targets" / "h200.txtpb"
+COMMITTED_TARGET = ROOT / "jaxdist" / "compiled" / "gpu_targets" / "h200.txtpb"
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "flax", "optax", "orbax-checkpoint", "torch")
 
 
@@ -78,7 +78,7 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.
 
 def target_config(out: pathlib.Path, timeout: float) -> dict:
     """XLA writes the GpuTargetConfigProto it compiled for beside a dumped module: on the
-    device, the card's own, which deviceless compiles need (planning/gpu_targets/)."""
+    device, the card's own, which deviceless compiles need (compiled/gpu_targets/)."""
     with tempfile.TemporaryDirectory() as d:
         env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={d}"}
         code = "import jax, jax.numpy as n; jax.jit(n.sin).lower(n.ones(8)).compile()"

@@ -17,7 +17,7 @@ H 4 and 16 with plain averaging (lr 1, no momentum). Held-out loss: jaxdist.eval
 on the tail of each seed's first epoch (never trained on), on DiLoCo's outer weights.
 
 Measured: eval loss every --eval-every steps; per compiled program (inner step, each outer
-step's) the bytes per device over the slow axis (jaxdist.planning.hlo.collectives); CPU time of
+step's) the bytes per device over the slow axis (jaxdist.compiled.hlo.collectives); CPU time of
 every step (programs compiled ahead). Simulated: step = compute + exposed communication.
 Compute: one figure for all, the median of the runs' p50 inner steps (the same math; on two
 shared cores the runs differ mostly by noise), plus each outer step's measured extra. Each
@@ -79,12 +79,12 @@ def compile_config(name: str, args):
     import jax
     import jax.numpy as jnp
 
+    from jaxdist.compiled import hlo
     from jaxdist.config import OptimConfig
     from jaxdist.layout import Layout, StepConfig, SyncConfig
     from jaxdist.mesh import make_mesh
     from jaxdist.optim import make_optimizer
     from jaxdist.parallel import rounds
-    from jaxdist.planning import hlo
     from jaxdist.step import build
     from meshes.presets import STANDARD_RULES
     from models.presets import get_model_config, model_spec

@@ -41,6 +41,7 @@ def main() -> None:
     import jax
     import numpy as np
 
+    from jaxdist.compiled import hlo
     from jaxdist.config import DataConfig, OptimConfig
     from jaxdist.data import TokenBatches
     from jaxdist.layout import Layout, StepConfig
@@ -48,7 +49,6 @@ def main() -> None:
     from jaxdist.optim import make_optimizer
     from jaxdist.parallel.pipeline import branch_share
     from jaxdist.parallel.schedules import make_schedule
-    from jaxdist.planning import hlo
     from jaxdist.profiling.breakdown import breakdown
     from jaxdist.profiling.xplane import load
     from jaxdist.step import build

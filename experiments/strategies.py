@@ -36,15 +36,15 @@ LAYOUTS = [
 def measure(layout, model, microbatches, schedule, args) -> dict:
     import jax
 
+    from jaxdist.compiled import hlo
+    from jaxdist.compiled.memory import xla_peak
     from jaxdist.config import DataConfig, OptimConfig
     from jaxdist.data import TokenBatches
     from jaxdist.layout import Layout, StepConfig
     from jaxdist.mesh import make_mesh
     from jaxdist.metrics.records import distribution
     from jaxdist.optim import make_optimizer
-    from jaxdist.planning import hlo
     from jaxdist.planning.inputs import PlanConfig
-    from jaxdist.planning.memory import xla_peak
     from jaxdist.planning.planner import price
     from jaxdist.step import build
     from meshes.presets import STANDARD_RULES

@@ -37,7 +37,7 @@ def compiled_collectives(topology: str, n: int, d: int, f: int) -> collections.C
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdist.planning import hlo
+    from jaxdist.compiled import hlo
 
     devices = np.array(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
     mesh = Mesh(devices[:n], ("fsdp",))
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     p.add_argument("--d-model", type=int, default=4096)
     p.add_argument("--d-mlp", type=int, default=11008)
     args = p.parse_args(argv)
-    from jaxdist.planning import tpu
+    from jaxdist.compiled import tpu
 
     if tpu.missing():
         sys.exit(tpu.missing())

@@ -35,7 +35,7 @@ def one(layers: int, acc_dtype: str, looped: bool) -> None:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdist.planning.tpu import tpu_devices
+    from jaxdist.compiled.tpu import tpu_devices
 
     mesh = Mesh(np.array(tpu_devices("v5p:4x4x4")).reshape(64), ("x",))
 

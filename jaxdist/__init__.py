@@ -6,7 +6,7 @@ The five stages of a step, and where each lives:
   2. compute fwd/bwd   -> step (loss and gradients of a model that speaks logical axes);
                           kernels/ (attention, fused loss, packed documents); parallel/ where
                           per-device control is the point (pipeline, experts)
-  3. move tensors      -> the collectives XLA inserts from the shardings; planning/comm_report and
+  3. move tensors      -> the collectives XLA inserts from the shardings; compiled/comm_report and
                           profiling/ read them back out of the program and the trace
   4. sync the update   -> step (the optimizer update on sharded state), optim; replica groups
                           that meet every H steps: parallel/replica, parallel/rounds
@@ -58,7 +58,7 @@ _API = {
     "restore": "jaxdist.checkpoint.store",
     # looking at a step
     "profile": "jaxdist.profiling.report",
-    "compile_only": "jaxdist.planning.aot",
+    "compile_only": "jaxdist.compiled.aot",
     "plan": "jaxdist.planning.planner",
     "PlanConfig": "jaxdist.planning.inputs",
     "PlanModel": "jaxdist.planning.inputs",

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from jaxdist.planning import gpu, tpu
+from jaxdist.compiled import gpu, tpu
 
 # The variable .ci/run sets to a Python with torch and transformers (a CPU build).
 TORCH_REFERENCE_VAR = "JAXDIST_HF_REFERENCE_PYTHON"

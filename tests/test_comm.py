@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxdist.planning import comm_report, hlo
+from jaxdist.compiled import comm_report, hlo
 from models.inventory import plan_model
 from tests.helpers import compiled_for
 

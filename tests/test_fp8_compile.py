@@ -1,8 +1,8 @@
-"""FP8 GEMMs in the compiled GPU program (jaxdist.planning.gemms): a projection quantized the
+"""FP8 GEMMs in the compiled GPU program (jaxdist.compiled.gemms): a projection quantized the
 direct way (flax's fp8_scaled_dot_general: a dot on f8 operands) compiles, forward and both
 backward GEMMs, to GEMMs that read f8; the quantize-dequantize pattern around a bf16 dot
 (flax's Fp8DotGeneralOp) and a plain bf16 dot count as 16-bit; compiled in this process for one
-H100 (jaxdist.planning.gpu) at jaxdist's compiler options. The model's own step with --fp8
+H100 (jaxdist.compiled.gpu) at jaxdist's compiler options. The model's own step with --fp8
 (`train --compile-only --target h200:1`): every projection's GEMMs read f8, only the head's and
 attention's stay 16-bit, at no more memory than bf16's. The compiles skip where the gpu-aot
 extra is absent."""
@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 
-from jaxdist.planning import gemms
+from jaxdist.compiled import gemms
 from tests.extras import needs_gpu_aot
 
 # [tokens, d_in] x [d_in, d_out]: a projection worth FP8 (jaxdist.kernels.fp8.worth_fp8).
@@ -65,7 +65,7 @@ def _compiled_census(pattern: str, triton: bool = True) -> dict:
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from jaxdist.planning import gpu
+    from jaxdist.compiled import gpu
 
     device = gpu.gpu_devices(gpu.GpuTarget("h100", 1, 1))[0]
     on = SingleDeviceSharding(device)

@@ -1,4 +1,4 @@
-"""Compiling for H100 and H200 GPUs from this CPU host (jaxdist.planning.gpu): XLA's GPU
+"""Compiling for H100 and H200 GPUs from this CPU host (jaxdist.compiled.gpu): XLA's GPU
 compiler, with the target configs of the real cards, gives the optimized GPU program and its
 memory. The compiles skip, saying why, where the gpu-aot extra is not installed; what a user
 without it is told is tested in tests/test_extras.py."""
@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from jaxdist.compiled import gpu
+from jaxdist.compiled.gemms import analyze
 from jaxdist.errors import ConfigError
-from jaxdist.planning import gpu
-from jaxdist.planning.kernels import analyze
 from tests.extras import needs_gpu_aot
 from tests.helpers import cli
 
@@ -29,7 +29,7 @@ def test_gpu_targets_parse_and_bad_ones_say_how():
 
 def test_kernel_census_reads_dtypes_per_computation():
     # The same parameter name in two computations, with different dtypes: each dot's operands
-    # are looked up in its own computation.
+    # are looked up in its own computation. cuDNN's attention is a GEMM of the census too.
     text = """
 %fused_a (p0: bf16[4,8], p1: bf16[8,2]) -> bf16[4,2] {
   %p0 = bf16[4,8]{1,0} parameter(0)
@@ -42,15 +42,18 @@ def test_kernel_census_reads_dtypes_per_computation():
   ROOT %dot.2 = f32[4,2]{1,0} dot(%p0, %p1), metadata={op_name="jit(f)/router"}
 }
 ENTRY %main (a: f32[4,8]) -> f32[4,2] {
+  %x = bf16[1,4,8]{2,1,0} parameter(0)
   %f.1 = bf16[4,2]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_a
   %cc = (bf16[1,4,2], f32[1,4]) custom-call(%x), custom_call_target="__cudnn$fmhaSoftmax"
   %h = f32[4] custom-call(%y), custom_call_target="MoveToHost"
   ROOT %f.2 = f32[4,2]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_b
 }
 """
-    k = analyze(text)
-    assert k["dots_by_operand_dtype"] == {"bf16": 1, "f32": 1}
-    assert k["dots_not_16bit_ops"] == ["f32: jit(f)/router"]
+    read = analyze(text)
+    g, k = read["gemms"], read["kernels"]
+    assert g["by_precision"] == {"bf16": 2, "f32": 1}
+    assert g["by_kind"] == {"dot": {"bf16": 1, "f32": 1}, "cudnn": {"bf16": 1}}
+    assert g["not_16bit"] == {"router": 1}
     assert k["attention"]["cudnn_fused_forward"] == 1
     assert k["attention"]["cudnn_fused_backward"] == 0
     assert (k["fusions"], k["custom_calls"], k["host_transfers"]) == (2, 2, 1)
@@ -61,8 +64,8 @@ ENTRY %main (a: f32[4,8]) -> f32[4,2] {
   %x = bf16[2,4,64,64]{3,2,1,0} fusion(%w), kind=kLoop, calls=%g
   ROOT %s = f32[2,4,64,64]{3,2,1,0} fusion(%w), kind=kLoop, calls=%f
 }"""
-    assert analyze(scores, 64)["score_tensors"] == 1
-    assert analyze(scores, 32)["score_tensors"] == 0
+    assert analyze(scores, 64)["kernels"]["score_tensors"] == 1
+    assert analyze(scores, 32)["kernels"]["score_tensors"] == 0
 
 
 # Each compile is one `jaxdist` process (the compiler's flags are set before JAX starts), and
@@ -184,12 +187,11 @@ def test_preset_compiles_for_gpu_with_fused_attention_in_memory(
     # Every matmul on bf16 operands (the loss's fp32 logits come out of a bf16 matmul), but
     # MoE's router, fp32 on purpose (models/moe.py: its softmax decides where every token
     # goes; [D, 8] weights, a sliver of the FLOPs): forward, and its backward products.
-    wide = [op for op in k["dots_not_16bit_ops"] if "btd,de->bte" not in op]
-    assert wide == [], wide
-    assert (k["dots_not_16bit"] > 0) == model.startswith("moe")
-    # The GEMM census agrees: no FP8 (--fp8 off), bf16 but the router, cuDNN's attention
-    # counted once per call.
     g = r["gemms"]
+    wide = [label for label in g["not_16bit"] if "btd,de->bte" not in label]
+    assert wide == [], wide
+    assert bool(g["not_16bit"]) == model.startswith("moe")
+    # No FP8 (--fp8 off), bf16 but the router, cuDNN's attention counted once per call.
     assert set(g["by_precision"]) == ({"bf16", "f32"} if model.startswith("moe") else {"bf16"})
     fused = a["cudnn_fused_forward"] + a["cudnn_fused_backward"]
     assert g["by_kind"]["cudnn"] == {"bf16": fused}
@@ -219,7 +221,7 @@ def test_report_flags_fp32_matmuls_and_unfused_attention(compiles):
     # fp32 compute: cuDNN's attention takes 16-bit inputs only, so XLA's runs, on fp32 dots.
     r = _report(compiles, FP32)
     assert r["attention_kernel"].startswith("xla")
-    assert r["kernels"]["dots_not_16bit"] > 0
+    assert r["gemms"]["not_16bit"]
     assert r["gemms"]["by_precision"]["f32"] > 0
     text = " ".join(r["warnings"])
     assert "attention is not fused" in text and "32-bit operands" in text

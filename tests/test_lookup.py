@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist.compiled import hlo
 from jaxdist.kernels.lookup import lookup, reduce_scatter, routing
 from jaxdist.layout import Layout
-from jaxdist.planning import hlo
 from jaxdist.rules import activation_rules, constrain
 from meshes.presets import STANDARD_RULES as RULES
 from tests.helpers import mesh_for

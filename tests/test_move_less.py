@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from jaxdist.planning import fit, hlo
+from jaxdist.compiled import hlo
+from jaxdist.planning import fit
 from tests.extras import needs_gpu_aot, needs_tpu
 from tests.helpers import cli
 

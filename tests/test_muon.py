@@ -24,12 +24,12 @@ from optax.contrib import MuonState
 
 from jaxdist.checkpoint.resume import compare_with_checkpoint
 from jaxdist.cli.cmd_comm import Comm
+from jaxdist.compiled import comm_report, hlo
 from jaxdist.config import DataConfig, OptimConfig
 from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.layout import Layout, StepConfig
 from jaxdist.optim import make_optimizer, muon_dims, muon_labels, schedule
-from jaxdist.planning import comm_report, hlo
 from jaxdist.rules import is_variable
 from jaxdist.step import build
 from meshes.presets import STANDARD_RULES, get_mesh_preset

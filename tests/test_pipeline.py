@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxdist.checkpoint.store import Checkpointer, param_shapes
+from jaxdist.compiled import comm_report
 from jaxdist.config import DataConfig, OptimConfig
 from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
@@ -16,7 +17,6 @@ from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.optim import make_optimizer
 from jaxdist.parallel import pipeline
 from jaxdist.parallel.pipeline import make_schedule, recv_table
-from jaxdist.planning import comm_report
 from jaxdist.rules import batch_ways
 from jaxdist.step import build
 from meshes.presets import STANDARD_RULES

@@ -12,11 +12,11 @@ import jax
 import pytest
 
 from jaxdist.cli.main import main
+from jaxdist.compiled import hlo
 from jaxdist.config import OptimConfig
 from jaxdist.layout import Layout, StepConfig
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.optim import make_optimizer
-from jaxdist.planning import hlo
 from jaxdist.step import build
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config

@@ -22,11 +22,11 @@ HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 def _compiled_figures(row: dict, batch: int) -> tuple[int, int]:
     """XLA's per-device peak and the HLO's collective bytes for a planned layout, compiled here
     in the test process as `plan --verify` compiles it (float32 on CPU, AdamW)."""
+    from jaxdist.compiled import hlo
     from jaxdist.config import OptimConfig
     from jaxdist.layout import Layout
     from jaxdist.mesh import MeshConfig, build_mesh
     from jaxdist.optim import make_optimizer
-    from jaxdist.planning import hlo
     from jaxdist.step import build
     from models.presets import model_spec
 
@@ -113,7 +113,7 @@ def test_interleaving_shrinks_the_priced_bubble_and_its_sends_match_the_hlo():
     import jax
     import numpy as np
 
-    from jaxdist.planning import hlo
+    from jaxdist.compiled import hlo
     from tests.helpers import mesh_for
 
     model = _model("tiny", "float32", num_layers=8)
@@ -264,7 +264,7 @@ def test_compile_only_exits_non_zero_when_the_program_does_not_fit(tmp_path):
 def test_verify_recommends_the_first_layout_that_fits_once_compiled(monkeypatch):
     """`--verify K`: a layout the compiler refuses or that does not fit is never the choice."""
     from jaxdist.cli import cmd_plan
-    from jaxdist.planning import aot
+    from jaxdist.compiled import aot
 
     verdicts = iter([False, True, True])
     monkeypatch.setattr(aot, "verify", lambda *a: {"fits": next(verdicts)})

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from jaxdist.cli.main import main
+from jaxdist.compiled.tpu import parse_target
 from jaxdist.errors import ConfigError
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import plan
-from jaxdist.planning.tpu import parse_target
 from meshes.presets import STANDARD_RULES
 from tests.helpers import planned as _model
 

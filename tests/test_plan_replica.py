@@ -11,18 +11,19 @@ import numpy as np
 import pytest
 
 from jaxdist.cli.main import main
-from jaxdist.cli.remat_auto import order
+from jaxdist.compiled import comm_report, hlo
 from jaxdist.config import OptimConfig
 from jaxdist.layout import REPLICA, SEARCHED_AXES, Layout, StepConfig, SyncConfig
 from jaxdist.optim import make_optimizer
 from jaxdist.parallel import exchange, rounds
-from jaxdist.planning import comm_report, hlo, memory, quality, sync
+from jaxdist.planning import memory, quality, sync
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import plan
 from jaxdist.step import build
 from meshes.presets import STANDARD_RULES
 from models.inventory import plan_model
 from models.presets import get_model_config
+from models.remat import ORDER
 from models.transformer import Transformer
 from tests.helpers import mesh_for
 
@@ -132,7 +133,7 @@ def test_the_planner_counts_the_messages_the_compiled_outer_step_sends(
 def _ranked(link_gbps: float | None, sync_every: int) -> list[dict]:
     """1B on two H100 hosts, layouts of 2 replica groups beside the rest, fastest first."""
     base = get_model_config("1b", compute_dtype="bfloat16", seq_len=2048)
-    models = [plan_model(dataclasses.replace(base, remat=p)) for p in order()]
+    models = [plan_model(dataclasses.replace(base, remat=p)) for p in ORDER]
     cfg = PlanConfig(
         devices=16,
         hardware="h100",
@@ -285,27 +286,6 @@ def test_a_delay_hides_the_exchange_behind_the_next_steps():
     streamed = sync.outer_terms(fragments, exchange_s=3.0 / 4, compute_s=1.0)
     assert streamed["outer_s"] == at_once["outer_s"]  # the same bytes, in four turns
     assert streamed["outer_exposed_s"] == 0.0 and streamed["outer_hidden_s"] == 3.0 / 8
-
-
-# Charles et al., "Scaling Laws for DiLoCo" (arXiv:2503.09799), Table 6: Gbit/s between the
-# groups for 80% compute utilization. (parameters, seconds per step, H, Gbit/s); H = 1 is
-# data parallelism. experiments/diloco_bandwidth.py prints ours beside them.
-TABLE_6 = [
-    (10e9, 0.8, 1, 184.2),
-    (10e9, 0.8, 100, 6.2),
-    (405e9, 26.0, 1, 222.3),  # Llama-3-405B
-    (405e9, 26.0, 100, 7.5),
-    (671e9, 20.0, 1, 569.0),  # DeepSeek-V3
-    (671e9, 20.0, 100, 16.0),
-]
-
-
-@pytest.mark.parametrize("params, step_s, sync_every, paper_gbps", TABLE_6)
-def test_table_6_of_the_diloco_scaling_laws_within_15_percent(
-    params, step_s, sync_every, paper_gbps
-):
-    ours = sync.paper_bandwidth(params, step_s, sync_every)
-    assert ours == pytest.approx(paper_gbps, rel=0.15)
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,11 @@ import math
 import pytest
 
 from jaxdist.cli.main import main
+from jaxdist.compiled.tpu import parse_target, topology_name
 from jaxdist.errors import ConfigError
 from jaxdist.parallel.experts import capacity
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import plan, price
-from jaxdist.planning.tpu import parse_target, topology_name
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config
 from tests.helpers import planned as _model

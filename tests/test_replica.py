@@ -17,12 +17,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.cli.main import main
 from jaxdist.cluster.join import metric_value
+from jaxdist.compiled import hlo
 from jaxdist.config import OptimConfig
 from jaxdist.errors import ConfigError
 from jaxdist.layout import Layout, StepConfig, SyncConfig
 from jaxdist.optim import make_optimizer
 from jaxdist.parallel import exchange, replica, rounds
-from jaxdist.planning import hlo
 from jaxdist.step import build
 from meshes.presets import STANDARD_RULES
 from models.presets import get_model_config

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxdist.compiled import tpu
 from jaxdist.kernels.documents import from_tokens
 from jaxdist.kernels.loss import Vocab
 from jaxdist.layout import Layout
 from jaxdist.parallel import attention as attn
-from jaxdist.planning import tpu
 from jaxdist.rules import activation_rules
 from jaxdist.step import forward_loss
 from meshes.presets import STANDARD_RULES

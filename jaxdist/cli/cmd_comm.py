@@ -1,5 +1,5 @@
 """`jaxdist comm`: the collectives XLA compiled into the step, per mesh axis, beside what the
-layout implies (jaxdist.planning.comm_report)."""
+layout implies (jaxdist.compiled.comm_report)."""
 
 import dataclasses
 import json
@@ -24,8 +24,8 @@ class Comm(Common):
 
 def run(args: Comm) -> int:
     mesh, layout, model_cfg, args = setup(args)
+    from jaxdist.compiled import comm_report
     from jaxdist.optim import make_optimizer
-    from jaxdist.planning import comm_report
     from jaxdist.step import build
     from models.inventory import plan_model
     from models.presets import model_spec

@@ -103,7 +103,7 @@ def _tpu_generation(hw) -> str | None:
 def _gpu_target(hw, devices: int):
     """The GPU target `--verify` compiles for (hosts of the preset's size), None for CPU
     hardware. Without the CUDA plugin, or for a GPU without a target config, a ConfigError."""
-    from jaxdist.planning import gpu
+    from jaxdist.compiled import gpu
 
     if hw.platform != "gpu":
         return None
@@ -177,7 +177,7 @@ def _check_verify(args: Plan, hw, devices: int):
     GPU target or None); fake CPU devices, one per planned device, otherwise."""
     generation = _tpu_generation(hw)
     if generation and args.verify:
-        from jaxdist.planning import tpu
+        from jaxdist.compiled import tpu
 
         if args.slices > 1:
             raise ConfigError("--verify compiles one TPU slice; drop --slices or --verify")
@@ -194,11 +194,11 @@ def _check_verify(args: Plan, hw, devices: int):
 
 def _targets(generation, gpu_target, devices: int) -> list:
     if generation:
-        from jaxdist.planning.tpu import topology_name, tpu_devices
+        from jaxdist.compiled.tpu import topology_name, tpu_devices
 
         return tpu_devices(topology_name(generation, devices))
     if gpu_target:
-        from jaxdist.planning.gpu import gpu_devices
+        from jaxdist.compiled.gpu import gpu_devices
 
         return gpu_devices(gpu_target)
     import jax
@@ -225,9 +225,9 @@ def run(args: Plan) -> int:
     model_cfg = model_config(args, hw.platform)
     policies = [model_cfg.remat]
     if args.remat == "auto":  # each layout takes the fastest policy that fits it
-        from jaxdist.cli.remat_auto import order
+        from models.remat import ORDER
 
-        policies = list(order())
+        policies = list(ORDER)
     configs = [dataclasses.replace(model_cfg, remat=p) for p in policies]
     models = [plan_model(c) for c in configs]
     cfg = _plan_config(args, devices)
@@ -253,7 +253,7 @@ def run(args: Plan) -> int:
 def _verify(args: Plan, model_cfg, result: dict, targets: list) -> None:
     """Compiles the top --verify layouts; the first that fits once compiled becomes the plan's
     choice (`result["best"]`: its index, None where none does)."""
-    from jaxdist.planning.aot import verify
+    from jaxdist.compiled.aot import verify
     from jaxdist.planning.layouts import layout_of
     from meshes.presets import STANDARD_RULES
     from models.presets import model_spec

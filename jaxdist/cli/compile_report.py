@@ -10,40 +10,27 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from jaxdist.cli.remat_auto import device_memory, order, target_hardware
-from jaxdist.errors import ConfigError
-from jaxdist.planning import aot, fit, gemms
+from jaxdist.compiled import aot, gemms
+from jaxdist.compiled.memory import device_memory, target_hardware
+from models.remat import ORDER
 
 
 def compile_only(args, model_cfg, mesh, layout, vocab: tuple[int, int | None]) -> int:
     """Compiles the step and reports it; with --remat auto and a --target, a policy the
-    compiler refuses (or whose peak does not fit the device) gives way to the next one."""
+    compiler refuses (or whose peak does not fit the device) gives way to the next one
+    (jaxdist.compiled.aot.compile_fitting)."""
     platform = mesh.devices.flat[0].platform
     # Fake CPU devices hold nothing of a compile: only a target's or an accelerator's memory.
     memory = device_memory(mesh, args.target) if args.target or platform != "cpu" else None
     auto = args.remat == "auto" and args.target is not None
-    tried = []
-    while True:
-        tried.append(model_cfg.remat)
-        layout = dataclasses.replace(layout, remat=model_cfg.remat)
-        try:
-            with compiling(Console(stderr=True), args, mesh, layout):
-                report, refusal = _report(args, model_cfg, mesh, layout, vocab, memory), None
-        except Exception as e:  # XLA's TPU compiler refuses a step that cannot fit the chip
-            if not fit.refused_for_memory(e):
-                raise
-            report, refusal = None, str(e).splitlines()[0][:200]
-        leaner = fit.next_policy(order(), tried[-1])
-        if not auto or leaner is None or (report is not None and report.get("fits", True)):
-            break
-        model_cfg = dataclasses.replace(model_cfg, remat=leaner)
-    if report is None:
-        leaner = "" if auto else ", a leaner --remat (or auto)"
-        raise ConfigError(
-            f"XLA refused the step for lack of memory at every policy tried ({', '.join(tried)}): "
-            f"{refusal}; use a smaller --batch-size{leaner} or a mesh that shards more "
-            "(a context axis splits long rows)"
-        )
+
+    def compile_at(policy: str) -> dict:
+        cfg = dataclasses.replace(model_cfg, remat=policy)
+        at = dataclasses.replace(layout, remat=policy)
+        with compiling(Console(stderr=True), args, mesh, at):
+            return _report(args, cfg, mesh, at, vocab, memory)
+
+    report, tried = aot.compile_fitting(model_cfg.remat, ORDER if auto else (), compile_at)
     report["remat"] = {"policy": tried[-1], "tried": tried} if auto else model_cfg.remat
     return finish(report, args.json)
 

@@ -7,6 +7,7 @@ lists in the help come from the registries."""
 import dataclasses
 import os
 import pathlib
+import sys
 from typing import Annotated, Literal
 
 import tyro
@@ -207,9 +208,7 @@ def setup(
         args = dataclasses.replace(args, batch_size=max(16, layout.batch_unit))
     layout = dataclasses.replace(layout, batch_size=args.batch_size)
     if args.remat == "auto":
-        from jaxdist.cli.remat_auto import resolve
-
-        model_cfg = resolve(model_cfg, layout, mesh, target, platform)
+        model_cfg = _remat_auto(model_cfg, layout, mesh, target, platform)
     return mesh, dataclasses.replace(layout, remat=model_cfg.remat), model_cfg, args
 
 
@@ -237,6 +236,27 @@ def computes(platform: str, dtype: str = "auto", attention: str = "auto") -> tup
     return dtype, _attention(platform, dtype, attention)
 
 
+def _remat_auto(model_cfg, layout, mesh, target: str | None, platform: str):
+    """`--remat auto`: the model family's fastest policy (models/remat.py) predicted to fit the
+    device (jaxdist.planning.fit.resolve); one line on stderr says which."""
+    from jaxdist.compiled.memory import device_memory
+    from jaxdist.planning import fit
+    from models.inventory import plan_model
+    from models.remat import ORDER as REMAT_ORDER
+
+    memory = device_memory(mesh, target)
+    if memory is None:
+        return dataclasses.replace(model_cfg, remat=REMAT_ORDER[0])
+
+    def plan_at(policy: str):
+        return plan_model(dataclasses.replace(model_cfg, remat=policy))
+
+    choice = fit.resolve(REMAT_ORDER, plan_at, layout, memory, platform)
+    if choice.said:
+        print(choice.line(), file=sys.stderr)
+    return dataclasses.replace(model_cfg, remat=choice.policy)
+
+
 def _with_data(args: Common, model_cfg, data: str | None):
     """The model with the data's vocabulary (jaxdist.data.batches.data_vocab), but for a
     pretrained architecture (`hf:`), which keeps its own."""
@@ -252,7 +272,7 @@ def _gpu_target(target: str | None):
     """The GPU target to compile for, its compiler's flags set (read when JAX starts)."""
     if not target:
         return None
-    from jaxdist.planning import gpu
+    from jaxdist.compiled import gpu
 
     if not gpu.is_gpu_target(target):
         return None
@@ -276,11 +296,11 @@ def _target_devices(target: str | None, gpu_target) -> tuple[str, list | None]:
     import jax
 
     if gpu_target:
-        from jaxdist.planning import gpu
+        from jaxdist.compiled import gpu
 
         return "gpu", gpu.gpu_devices(gpu_target)
     if target:
-        from jaxdist.planning.tpu import parse_target, tpu_devices
+        from jaxdist.compiled.tpu import parse_target, tpu_devices
 
         return "tpu", tpu_devices(parse_target(target))
     return jax.default_backend(), None

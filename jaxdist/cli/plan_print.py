@@ -8,9 +8,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from jaxdist.compiled.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
 from jaxdist.layout import StepConfig, SyncConfig
 from jaxdist.planning import quality
-from jaxdist.planning.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
 
 # Common's model-size flags (jaxdist.cli.options), as the command line spells them.
 _SIZE_FLAGS = ("style", "layers", "d_model", "heads", "kv_heads", "d_mlp", "vocab")

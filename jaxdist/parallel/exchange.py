@@ -345,7 +345,7 @@ def _buffers(d: int | None, local: float, rows: float, ndim: int, dtype: str, M:
 
 
 def messages(shapes, specs, owners, dtype: str, mesh_shape) -> dict[str, list[float]]:
-    """Bytes per device of each collective over `replica` (its result: planning.hlo's
+    """Bytes per device of each collective over `replica` (its result: compiled.hlo's
     convention) that up_many ("all-to-all") and down_many ("all-gather") send for leaves of
     these shapes (a group's, without the group dim) laid out `specs`, owned `owners`: one a
     bucket of each kind of buffer. A leaf on the per-leaf path (bucket_dim's alone) is taken as

@@ -89,7 +89,7 @@ def _route(stored: PartitionSpec, shape, dims: MuonDimensionNumbers, mesh_shape)
 
 class Moved(NamedTuple):
     """One Muon weight's momentum moved in a step: `kind` over the mesh `axes` that split its
-    matrix dims, `nbytes` per device (planning.hlo's convention: an all-to-all's buffer, a
+    matrix dims, `nbytes` per device (compiled.hlo's convention: an all-to-all's buffer, a
     gather's output), in `count` collectives."""
 
     kind: str

@@ -98,7 +98,7 @@ def send_bytes(
 
 def branch_share(schedule: Schedule) -> dict[int, tuple[float, ...]]:
     """How often each branch of the tick's switch (idle, forward, backward) runs per tick, for
-    reading the compiled step's collectives (jaxdist.planning.hlo): a branch's collectives run
+    reading the compiled step's collectives (jaxdist.compiled.hlo): a branch's collectives run
     only on its ticks. Averaged over the stages (each runs the same count of each)."""
     ops = np.asarray(schedule.ops)
     return {3: tuple(float((ops == op).mean()) for op in range(3))}

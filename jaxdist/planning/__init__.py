@@ -1,2 +1,2 @@
-"""Before the fleet is rented: the collectives a layout implies and the ones XLA compiled, the
-alpha-beta cost model, the memory model, the planner, and compiling for hardware not present."""
+"""Before anything compiles: the collectives and memory a layout implies, the alpha-beta cost
+model, the planner and the rule that says whether a step fits."""

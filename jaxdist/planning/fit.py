@@ -12,15 +12,19 @@ nothing.
 `choose` walks the policies from fastest to leanest (the model family's order) and takes the
 first whose predicted peak (jaxdist.planning.memory.device_peak) `fits`: the device's budget
 for one program, less the memory model's margin of error. `plan`, `train
---remat auto` and `train --compile-only` all choose here. Where the step is compiled for a
-target, the caller confirms the choice with the compiler and moves on to the next policy when
-XLA refuses it or its peak does not fit (`next_policy`).
+--remat auto` and `train --compile-only` all choose here (`resolve` for one layout). Where the
+step is compiled for a target, jaxdist.compiled.aot confirms the choice with the compiler and
+moves on to the next policy when XLA refuses it or its peak does not fit (`next_policy`).
 """
 
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from jaxdist.errors import ConfigError
 from jaxdist.hardware import budget
+from jaxdist.layout import Layout
+from jaxdist.planning.inputs import PlanModel
+from jaxdist.planning.memory import device_peak
 
 # The memory model is held within 10% of the compilers (tests/test_plan_compiled.py): a predicted
 # peak leaves that room, a compiled one (XLA's own figure) needs none.
@@ -49,6 +53,15 @@ class RematChoice:
     def fits(self) -> bool:
         return fits(self.predicted[self.policy], self.memory_bytes, self.platform)
 
+    @property
+    def said(self) -> bool:
+        """Whether a run says which policy it took: on an accelerator always; on fake CPU
+        devices where a policy leaner than the fastest fits (where none fits, the host-memory
+        check, jaxdist.planning.hostfit, says it better; past the usable share but within the
+        device, the compiler decides)."""
+        fastest = next(iter(self.predicted))
+        return self.platform != "cpu" or (self.fits and self.policy != fastest)
+
     def line(self) -> str:
         """One line for the run's output: what was chosen and why."""
         gb = 1e9
@@ -70,6 +83,34 @@ def choose(
         if fits(predicted[policy], memory_bytes, platform):
             break
     return RematChoice(policy, memory_bytes, platform, predicted)
+
+
+def resolve(
+    order: Sequence[str],
+    plan_at: Callable[[str], PlanModel],
+    layout: Layout,
+    memory_bytes: float,
+    platform: str,
+) -> RematChoice:
+    """The fastest policy of `order` whose step on `layout` is predicted to fit, the model at
+    each policy being `plan_at(policy)`; a ConfigError where on an accelerator even the
+    leanest needs more than the whole device."""
+
+    def peak_of(policy: str) -> float:
+        at = dataclasses.replace(layout, remat=policy)
+        return device_peak(plan_at(policy), at, platform)["peak"]
+
+    choice = choose(order, peak_of, memory_bytes, platform)
+    leanest = choice.predicted[choice.policy]
+    if not choice.fits and platform != "cpu" and leanest > memory_bytes:
+        raise ConfigError(
+            f"{plan_at(choice.policy).name} at batch {layout.batch_size} on "
+            f"{layout.describe()} does not fit at any rematerialization policy: the leanest "
+            f"({choice.policy}) needs about {leanest / 1e9:.1f} GB per device, the device has "
+            f"{memory_bytes / 1e9:.1f} GB; use a smaller --batch-size, more devices, or a mesh "
+            "that shards more of the model (fsdp, tensor, pipeline)"
+        )
+    return choice
 
 
 def next_policy(order: Sequence[str], policy: str) -> str | None:

@@ -212,14 +212,3 @@ def pipeline_stash(model: PlanModel, layout: Layout) -> float:
         return 0.0
     schedule = schedules.for_layout(layout)
     return 3 * layout.virtual_stages * schedule.capacity * microbatch_activation(model, layout)
-
-
-def xla_peak(stats) -> int:
-    """XLA's own per-device figure from a compiled step's memory analysis: arguments, outputs
-    and temporaries, with donated state (aliased to its output) counted once."""
-    return (
-        stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        - stats.alias_size_in_bytes
-        + stats.temp_size_in_bytes
-    )

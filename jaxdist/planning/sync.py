@@ -18,17 +18,15 @@ groups (hardware `outer`: InfiniBand, DCN). Per device:
   steps, so up to T steps' compute hides it; with T = 0 it is exposed.
 
 `bandwidth_for` solves for the slow link's bandwidth at which a layout reaches a compute
-utilization (compute / (compute + exposed communication)); `paper_bandwidth` does the same
-for Charles et al.'s idealized setting (arXiv:2503.09799, Table 6), which
-experiments/diloco_bandwidth.py sets beside the paper's figures.
+utilization (compute / (compute + exposed communication)); experiments/diloco_bandwidth.py
+does the same for Charles et al.'s idealized setting (arXiv:2503.09799, Table 6).
 """
 
 import dataclasses
 import math
 from collections.abc import Callable
 
-from jaxdist.errors import ConfigError
-from jaxdist.hardware import Hardware, Link, with_slow_link
+from jaxdist.hardware import Hardware, with_slow_link
 from jaxdist.layout import Layout, SyncConfig
 from jaxdist.parallel import exchange, replica
 from jaxdist.planning import costmodel
@@ -172,53 +170,3 @@ def bandwidth_for(
     """Gbit/s per device of the slow link at which the layout `price_at` prices reaches
     compute utilization `target` (see solve_gbps for 0.0 and None)."""
     return solve_gbps(lambda gbps: utilization(price_at(with_slow_link(hw, gbps))), target)
-
-
-# Charles et al., "Scaling Laws for DiLoCo" (arXiv:2503.09799), Table 6: the bandwidth each
-# method needs for 80% compute utilization, in an idealized setting. The paper's own statement
-# of that setting was not at hand; reconstructed from two secondary sources, it reproduces the
-# table's six rows within 10% (experiments/diloco_bandwidth.py):
-# - a sync sends the model's bf16 weights (DiLoCo) or gradients (data parallelism) over the
-#   link between M groups in 2N (1 - 1/M) / W seconds, no latency: the form of the
-#   mino98.github.io/diloco-calculator page, which cites the paper's Appendix A.2-A.3 for it
-#   ("N, assumes bfloat16"). M = 4 is our choice: M = 2 gives 0.63-0.66 of the DiLoCo rows, M = 8
-#   1.11-1.15 of them; the table names no M that we could read;
-# - "the reduction of gradients or outer gradients is overlapped over the backward pass"
-#   (arthurdouillard.com/diloco, the simulator of the same authors' papers): a sync hides
-#   behind PAPER_HIDDEN_SHARE of a step's compute. The backward pass is 2/3 of it; 0.52 is
-#   fitted on the table's three data-parallel rows (0.50 leaves them within 13%, 2/3 puts
-#   DeepSeek-V3's 23% low): the one fitted constant.
-PAPER_SYNC_BYTES = 2  # bfloat16
-PAPER_GROUPS = 4
-PAPER_HIDDEN_SHARE = 0.52
-
-
-def paper_bandwidth(
-    params: float,
-    step_s: float,
-    sync_every: int,
-    target: float = TARGET_UTILIZATION,
-    groups: int = PAPER_GROUPS,
-    sync_bytes: int = PAPER_SYNC_BYTES,
-    hidden_share: float = PAPER_HIDDEN_SHARE,
-) -> float:
-    """Gbit/s of the link between the groups (each group's whole link, as the paper counts it)
-    at which a model of `params` parameters whose step computes for `step_s` seconds reaches
-    compute utilization `target`, syncing every `sync_every` steps (1: data parallelism)."""
-    if params <= 0 or step_s <= 0 or sync_every < 1 or not 0 < target < 1:
-        raise ConfigError(
-            f"paper_bandwidth({params}, {step_s}, {sync_every}, {target}): parameters and "
-            "step time must be positive, H at least 1, the utilization in (0, 1)"
-        )
-    nbytes = sync_bytes * params
-
-    def utilization_at(gbps: float) -> float:
-        # One pass of the weights over the ring: what planning.costmodel prices an
-        # all-gather at, (M - 1)/M of the buffer through each member's link.
-        sync_s = costmodel.collective_time("all-gather", nbytes, groups, Link(0.0, gbps * 1e9 / 8))
-        exposed = max(0.0, sync_s - hidden_share * step_s) / sync_every
-        return step_s / (step_s + exposed)
-
-    found = solve_gbps(utilization_at, target)
-    assert found is not None  # no latency: a fast enough link always gets there
-    return found

@@ -1,5 +1,5 @@
 """The collectives a layout implies, per mesh axis and kind: what `plan` prices and what
-jaxdist.planning.comm_report sets beside the compiled program's.
+jaxdist.compiled.comm_report sets beside the compiled program's.
 
 Expected bytes come from two sources. Parameters (generic, from the rule table): a weight
 split over a batch axis (FSDP) is gathered where it is used, once per step, or twice for
@@ -18,7 +18,7 @@ Bytes follow one convention for every kind: the full buffer a device reduces or 
 Which collectives the compilers emit, and where, was counted in the programs of one release of
 each: jax 0.11.2's XLA (XLA:CPU; XLA:GPU through jax-cuda13-plugin 0.11.2) and libtpu 0.0.48's
 TPU compiler. The rules below that copy a compiler's choice (STREAMED_CHIPS, the
-all-reduce-scatter fusion read in planning.hlo, GPU's and TPU's reassociated partial sums in
+all-reduce-scatter fusion read in compiled.hlo, GPU's and TPU's reassociated partial sums in
 models/inventory.py) are theirs; another release may choose otherwise, which `plan --verify`
 and `jaxdist comm` show beside the figures.
 """

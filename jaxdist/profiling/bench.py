@@ -10,8 +10,8 @@ import jax
 
 from jaxdist import hardware
 from jaxdist.cluster.join import metric_value
+from jaxdist.compiled.memory import xla_peak
 from jaxdist.metrics.records import distribution, throughput
-from jaxdist.planning.memory import xla_peak
 
 _NO_PEAK = "no peak FLOP/s known for {} devices; pass --peak-tflops to get an MFU"
 

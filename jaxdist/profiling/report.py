@@ -6,8 +6,9 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
+from jaxdist.compiled import hlo
 from jaxdist.hardware import Hardware, get_hardware
-from jaxdist.planning import costmodel, hlo
+from jaxdist.planning import costmodel
 from jaxdist.profiling.breakdown import breakdown
 from jaxdist.profiling.xplane import find_xplane, load
 

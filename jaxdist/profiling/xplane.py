@@ -17,8 +17,8 @@ import pathlib
 import re
 from collections import defaultdict
 
+from jaxdist.compiled.hlo import COLLECTIVES, opcode
 from jaxdist.errors import ConfigError
-from jaxdist.planning.hlo import COLLECTIVES, opcode
 
 # Control-flow ops enclose the ops they run; only the ops inside are time spent.
 _CONTAINERS = ("while", "conditional", "call", "command_buffer")

@@ -1,5 +1,5 @@
 """Ahead-of-time: compile the real train step for abstract inputs, on the devices present or on
-a target this host does not have (jaxdist.planning.tpu, jaxdist.planning.gpu), and read XLA's
+a target this host does not have (jaxdist.compiled.tpu, jaxdist.compiled.gpu), and read XLA's
 own figures: memory per device and the collectives per mesh axis. Nothing is allocated and
 nothing runs, so a layout that cannot fit is found before the fleet is rented.
 
@@ -16,16 +16,20 @@ What compiling without the device cannot see, where it matters:
   tpu_copies, jaxdist.planning.memory).
 On a real GPU, XLA writes the config it compiled for beside each dumped module
 (XLA_FLAGS=--xla_dump_to=DIR: *.gpu_target_config.pbtxt), the one to check
-planning/gpu_targets/ against (experiments/h200.py saves it).
+compiled/gpu_targets/ against (experiments/h200.py saves it).
 """
 
 import math
 import re
 import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jaxdist.compiled import gemms, hlo
+from jaxdist.compiled.memory import xla_peak
 from jaxdist.config import OptimConfig
+from jaxdist.errors import ConfigError
 from jaxdist.hardware import get_hardware
 from jaxdist.layout import Layout
 from jaxdist.mesh import MeshConfig, build_mesh
@@ -33,8 +37,7 @@ from jaxdist.model import ModelSpec
 from jaxdist.optim import make_optimizer
 from jaxdist.parallel import schedules
 from jaxdist.parallel.pipeline import branch_share
-from jaxdist.planning import fit, gemms, hlo, kernels
-from jaxdist.planning.memory import xla_peak
+from jaxdist.planning import fit
 from jaxdist.step import JittedStep, build
 
 MEMORY_TOLERANCE = 0.15  # predicted vs XLA's per-device memory
@@ -63,11 +66,11 @@ def compile_only(jitted: JittedStep) -> dict:
     share = branch_share(schedules.for_layout(layout)) if layout.stages > 1 else None
     collectives = hlo.summarize(hlo.collectives(text, dict(mesh.shape), share))
     platform = mesh.devices.flat[0].platform
-    seq_len = layout.seq_len
     accelerator = {}
     if platform in ("gpu", "tpu"):
-        # The GEMMs by the types they read: FP8 projections that fell back to 16 bits show.
-        accelerator = {"kernels": kernels.analyze(text, seq_len), "gemms": gemms.census(text)}
+        # The GEMMs by the types they read (FP8 projections that fell back to 16 bits show),
+        # the attention kernel and host transfers.
+        accelerator = gemms.analyze(text, layout.seq_len)
     hosts = np.vectorize(lambda d: d.process_index)(mesh.devices)
     if hosts.max() > 0:
         # Axes whose neighbours sit on other hosts: their collectives cross the network.
@@ -84,6 +87,37 @@ def compile_only(jitted: JittedStep) -> dict:
         ],
         **accelerator,
     }
+
+
+def compile_fitting(
+    policy: str, order: Sequence[str], compile_at: Callable[[str], dict]
+) -> tuple[dict, list[str]]:
+    """The report of the step compiled at `policy` (`compile_at(policy)`, with `fits` where
+    the device's memory is known) and the policies tried. Where the compiler refuses the step
+    for lack of memory, or its peak does not fit, the next leaner policy of `order`
+    (jaxdist.planning.fit.next_policy) is compiled in turn, until one fits or none is left;
+    an empty `order` tries `policy` alone. A ConfigError where every policy tried was refused."""
+    tried = []
+    while True:
+        tried.append(policy)
+        try:
+            report, refusal = compile_at(policy), None
+        except Exception as e:  # XLA's TPU compiler refuses a step that cannot fit the chip
+            if not fit.refused_for_memory(e):
+                raise
+            report, refusal = None, str(e).splitlines()[0][:200]
+        leaner = fit.next_policy(order, policy)
+        if leaner is None or (report is not None and report.get("fits", True)):
+            break
+        policy = leaner
+    if report is None:
+        leaner = "" if order else ", a leaner --remat (or auto)"
+        raise ConfigError(
+            f"XLA refused the step for lack of memory at every policy tried ({', '.join(tried)}): "
+            f"{refusal}; use a smaller --batch-size{leaner} or a mesh that shards more "
+            "(a context axis splits long rows)"
+        )
+    return report, tried
 
 
 def memory_fit(report: dict, memory_bytes: float | None, predicted_peak: float) -> dict:
@@ -118,11 +152,47 @@ def target_report(hardware: str, report: dict, model: ModelSpec, layout: Layout)
     }
     if "kernels" in report:
         attention = getattr(model.config, "attention", None)
-        out["attention_kernel"] = kernels.attention_kernel(
-            report["kernels"], report["platform"], attention
-        )
+        out["attention_kernel"] = attention_kernel(report["kernels"], report["platform"], attention)
         usable = fit.usable(hw.memory_bytes, hw.platform, predicted=False)
-        out["warnings"] = kernels.warnings(report | out, usable)
+        out["warnings"] = warnings(report | out, usable)
+    return out
+
+
+def attention_kernel(kernels: dict, platform: str, attention: str | None) -> str:
+    """The attention the program runs, in words."""
+    a = kernels["attention"]
+    if platform == "gpu":
+        if a["cudnn_fused_forward"] and a["cudnn_fused_backward"]:
+            return "cudnn fused (forward and backward)"
+        if a["cudnn_fused_forward"]:
+            return "cudnn fused forward, XLA backward"
+        return "xla (fallback: T x T scores in memory)"
+    if platform == "tpu":
+        if attention == "splash" and a["tpu_custom_calls"]:
+            return "splash (Pallas kernel)"
+        return "xla (T x T scores in memory)"
+    return "xla"
+
+
+def warnings(report: dict, memory_bytes: float) -> list[str]:
+    """What would make the step slow or fail on the target, one line each."""
+    out = []
+    if not report["attention_kernel"].startswith(("cudnn fused (", "splash")):
+        out.append(f"attention is not fused: {report['attention_kernel']}")
+    wide = sum(report["gemms"]["not_16bit"].values())
+    if wide:
+        out.append(
+            f"{wide} matmuls with 32-bit operands (slower than bf16 on tensor cores): see "
+            "gemms.not_16bit"
+        )
+    if report["kernels"]["host_transfers"]:
+        out.append(f"{report['kernels']['host_transfers']} host transfers inside the step")
+    peak = report["per_device_bytes"]["peak_estimate"]
+    if peak > memory_bytes:
+        out.append(
+            f"peak {peak / 2**30:.1f} GiB per device is over the "
+            f"{memory_bytes / 2**30:.1f} GiB a program may hold on the device"
+        )
     return out
 
 

@@ -1,4 +1,5 @@
-"""Reads the collectives out of compiled HLO text: kind, bytes, mesh axes, times executed.
+"""Reads compiled HLO text: its computations and instructions (`instructions`, which
+jaxdist.compiled.gemms reads too), and its collectives: kind, bytes, mesh axes, times executed.
 
 XLA prints replica groups three ways (explicit `{{0,1},{2,3}}`, iota `[4,2]<=[2,4]T(1,0)`, and
 `mesh[...] {'fsdp'}`); all three are mapped back to the mesh axes the group spans. Ops inside
@@ -7,6 +8,7 @@ while loops (the layer scan) count once per iteration, from XLA's known_trip_cou
 
 import dataclasses
 import re
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -22,7 +24,8 @@ COLLECTIVES = (
     "send",
     "recv",
 )
-_DTYPE_BYTES = {
+# Bytes per element of each HLO element type; the GEMM census derives bits from it.
+DTYPE_BYTES = {
     "pred": 1,
     "s8": 1,
     "u8": 1,
@@ -37,11 +40,19 @@ _DTYPE_BYTES = {
     "u64": 8,
     "f64": 8,
     "f8e4m3fn": 1,
+    "f8e4m3fnuz": 1,
+    "f8e4m3b11fnuz": 1,
     "f8e5m2": 1,
+    "f8e5m2fnuz": 1,
 }
-_COMP_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
-_INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
-_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]")
+# A computation's first line (`ENTRY %main (...) -> ... {`): (ENTRY or not, its name).
+COMPUTATION = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
+# An instruction: (ROOT or not, name, result shape, op, the rest from its operands on).
+INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+# The library call of a custom-call (cuBLAS, cuDNN, a Pallas kernel, a host transfer).
+TARGET = re.compile(r'custom_call_target="([^"]+)"')
+# An array shape: (element type, dimensions).
+_SHAPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 
 
 def base_name(name: str) -> str:
@@ -66,10 +77,45 @@ class Collective:
 def shape_bytes(text: str) -> int:
     total = 0
     for dtype, dims in _SHAPE.findall(text):
-        if dtype in _DTYPE_BYTES:
+        if dtype in DTYPE_BYTES:
             n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-            total += n * _DTYPE_BYTES[dtype]
+            total += n * DTYPE_BYTES[dtype]
     return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    computation: str  # the computation it is in
+    name: str
+    result: str  # its shape: `bf16[4,8]{1,0}`, or a tuple's `(f32[2], s8[16])`
+    op: str
+    line: str
+    operands_at: int  # where in `line` its operand list opens
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        """Its result's element types, one per tuple element (nested tuples flattened)."""
+        return tuple(dtype for dtype, _ in _SHAPE.findall(self.result))
+
+    @property
+    def target(self) -> str:
+        """A custom-call's library call; "" for other ops."""
+        m = TARGET.search(self.line)
+        return m.group(1) if m else ""
+
+
+def instructions(hlo_text: str) -> Iterator[Instruction]:
+    """Every instruction of the program in the order printed, each with its computation."""
+    computation = ""
+    for line in hlo_text.splitlines():
+        header = COMPUTATION.match(line)
+        if header:
+            computation = header.group(2)
+            continue
+        m = INSTRUCTION.match(line)
+        if m:
+            name, result, op = m.group(2, 3, 4)
+            yield Instruction(computation, name, result, op, line, m.start(5) - 1)
 
 
 def _groups(attrs: str, mesh_shape: dict[str, int]) -> list[list[int]] | tuple[str, ...]:
@@ -125,7 +171,7 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
-        header = _COMP_HEADER.match(line)
+        header = COMPUTATION.match(line)
         if header and not line.startswith(" "):
             current = header.group(2)
             comps[current] = []
@@ -194,7 +240,7 @@ def _true_share(line: str, lines: list[str], trip: int | None) -> float | None:
     pred = re.search(r" conditional\(%([\w.\-]+)", line)
     if not trip or trip < 2 or not pred:
         return None
-    defs = {m.group(2): m for m in map(_INSTR.match, lines) if m}
+    defs = {m.group(2): m for m in map(INSTRUCTION.match, lines) if m}
     cmp = defs.get(pred.group(1))
     if not cmp or cmp.group(4) != "compare" or "direction=LT" not in cmp.group(5):
         return None
@@ -255,7 +301,7 @@ def collectives(
         if comp not in mult:
             continue
         for line in lines:
-            m = _INSTR.match(line)
+            m = INSTRUCTION.match(line)
             if not m:
                 continue
             name, result, op, rest = m.group(2), m.group(3), m.group(4), m.group(5)

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 from rich.console import Console
 from rich.table import Table
 
+from jaxdist.compiled import hlo
 from jaxdist.layout import REPLICA, Layout
 from jaxdist.parallel import pipeline, rounds, schedules
-from jaxdist.planning import hlo, sync
+from jaxdist.planning import sync
 from jaxdist.planning.inputs import PlanModel
 from jaxdist.planning.traffic import layout_bytes
 

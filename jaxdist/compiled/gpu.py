@@ -27,7 +27,7 @@ _TARGETS = pathlib.Path(__file__).with_name("gpu_targets")
 # The hardware preset (jaxdist/hardware.toml) of each target config.
 KINDS = ("h100", "h200")
 # Without autotuning XLA would pick fallback GEMM tiles; its cost model picks realistic ones.
-# Triton GEMMs stay on (XLA's default, as on a GPU): jaxdist.planning.gemms reads them.
+# Triton GEMMs stay on (XLA's default, as on a GPU): jaxdist.compiled.gemms reads them.
 COMPILER_OPTIONS = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
 AOT_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in COMPILER_OPTIONS.items())
 
