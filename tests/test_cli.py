@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from jaxdist.cli.cmd_train import Train
-from jaxdist.cli.main import COMMANDS, main
+from jaxdist.cli import cmd_goodput, cmd_train
+from jaxdist.cli.main import main
 from jaxdist.mesh import devices_hint
 from jaxdist.planning import hostfit
 from tests.extras import needs_gpu_aot
@@ -244,7 +244,7 @@ def test_bench_mfu_is_against_the_peak_given(capsys):
 
 def test_fault_nan_steps_takes_a_comma_list_as_well_as_spaces(monkeypatch):
     seen = []
-    monkeypatch.setitem(COMMANDS, "train", (Train, lambda args: seen.append(args) or 0))
+    monkeypatch.setattr(cmd_train, "run", lambda args: seen.append(args) or 0)
     for given in (["5,9"], ["5", "9"], ["5,", "9"]):
         assert main(["train", "--fault-nan-steps", *given, "--steps", "3"]) == 0
     assert main(["train", "--fault-nan-steps=5,9"]) == 0
@@ -376,8 +376,7 @@ def test_the_librarys_warnings_print_in_the_house_style(capsys, monkeypatch):
         logging.getLogger("jaxdist.checkpoint").warning("only %s free", "1 MB")
         return 0
 
-    kind, _ = COMMANDS["goodput"]
-    monkeypatch.setitem(COMMANDS, "goodput", (kind, warns))
+    monkeypatch.setattr(cmd_goodput, "goodput", warns)
     capsys.readouterr()
     assert main(["goodput", "some-run"]) == 0
     out, err = capsys.readouterr()

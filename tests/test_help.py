@@ -8,6 +8,7 @@ import pytest
 import tyro
 
 from jaxdist.cli.main import COMMANDS, INT_LISTS
+from jaxdist.cli.main import command as load_command
 
 
 def _undescribed(parser: argparse.ArgumentParser) -> list[str]:
@@ -30,7 +31,7 @@ def _undescribed(parser: argparse.ArgumentParser) -> list[str]:
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_flag_of_every_command_is_described(command):
     with INT_LISTS:
-        parser = tyro.extras.get_parser(COMMANDS[command][0])
+        parser = tyro.extras.get_parser(load_command(command)[0])
     assert _undescribed(parser) == []
 
 
@@ -75,7 +76,7 @@ def test_help_groups_every_flag_by_concern(command, capsys, monkeypatch):
         assert [f.rstrip(",") for f in panels[name]] == list(flags), name
     # Every flag of the parser has its panel (a new flag needs one here too).
     with INT_LISTS:
-        parser = tyro.extras.get_parser(COMMANDS[command][0])
+        parser = tyro.extras.get_parser(load_command(command)[0])
     listed = {f for _, flags in wanted for f in flags}
     assert {a.option_strings[0] for a in parser._actions if a.option_strings} - listed == {"-h"}
 
@@ -118,3 +119,31 @@ def test_a_flag_whose_text_names_its_default_shows_one_default(capsys, monkeypat
     assert len(entries) > 5  # the help was read
     twice = {f: e for f, e in entries.items() if re.search(r"default:.*\(default: None\)", e)}
     assert twice == {}
+
+
+# What a command line loads before it answers: its flags are plain values (jaxdist.layout,
+# jaxdist.config, the presets' names), and what runs is imported when it runs. In a fresh
+# interpreter, as a user's shell starts one. (Times, side by side with `import jax`, are in
+# experiments/README.md: a timed test would measure this host, not the code.)
+LOADED = """
+import contextlib, io, sys
+from jaxdist.cli.main import main
+with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+    main(sys.argv[1:])
+heavy = ("jax", "jaxlib", "flax", "optax", "grain", "orbax.checkpoint", "tensorstore")
+print(len(out.getvalue()), *sorted(m for m in heavy if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize(
+    "argv", [["--version"], ["train", "--help"], ["eval", "--help"], ["tokenize", "--help"]]
+)
+def test_a_command_line_answers_without_loading_jax(argv):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", LOADED, *argv], capture_output=True, text=True, check=True
+    )
+    printed, *loaded = done.stdout.split()
+    assert int(printed) > 0 and loaded == [], f"{' '.join(argv)} loaded {loaded}"

@@ -12,7 +12,6 @@ import tyro
 
 from jaxdist.cli.options import DEFAULT_CACHE, MESH_HELP, Common, computes, devices_and_mesh
 from jaxdist.errors import ConfigError
-from jaxdist.inference import runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +61,8 @@ def _held_out(args: Eval, record: dict, held, model, num_batches: int):
 
 
 def evaluate(args: Eval) -> int:
+    from jaxdist.inference import runs  # what runs is imported when it runs (not for --help)
+
     run_dir = pathlib.Path(args.run_dir)
     record = runs.read_record(run_dir)
     num_batches = args.batches

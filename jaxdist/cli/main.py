@@ -6,26 +6,17 @@ command group has its module here; this one only dispatches and turns a user's m
 """
 
 import contextlib
+import importlib
 import logging
 import sys
+from collections.abc import Callable
 
 import tyro
 
-from jaxdist.cli import (
-    cmd_bench,
-    cmd_comm,
-    cmd_data,
-    cmd_eval,
-    cmd_goodput,
-    cmd_hf,
-    cmd_plan,
-    cmd_runs,
-    cmd_train,
-    config_file,
-)
+from jaxdist.cli import config_file
 from jaxdist.cli.cmd_launch import passthrough
 from jaxdist.cli.help_groups import grouped
-from jaxdist.errors import ConfigError
+from jaxdist.errors import ConfigError, TrainingStopped
 
 # Integer lists (--fault-nan-steps) as users type them, `5,9`, as well as tyro's own `5 9`.
 INT_LISTS = tyro.constructors.ConstructorRegistry()
@@ -46,31 +37,37 @@ def _int_list(info: tyro.constructors.PrimitiveTypeInfo):
     )
 
 
+# name -> (its module in jaxdist.cli, the dataclass of its flags, the function that runs it).
+# A command's module loads when the command is named: `jaxdist train --help` parses train's
+# flags, plain values, without loading jax or what the other commands run.
 COMMANDS = {
-    "train": (cmd_train.Train, cmd_train.run),
-    "tokenize": (cmd_data.Tokenize, cmd_data.tokenize),
-    "eval": (cmd_eval.Eval, cmd_eval.evaluate),
-    "comm": (cmd_comm.Comm, cmd_comm.run),
-    "bench": (cmd_bench.Bench, cmd_bench.run),
-    "checkpoints": (cmd_runs.Checkpoints, cmd_runs.checkpoints),
-    "goodput": (cmd_goodput.Goodput, cmd_goodput.goodput),
-    "profile": (cmd_runs.Profile, cmd_runs.profile),
-    "plan": (cmd_plan.Plan, cmd_plan.run),
-    "export-hf": (cmd_hf.ExportHF, cmd_hf.export_hf),
-    "generate": (cmd_hf.Generate, cmd_hf.generate),
+    "train": ("cmd_train", "Train", "run"),
+    "tokenize": ("cmd_data", "Tokenize", "tokenize"),
+    "eval": ("cmd_eval", "Eval", "evaluate"),
+    "comm": ("cmd_comm", "Comm", "run"),
+    "bench": ("cmd_bench", "Bench", "run"),
+    "checkpoints": ("cmd_runs", "Checkpoints", "checkpoints"),
+    "goodput": ("cmd_goodput", "Goodput", "goodput"),
+    "profile": ("cmd_runs", "Profile", "profile"),
+    "plan": ("cmd_plan", "Plan", "run"),
+    "export-hf": ("cmd_hf", "ExportHF", "export_hf"),
+    "generate": ("cmd_hf", "Generate", "generate"),
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    from jaxdist.errors import TrainingStopped
+def command(name: str) -> tuple[type, Callable]:
+    """A command's flags (its dataclass) and the function that runs it, its module loaded."""
+    module, kind, run = COMMANDS[name]
+    loaded = importlib.import_module(f"jaxdist.cli.{module}")
+    return getattr(loaded, kind), getattr(loaded, run)
 
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["--version"], ["-V"]):
         from importlib.metadata import version
 
-        import jax
-
-        print(f"jaxdist {version('jaxdist')} (jax {jax.__version__})")
+        print(f"jaxdist {version('jaxdist')} (jax {version('jax')})")
         return 0
     if argv and argv[0] in ("launch", "slurm", "k8s"):
         try:
@@ -79,31 +76,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jaxdist: error: {e}", file=sys.stderr)
             return 2
 
+    name = argv[0] if argv and argv[0] in COMMANDS else None
     defaults = None
-    if argv and argv[0] == "train":
+    if name == "train":
         # --config FILE gives the defaults; the flags given beside it override them.
         try:
             path, _ = config_file.split_argv(argv[1:])
             if path:
-                defaults = config_file.build(cmd_train.Train, config_file.read(path))
+                defaults = config_file.build(command("train")[0], config_file.read(path))
         except ConfigError as e:
             print(f"jaxdist: error: {e}", file=sys.stderr)
             return 2
     with INT_LISTS, grouped():  # the help by concern (help_groups)
-        if defaults is not None:
-            args = tyro.cli(cmd_train.Train, default=defaults, args=argv[1:], prog="jaxdist train")
-        else:
+        if name is not None:
+            kind, _ = command(name)
+            args = tyro.cli(kind, default=defaults, args=argv[1:], prog=f"jaxdist {name}")
+        else:  # no command, or one misspelt: the list of all of them
             args = tyro.extras.subcommand_cli_from_dict(
-                {name: kind for name, (kind, _) in COMMANDS.items()},
+                {n: command(n)[0] for n in COMMANDS},
                 args=argv,
                 prog="jaxdist",
                 description="Also: jaxdist launch|slurm|k8s [options] -- train [train options] "
                 "(several processes on this host; a Slurm script; a Kubernetes JobSet).",
             )
-    command = next(fn for kind, fn in COMMANDS.values() if type(args) is kind)
+    run = command(name or next(n for n in COMMANDS if type(args) is command(n)[0]))[1]
     try:
         with _house_style_logging():
-            return command(args)
+            return run(args)
     except ConfigError as e:
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return 2
