@@ -22,8 +22,11 @@ import os
 import pathlib
 import subprocess
 import time
+from typing import get_args
 
-RECIPES = ("off", "delayed", "current")
+from jaxdist.layout import Fp8Recipe
+
+RECIPES = get_args(Fp8Recipe)  # off first: the baseline the FP8 recipes are compared with
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

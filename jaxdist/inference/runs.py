@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxdist.checkpoint.store import Checkpointer, Part, param_shapes
 from jaxdist.errors import ConfigError
 from jaxdist.kernels.loss import Vocab
-from jaxdist.layout import AxisRules, Layout, StepConfig
+from jaxdist.layout import REPLICA, AxisRules, Layout, StepConfig
 from jaxdist.model import ModelSpec
 from jaxdist.parallel.replica import OuterState
 from jaxdist.rules import activation_rules, batch_sharding, state_shardings
@@ -98,7 +98,7 @@ def open_run(
     if not directory.is_dir():
         raise none
     params = _abstract_params(spec, mesh, rules)
-    groups = (record.get("mesh") or {}).get("replica", 1) if record.get("sync") else 0
+    groups = (record.get("mesh") or {}).get(REPLICA, 1) if record.get("sync") else 0
     checkpointer = Checkpointer(directory)
     try:
         have = checkpointer.steps()
