@@ -239,7 +239,6 @@ def test_a_plan_a_person_can_act_on(tmp_path, capsys, monkeypatch):
     import shutil
 
     from jaxdist.cli import cmd_train
-    from jaxdist.cli.main import COMMANDS
 
     model = tmp_path / "gpt2"
     model.mkdir()
@@ -265,6 +264,6 @@ def test_a_plan_a_person_can_act_on(tmp_path, capsys, monkeypatch):
     assert argv[argv.index("--seq-len") + 1] == str(result["seq_len"])
     import tyro
 
-    parsed = tyro.cli(COMMANDS["train"][0], args=argv[1:])
+    parsed = tyro.cli(cmd_train.Train, args=argv[1:])
     assert isinstance(parsed, cmd_train.Train) and parsed.step.microbatches == best["microbatches"]
     assert "check it from this host: add --compile-only --target v5p-16" in printed
