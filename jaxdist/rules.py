@@ -106,7 +106,7 @@ _ACTIVE = threading.local()
 
 @contextlib.contextmanager
 def activation_rules(layout, mesh: Mesh) -> Iterator[None]:
-    """Trace under `layout` (a jaxdist.config.Layout: the rule table, the step's settings such
+    """Trace under `layout` (a jaxdist.layout.Layout: the rule table, the step's settings such
     as how attention crosses a sequence split and the microbatches, the batch's shape) over
     `mesh`. Whatever re-enters it later (a custom VJP's backward traced after the caller's
     context closed) passes the same value back: `with activation_rules(*entered())`."""
@@ -130,7 +130,7 @@ def entered() -> tuple:
 
 
 def active_layout():
-    """The jaxdist.config.Layout the step is being traced under."""
+    """The jaxdist.layout.Layout the step is being traced under."""
     return entered()[0]
 
 

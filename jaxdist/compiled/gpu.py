@@ -116,5 +116,5 @@ def gpu_devices(target: GpuTarget) -> list:
     except Exception as e:  # the plugin's errors are plain RuntimeErrors with its own text
         raise ConfigError(f"GPU topology {target.topology} was refused: {e}") from None
     # Host-major order: a mesh's outer axes (pipeline, data) then span hosts, inner ones the
-    # NVLink domain, as on a real cluster (jaxdist.mesh.MESH_AXES is outermost first).
+    # NVLink domain, as on a real cluster (jaxdist.layout.MESH_AXES is outermost first).
     return sorted(desc.devices, key=lambda d: (d.process_index, d.id))

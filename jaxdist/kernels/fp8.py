@@ -92,7 +92,7 @@ def fans(spec: str, w_shape: tuple[int, ...]) -> tuple[int, int]:
 
 def projection_recipe(step, d_in: int, d_out: int) -> str:
     """The recipe a projection from d_in to d_out features runs in under `step` (a
-    jaxdist.config.StepConfig): its --fp8, or off where --fp8-filter auto finds it too small
+    jaxdist.layout.StepConfig): its --fp8, or off where --fp8-filter auto finds it too small
     to gain (worth_fp8)."""
     if step.fp8 == "off" or (step.fp8_filter == "auto" and not worth_fp8(d_in, d_out)):
         return "off"

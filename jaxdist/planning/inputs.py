@@ -1,7 +1,7 @@
 """What the planner is told: the model as it sees it (`PlanModel`: its weights in logical axes,
 the activations it keeps for the backward pass, where its matmuls leave partial sums) and what to
 plan for (`PlanConfig`). A model family supplies the first (models/inventory.py); the command
-line, the second. Each layout the planner prices is a jaxdist.config.Layout.
+line, the second. Each layout the planner prices is a jaxdist.layout.Layout.
 """
 
 import dataclasses
