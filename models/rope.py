@@ -105,14 +105,15 @@ def _llama3(base: np.ndarray, s: dict) -> np.ndarray:
 def _yarn_attention_factor(s: dict) -> float:
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     factor, m, m_all = s["factor"], s.get("mscale"), s.get("mscale_all_dim")
     if m and m_all:
-        return float(mscale(factor, m) / mscale(factor, m_all))
-    return mscale(factor)
+        return float(yarn_mscale(factor, m) / yarn_mscale(factor, m_all))
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """transformers' yarn_get_mscale: yarn's attention temperature for a context `scale`."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
 def _yarn(theta: float, H: int, s: dict) -> tuple[np.ndarray, float]:

@@ -28,6 +28,7 @@ Packed documents (jaxdist.kernels.documents): given `docs`, attention stays insi
 them a row is one causal sequence at positions 0..T-1.
 """
 
+import functools
 import math
 
 import jax
@@ -40,7 +41,8 @@ from jaxdist.kernels.lookup import lookup
 from jaxdist.model import Stages
 from jaxdist.parallel.attention import attention, document_mask
 from jaxdist.rules import constrain, gathered
-from models import moe, remat, rope
+from models import mla, moe, remat, rope
+from models.mla import MLA_LOGICAL
 from models.moe import MOE_LOGICAL
 from models.transformer_config import EXPERT_WEIGHTS, TransformerConfig, _param_shapes
 
@@ -67,6 +69,7 @@ LOGICAL = {
     "bias_gate_LF": ("layers", "mlp"),
     "bias_down_LD": ("layers", "embed"),
     **MOE_LOGICAL,
+    **MLA_LOGICAL,
 }
 # The projections that may run in FP8: each weight's einsum with its input (one layer's).
 PROJECTIONS = {
@@ -283,7 +286,11 @@ def _project(x, w: dict, name: str) -> jax.Array:
 
 def qkv(c: TransformerConfig, x_BTD, w, positions_BT):
     """A layer's queries [B, T, N, H], keys and values [B, T, G, H] (RoPE applied, Llama)
-    from its input; models/decode.py shares it with the training layer."""
+    from its input; models/decode.py shares it with the training layer. Latent attention:
+    queries [B, T, N, U], keys [B, T, N, U], values [B, T, N, W] (models/mla.py)."""
+    if c.mla:
+        q_BTNU, c_BTC, kr_BTP = latent(c, x_BTD, w, positions_BT)
+        return q_BTNU, *mla.expand(c, w, c_BTC, kr_BTP)
     B, T, _ = x_BTD.shape
     h_BTD = _norm(c, x_BTD, w["norm1_scale_LD"], w.get("norm1_bias_LD"))
     qkv_BTGQH = _project(h_BTD, w, "wqkv_LDGQH")
@@ -302,6 +309,13 @@ def qkv(c: TransformerConfig, x_BTD, w, positions_BT):
     if c.style == "llama":
         q_BTNH, k_BTGH = _rope(c, q_BTNH, positions_BT), _rope(c, k_BTGH, positions_BT)
     return q_BTNH, k_BTGH, v_BTGH
+
+
+def latent(c: TransformerConfig, x_BTD, w, positions_BT):
+    """Latent attention's queries [B, T, N, U], latent [B, T, C] and RoPE key [B, T, P] of a
+    layer's input (models/mla.py); generation caches the latter two."""
+    h_BTD = _norm(c, x_BTD, w["norm1_scale_LD"], w.get("norm1_bias_LD"))
+    return mla.latent(c, h_BTD, w, positions_BT, functools.partial(_rope, c))
 
 
 def after_attention(c: TransformerConfig, x_BTD, attn_BTNH, w):

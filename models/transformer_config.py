@@ -77,6 +77,18 @@ class TransformerConfig:
     moe_renormalize: bool = True
     balance_coef: float = 0.01
     z_loss_coef: float = 0.001
+    # Multi-head latent attention (DeepSeek-V2/V3; models/mla.py) where kv_lora_rank > 0, named
+    # as Hugging Face's DeepseekV3Config: keys and values from a compressed latent of
+    # kv_lora_rank plus one RoPE key of qk_rope_head_dim shared by the heads; queries through a
+    # rank of q_lora_rank (0: a plain projection, as DeepSeek-V2-Lite's None). A head's q.k is
+    # qk_nope_head_dim + qk_rope_head_dim wide, its value v_head_dim (head_dim, what the output
+    # projection reads). rope_interleave: the RoPE part's rotated pairs are adjacent columns.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self):
         # A recorded config (JSON) gives lists: the tuple a frozen, hashable config needs.
@@ -95,7 +107,9 @@ class TransformerConfig:
                 raise ConfigError(f"capacity factor {self.capacity_factor} must be > 0")
             if self.mlp_bias:
                 raise ConfigError("MLP biases with MoE layers are not supported; drop mlp_bias")
-        if self.d_model % self.num_heads and not self.head_dim_override:
+        if self.mla:
+            _check_mla(self)
+        elif self.d_model % self.num_heads and not self.head_dim_override:
             raise ValueError(f"d_model {self.d_model} not divisible by heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -104,11 +118,22 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
+        if self.mla:  # the width the output projection reads: a head's value
+            return self.v_head_dim
         return self.head_dim_override or self.d_model // self.num_heads
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def out_bias(self) -> bool:
         return self.attention_bias if self.attention_out_bias is None else self.attention_out_bias
+
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA: a head's query and key width, the latent's part and the RoPE part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def num_params(self) -> int:
         """All parameters, embeddings included (jaxdist.model.param_count)."""
@@ -133,7 +158,43 @@ class TransformerConfig:
         if self.tie_embeddings:  # the head's matmul is there, its weight is the embedding's
             n += self.d_model * self.vocab_size
         attn_width = self.num_heads * self.head_dim  # d_model unless head_dim is set apart
+        if self.mla:  # QK^T over the q.k width, AV over the value's
+            attn_width = self.num_heads * (self.qk_head_dim + self.v_head_dim) / 2
         return 6 * n + 12 * self.num_layers * attn_width * self.seq_len
+
+
+def _check_mla(c: TransformerConfig) -> None:
+    if c.style != "llama" or c.num_kv_heads != c.num_heads:
+        raise ConfigError(
+            f"latent attention (kv_lora_rank {c.kv_lora_rank}) needs the llama style and one kv "
+            f"head per query head (num_kv_heads {c.num_kv_heads}, num_heads {c.num_heads})"
+        )
+    if c.attention_bias or c.qk_norm:
+        raise ConfigError("latent attention with attention biases or q/k norms is not supported")
+    if c.qk_rope_head_dim <= 0 or c.qk_rope_head_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim {c.qk_rope_head_dim} must be even and > 0")
+    if not 0 < c.v_head_dim <= c.qk_head_dim:
+        # Attention runs with the values padded to the q.k width (jaxdist.parallel.attention).
+        raise ConfigError(
+            f"v_head_dim {c.v_head_dim} must lie in [1, qk_nope_head_dim + qk_rope_head_dim "
+            f"= {c.qk_head_dim}]"
+        )
+
+
+def mla_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """Latent attention's weights (models/mla.py's legend) in place of the fused QKV."""
+    L, D, N, C, R = c.num_layers, c.d_model, c.num_heads, c.kv_lora_rank, c.q_lora_rank
+    P, K, W = c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
+    shapes = {
+        "wkv_a_LDA": (L, D, C + P),
+        "kv_a_norm_scale_LC": (L, C),
+        "wkv_b_LCNX": (L, C, N, K + W),
+    }
+    if not R:
+        return {"wq_LDNU": (L, D, N, K + P)} | shapes
+    return {"wq_a_LDR": (L, D, R), "q_a_norm_scale_LR": (L, R), "wq_b_LRNU": (L, R, N, K + P)} | (
+        shapes
+    )
 
 
 def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
@@ -159,6 +220,9 @@ def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
     }
     if c.tie_embeddings:
         del shapes["head_DV"]
+    if c.mla:
+        del shapes["wqkv_LDGQH"]
+        shapes |= mla_shapes(c)
     if c.attention_bias:
         shapes["bias_qkv_LGQH"] = (L, G, N // G + 2, H)
     if c.out_bias:

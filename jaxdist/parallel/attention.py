@@ -7,7 +7,8 @@ materializes the [B, N, T, S] scores and softmax in fp32. cuDNN's and splash's f
 shard_map over the batch and head axes of the active rules (heads of one kv group stay on one
 device). A sequence split over `context` goes to jaxdist.parallel.context. Packed documents
 reach each kernel in the form it takes (`document_mask`): a dense bool mask for XLA and cuDNN,
-segment ids for splash.
+segment ids for splash. Values narrower than the queries and keys (latent attention) are
+padded to their width here, for every kernel (`padded_values`).
 
 Legend: B batch  T query position  S key position  N query heads  G kv heads  H head_dim
 """
@@ -15,6 +16,7 @@ Legend: B batch  T query position  S key position  N query heads  G kv heads  H 
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.kernels.attention import Implementation, cudnn_local, splash_local
@@ -42,7 +44,12 @@ def attention(
     implementation: Implementation,
 ) -> jax.Array:
     """Causal attention of N query heads over G kv heads (query head n reads kv head
-    n // (N / G)); `mask`: from `document_mask`, or None for one sequence per row."""
+    n // (N / G)); `mask`: from `document_mask`, or None for one sequence per row. Values may
+    be narrower than H (v_BTGW, W <= H): the output is then [B, T, N, W]."""
+    W = v_BTGH.shape[-1]
+    if W != q_BTNH.shape[-1]:
+        v_BTGH = padded_values(v_BTGH, q_BTNH.shape[-1])
+        return attention(q_BTNH, k_BTGH, v_BTGH, mask, implementation)[..., :W]
     if isinstance(mask, context.Split):
         return context.attend(q_BTNH, k_BTGH, v_BTGH, mask, implementation)
     if implementation == "splash":
@@ -65,6 +72,17 @@ def attention(
     return jax.nn.dot_product_attention(
         q_BTNH, k_BTGH, v_BTGH, mask=mask, is_causal=True, implementation=implementation
     )
+
+
+def padded_values(v_BSGW: jax.Array, width: int) -> jax.Array:
+    """Values padded with zero columns to the queries' and keys' `width`: jax's attention
+    (XLA's, cuDNN's, splash) takes one head width for all three, and latent attention's values
+    are narrower (DeepSeek-V3: 128 against 192). The output's extra columns are zeros, cut by
+    the caller; the fused kernels stay fused, at (width / W) times the AV work."""
+    pad = width - v_BSGW.shape[-1]
+    if not pad:
+        return v_BSGW
+    return jnp.pad(v_BSGW, [(0, 0)] * (v_BSGW.ndim - 1) + [(0, pad)])
 
 
 # The mask's layout by kind: segment ids [B, T] (splash) or a bool mask [B, 1, T, S] (cuDNN).
