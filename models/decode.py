@@ -7,6 +7,14 @@ this call (the whole prompt at prefill, 1 per decode step), starting at position
 for T new tokens, attending to the cache, which it extends by their keys and values. The cache
 is laid out by logical axes like every activation: rows over the batch axes, kv groups over the
 tensor axis.
+
+Latent attention (models/mla.py) caches what DeepSeek-V3's does, per layer and token: the normed
+latent c [C] and the rotated RoPE key [P], not each head's keys and values (DeepSeek-V3: 576
+numbers a token and layer against 128 x (192 + 128)). Each step rebuilds the keys and values of
+the whole cache from them (W_uk c, W_uv c) rather than absorbing W_uk into the queries and W_uv
+into the output: the same products in transformers' order, so its greedy choices are ours. The
+latent has no head axis to split: it stays whole on each tensor-parallel device, which
+up-projects its own heads.
 """
 
 import dataclasses
@@ -16,12 +24,18 @@ import jax.numpy as jnp
 
 from jaxdist.errors import ConfigError
 from jaxdist.inference.generate import Decoder
+from jaxdist.parallel.attention import padded_values
 from jaxdist.rules import constrain
-from models.transformer import LOGICAL, TransformerConfig, after_attention, logits, qkv
+from models import mla
+from models.transformer import LOGICAL, TransformerConfig, after_attention, latent, logits, qkv
 
 CACHE_LOGICAL = {
     "k_LBSGH": ("layers", "batch", None, "kv_heads", "head_dim"),
     "v_LBSGH": ("layers", "batch", None, "kv_heads", "head_dim"),
+}
+MLA_CACHE_LOGICAL = {
+    "c_LBSC": ("layers", "batch", None, None),
+    "kr_LBSP": ("layers", "batch", None, None),
 }
 
 
@@ -45,14 +59,20 @@ def decoder(c: TransformerConfig) -> Decoder:
     return Decoder(
         forward=lambda p, t, cache, pos: forward(c, p, t, cache, pos),
         init_cache=lambda rows, length: init_cache(c, rows, length),
-        cache_logical=CACHE_LOGICAL,
+        cache_logical=MLA_CACHE_LOGICAL if c.mla else CACHE_LOGICAL,
         context=c.seq_len,
     )
 
 
 def init_cache(c: TransformerConfig, batch: int, length: int) -> dict[str, jax.Array]:
-    shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
     dtype = jnp.dtype(c.compute_dtype)
+    if c.mla:
+        L = c.num_layers
+        return {
+            "c_LBSC": jnp.zeros((L, batch, length, c.kv_lora_rank), dtype),
+            "kr_LBSP": jnp.zeros((L, batch, length, c.qk_rope_head_dim), dtype),
+        }
+    shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
     return {name: jnp.zeros(shape, dtype) for name in CACHE_LOGICAL}
 
 
@@ -67,31 +87,45 @@ def forward(c: TransformerConfig, p: dict, tokens_BT: jax.Array, cache: dict, po
         x_BTD = x_BTD + pos_TD
     x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
     layers = {k: v.astype(dtype) for k, v in p.items() if "_L" in k}
-    S = cache["k_LBSGH"].shape[2]
+    S = next(iter(cache.values())).shape[2]
     # Query t sees keys up to its own position; later cache rows (still zeros) are masked.
     mask_11TS = (jnp.arange(S)[None, :] <= positions_T[:, None])[None, None]
 
     def block(x_BTD, layer):
-        w, k_BSGH, v_BSGH = layer
+        # One layer's weights and cache (each cache entry without its L axis).
+        w, kv = layer
         w = {k: constrain(v, LOGICAL[k][1:]) for k, v in w.items()}
-        x_BTD, k_BSGH, v_BSGH = _block(
-            c, x_BTD, w, positions_T[None], mask_11TS, k_BSGH, v_BSGH, pos
-        )
-        return x_BTD, (k_BSGH, v_BSGH)
+        return _block(c, x_BTD, w, positions_T[None], mask_11TS, kv, pos)
 
-    x_BTD, (k_LBSGH, v_LBSGH) = jax.lax.scan(
-        block, x_BTD, (layers, cache["k_LBSGH"], cache["v_LBSGH"])
-    )
-    return logits(c, p, x_BTD), {"k_LBSGH": k_LBSGH, "v_LBSGH": v_LBSGH}
+    x_BTD, cache = jax.lax.scan(block, x_BTD, (layers, cache))
+    return logits(c, p, x_BTD), cache
 
 
-def _block(c, x_BTD, w, positions_1T, mask_11TS, k_BSGH, v_BSGH, pos):
+def _block(c, x_BTD, w, positions_1T, mask_11TS, kv: dict, pos):
     """transformer's layer itself, its attention over the cache extended by these tokens."""
-    q_BTNH, k_BTGH, v_BTGH = qkv(c, x_BTD, w, positions_1T)
-    k_BSGH = jax.lax.dynamic_update_slice_in_dim(k_BSGH, k_BTGH.astype(k_BSGH.dtype), pos, 1)
-    v_BSGH = jax.lax.dynamic_update_slice_in_dim(v_BSGH, v_BTGH.astype(v_BSGH.dtype), pos, 1)
+    if c.mla:
+        q_BTNH, c_BTC, kr_BTP = latent(c, x_BTD, w, positions_1T)
+        kv = _extended(kv, {"c_LBSC": c_BTC, "kr_LBSP": kr_BTP}, pos)
+        k_BSGH, v_BSGW = mla.expand(c, w, kv["c_LBSC"], kv["kr_LBSP"])
+    else:
+        q_BTNH, k_BTGH, v_BTGH = qkv(c, x_BTD, w, positions_1T)
+        kv = _extended(kv, {"k_LBSGH": k_BTGH, "v_LBSGH": v_BTGH}, pos)
+        k_BSGH, v_BSGW = kv["k_LBSGH"], kv["v_LBSGH"]
+    W = v_BSGW.shape[-1]  # latent attention's values are narrower than q.k: padded, cut
     attn_BTNH = jax.nn.dot_product_attention(
-        q_BTNH, k_BSGH, v_BSGH, mask=mask_11TS, implementation="xla"
-    )
+        q_BTNH,
+        k_BSGH,
+        padded_values(v_BSGW, q_BTNH.shape[-1]),
+        mask=mask_11TS,
+        implementation="xla",
+    )[..., :W]
     x_BTD, _ = after_attention(c, x_BTD, attn_BTNH, w)
-    return x_BTD, k_BSGH, v_BSGH
+    return x_BTD, kv
+
+
+def _extended(kv: dict, new: dict, pos) -> dict:
+    """The layer's cache with these tokens' entries written at `pos`."""
+    return kv | {
+        k: jax.lax.dynamic_update_slice_in_dim(kv[k], v.astype(kv[k].dtype), pos, 1)
+        for k, v in new.items()
+    }
