@@ -109,7 +109,15 @@ def check_weights(model: HFModel, tensors: dict) -> list[Piece]:
                 f"implies {list(shape)}; the weights and config.json disagree"
             )
     ignorable = _BUFFERS + (("lm_head.weight",) if c.tie_embeddings else ())
-    extra = [n for n in tensors if n not in expected and not n.endswith(ignorable)]
+    # DeepSeek-V3's multi-token prediction modules: layers past the model's, which transformers
+    # drops on load too (its _keys_to_ignore_on_load_unexpected).
+    mtp = model.hf_config.get("num_nextn_predict_layers") or 0
+    beyond = tuple(f"model.layers.{c.num_layers + i}." for i in range(mtp))
+    extra = [
+        n
+        for n in tensors
+        if n not in expected and not n.endswith(ignorable) and not n.startswith(beyond)
+    ]
     if extra:
         raise ConfigError(
             f"{model.path}: weights {', '.join(sorted(extra)[:5])} are not part of a "

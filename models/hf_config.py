@@ -4,6 +4,7 @@ Supported: LlamaForCausalLM (Llama 1-3.x: RoPE scaling llama3, linear, dynamic, 
 MistralForCausalLM (a sliding window only where it covers the context), Qwen2ForCausalLM (Q, K
 and V biases, no output bias), Qwen3ForCausalLM (per-head q/k RMSNorm, head_dim apart from
 hidden_size / heads), MixtralForCausalLM and Qwen3MoeForCausalLM (every layer a top-k MoE),
+DeepseekV3ForCausalLM (latent attention; every layer dense until DeepSeek's routing lands),
 GPT2LMHeadModel. Anything else is refused in one line naming what is.
 """
 
@@ -23,6 +24,7 @@ SUPPORTED = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
     "GPT2LMHeadModel",
 )
 _MODEL_TYPE = {
@@ -32,6 +34,7 @@ _MODEL_TYPE = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     "GPT2LMHeadModel": "gpt2",
 }
 _GPT2_SIZES = dict(d_model="n_embd", num_layers="n_layer", num_heads="n_head")
@@ -121,6 +124,8 @@ def _llama_family(hf: dict, where: str, arch: str) -> dict:
         fields |= dict(attention_bias=bias, qk_norm=True)
     if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         fields |= _moe(hf, where, arch)
+    if arch == "DeepseekV3ForCausalLM":
+        fields |= _deepseek(hf, where)
     window = _sliding_window(hf, arch)
     context = hf["max_position_embeddings"]
     if window and window < context:
@@ -147,6 +152,31 @@ def _moe(hf: dict, where: str, arch: str) -> dict:
     )
 
 
+# DeepSeek-V3's latent attention fields, as config.json names them and TransformerConfig does.
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _deepseek(hf: dict, where: str) -> dict:
+    """Latent attention (models/mla.py): one key and value per query head whatever
+    num_key_value_heads says (transformers' kv_b_proj gives one per head), no head_dim of its
+    own (config.json's is the RoPE part's)."""
+    dense = hf.get("first_k_dense_replace", 0)
+    if dense < hf["num_hidden_layers"]:
+        raise ConfigError(
+            f"{where}: DeepSeek-V3 MoE layers (layers {dense} on) need its routing (sigmoid "
+            "scores, expert groups, shared experts), which is not supported yet; only configs "
+            "whose every layer is dense (first_k_dense_replace = num_hidden_layers) load"
+        )
+    if hf.get("attention_bias"):
+        raise ConfigError(f"{where}: DeepSeek-V3 attention biases are not supported")
+    fields = {k: hf[k] or 0 for k in MLA_FIELDS}  # q_lora_rank None: a plain q projection
+    return fields | dict(
+        num_kv_heads=hf["num_attention_heads"],
+        head_dim_override=0,
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+    )
+
+
 def _sliding_window(hf: dict, arch: str) -> int:
     """The window of sliding-window attention where the config turns it on; 0: none."""
     window = hf.get("sliding_window")
@@ -163,6 +193,8 @@ def hf_architecture(c: TransformerConfig, base: str | None = None) -> str:
     config's tensors and options, else the one that does."""
     if c.style == "gpt2":
         return "GPT2LMHeadModel"
+    if c.mla:
+        return "DeepseekV3ForCausalLM"
     if c.num_experts:
         return moe_architecture(c)
     if c.qk_norm:
@@ -221,6 +253,14 @@ def _llama_family_out(c: TransformerConfig, arch: str) -> dict:
         out["sliding_window"] = c.sliding_window or None
     if arch.startswith("Qwen"):
         out["use_sliding_window"] = False
+    if arch == "DeepseekV3ForCausalLM":
+        out |= {k: getattr(c, k) for k in MLA_FIELDS} | {"q_lora_rank": c.q_lora_rank or None}
+        out |= dict(
+            head_dim=c.qk_rope_head_dim,
+            rope_interleave=c.rope_interleave,
+            attention_bias=False,
+            first_k_dense_replace=c.num_layers,
+        )
     if arch == "MixtralForCausalLM":
         out |= dict(num_local_experts=c.num_experts, num_experts_per_tok=c.top_k)
     if arch == "Qwen3MoeForCausalLM":

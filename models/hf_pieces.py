@@ -79,6 +79,8 @@ def _llama_pieces(c: TransformerConfig, vocab: int) -> list[Piece]:
     ]
     if not c.tie_embeddings:
         out.append(Piece("lm_head.weight", "head_DV", ((vocab,), (D,)), (1, 0)))
+    if c.mla:
+        return out + _mla_pieces(c)
     rows = {"q": ((G, QG, H), (0, QG)), "k": ((G, 1, H), (QG, QG + 1))}
     rows["v"] = ((G, 1, H), (QG + 1, QG + 2))
     for x, (heads, qkv) in rows.items():
@@ -93,6 +95,28 @@ def _llama_pieces(c: TransformerConfig, vocab: int) -> list[Piece]:
             norm = f"{layer}self_attn.{x}_norm.weight"
             out.append(Piece(norm, f"{x}_norm_scale_LH", ((H,),), (0,)))
     return out
+
+
+def _mla_pieces(c: TransformerConfig) -> list[Piece]:
+    """DeepSeek-V3's latent attention (models/mla.py's legend): each HF linear is [out, in],
+    the heads' outputs flattened (n, u); the kv down-projection keeps the latent and the RoPE
+    key side by side (A = C + P), as ours does."""
+    D, N, C, R = c.d_model, c.num_heads, c.kv_lora_rank, c.q_lora_rank
+    U, X, A = c.qk_head_dim, c.qk_nope_head_dim + c.v_head_dim, C + c.qk_rope_head_dim
+    attn = "model.layers.{l}.self_attn."
+    out = [
+        Piece(attn + "kv_a_proj_with_mqa.weight", "wkv_a_LDA", ((A,), (D,)), (1, 0)),
+        Piece(attn + "kv_a_layernorm.weight", "kv_a_norm_scale_LC", ((C,),), (0,)),
+        Piece(attn + "kv_b_proj.weight", "wkv_b_LCNX", ((N, X), (C,)), (2, 0, 1)),
+    ]
+    if not R:
+        return [Piece(attn + "q_proj.weight", "wq_LDNU", ((N, U), (D,)), (2, 0, 1)), *out]
+    return [
+        Piece(attn + "q_a_proj.weight", "wq_a_LDR", ((R,), (D,)), (1, 0)),
+        Piece(attn + "q_a_layernorm.weight", "q_a_norm_scale_LR", ((R,),), (0,)),
+        Piece(attn + "q_b_proj.weight", "wq_b_LRNU", ((N, U), (R,)), (2, 0, 1)),
+        *out,
+    ]
 
 
 def _mlp_pieces(c: TransformerConfig) -> list[Piece]:

@@ -135,7 +135,45 @@ def configs(eos_id: int) -> dict[str, transformers.PretrainedConfig]:
             tie_word_embeddings=False,
             **llama,
         ),
+        # latent attention: q through rank 24, kv latent 16, RoPE part 8 (interleaved, yarn
+        # with both mscales), values 12 against q.k's 16; every layer dense (no MoE routing)
+        "deepseek-v3": transformers.DeepseekV3Config(
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **YARN_MSCALE},
+            **DEEPSEEK,
+            **llama,
+        ),
+        # DeepSeek-V2-Lite's shape: a plain q projection, RoPE halves not interleaved; one layer
+        "deepseek-v3-lite": transformers.DeepseekV3Config(
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **{**DEEPSEEK, "q_lora_rank": None, "rope_interleave": False},
+            **{**llama, "num_hidden_layers": 1},
+        ),
     }
+
+
+# MoE sizes are required by the config, unused: first_k_dense_replace covers every layer.
+DEEPSEEK = {
+    "num_key_value_heads": 4,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "first_k_dense_replace": 2,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_intermediate_size": 16,
+    "rope_interleave": True,
+    "tie_word_embeddings": False,
+}
+YARN_MSCALE = {
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
 
 
 LLAMA3_SCALING = {

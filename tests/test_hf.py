@@ -4,7 +4,9 @@ The references (tests/fixtures/hf, made by tests/make_hf_fixtures.py with transf
 versions.json there) are tiny random LlamaForCausalLM (grouped-query: untied; tied with 4 heads
 per group; with attention and MLP biases; Llama 3.1's RoPE scaling), GPT2LMHeadModel,
 Qwen2ForCausalLM, Qwen3ForCausalLM (its EOS <|im_end|>, a second one in generation_config.json),
-MistralForCausalLM, MixtralForCausalLM and Qwen3MoeForCausalLM models, their fp32 logits for
+MistralForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM and DeepseekV3ForCausalLM (latent
+attention with q_lora_rank, interleaved yarn RoPE and mscale; without, as DeepSeek-V2-Lite;
+every layer dense) models, their fp32 logits for
 fixed ids and their greedy generations. MoE models are compared computing every expert
 (moe_impl dense), as transformers does: dispatch's capacity would drop tokens."""
 
@@ -42,6 +44,7 @@ from tests.helpers import mesh_for
 FIX = pathlib.Path(__file__).parent / "fixtures" / "hf"
 MODELS = ["llama-gqa", "llama-tied", "llama-bias", "gpt2"]
 MODELS += ["llama31", "qwen2", "qwen3", "mistral", "mixtral", "qwen3-moe"]
+MODELS += ["deepseek-v3", "deepseek-v3-lite"]
 SLOW = pytest.mark.slow
 
 
@@ -106,6 +109,25 @@ def test_imported_logits_equal_transformers(name, layout):
     V = model.vocab_size
     assert logits.shape[-1] == model.config.vocab_size > V  # padded to a multiple of 128
     np.testing.assert_allclose(logits[..., :V], ref["logits"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v3-lite"])
+def test_latent_attention_logits_within_1e5_of_transformers(name):
+    """The issue's bound for DeepSeek-V3 (float32), its heads split four ways (one a device)."""
+    ref = reference(name)
+    model, mesh, params = load_on(name, "fsdp=2,tensor=4")
+    assert model.config.mla and "wkv_b_LCNX" in params and "wqkv_LDGQH" not in params
+    assert ("wq_b_LRNU" in params) == (name == "deepseek-v3")
+    logits = logits_of(model.config, mesh, params, np.tile(ref["input_ids"], (4, 1)))[:2]
+    np.testing.assert_allclose(logits[..., :300], ref["logits"], atol=1e-5, rtol=0)
+
+
+def test_deepseek_moe_layers_are_refused_until_routing_lands(tmp_path):
+    d = _copy("deepseek-v3", tmp_path)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "first_k_dense_replace": 1}))
+    with pytest.raises(ConfigError, match=r"MoE layers \(layers 1 on\) need its routing"):
+        hf.open_model(d)
 
 
 def _params_host(params: dict) -> dict:
@@ -185,7 +207,7 @@ def test_sharded_export_reimports(tmp_path):
 
 # llama-gqa and qwen3 (EOS from its config, two of them) stay in the quick loop; each other
 # architecture compiles its own two programs.
-QUICK = ("llama-gqa", "qwen3")
+QUICK = ("llama-gqa", "qwen3", "deepseek-v3")
 
 
 @pytest.mark.parametrize("name", [m if m in QUICK else pytest.param(m, marks=SLOW) for m in MODELS])
