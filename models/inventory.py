@@ -4,6 +4,12 @@ Where its matmuls leave partial sums when a split dimension is sharded (the acti
 of tensor and expert parallelism), and what one (micro)batch keeps alive for the backward pass
 (the activation memory). Both are declared in logical axes; jaxdist's rules say how each splits
 over a layout. `plan_model` hands the planner the whole description.
+
+Latent attention (models/mla.py) is approximate here: its weights are exact (the planner reads
+them, the down-projections as matmuls of `embed` against their rank), but its activations are
+priced as q, k and the heads' up-projected keys and values (the latents, R + C + P wide a token,
+left out), its context-parallel exchange as keys and values of the mean q.k and value width,
+and its tensor-parallel input gradients as sums of the up-projections' inputs.
 """
 
 import dataclasses
@@ -16,6 +22,7 @@ from jaxdist.layout import Layout
 from jaxdist.parallel.context import carrier
 from jaxdist.parallel.experts import capacity
 from jaxdist.planning.inputs import Activation, Inventory, PartialSum, PlanModel
+from models.mla import MLA_LOGICAL
 from models.remat import RECOMPUTE
 from models.transformer import LOGICAL, Transformer, TransformerConfig
 
@@ -60,7 +67,8 @@ def _reruns(policy: str) -> frozenset[tuple]:
     reruns the layer up to its last matmul (the down projection, whose output nothing after
     it in the layer needs); dots_except_mlp reruns the MLP's gate and up projections."""
     mlp_in = {LOGICAL["w_up_LDF"], LOGICAL["w_gate_LDF"]}
-    attention = {LOGICAL["wqkv_LDGQH"], LOGICAL["wo_LNHD"]}
+    # Latent attention's weights too: no other weight carries their logical axes.
+    attention = {LOGICAL["wqkv_LDGQH"], LOGICAL["wo_LNHD"], *MLA_LOGICAL.values()}
     return frozenset({"full": attention | mlp_in, "dots_except_mlp": mlp_in}.get(policy, ()))
 
 
@@ -87,6 +95,11 @@ def partial_sums(c: TransformerConfig, layout: Layout, platform: str = "cpu") ->
         PartialSum(fwd, x, btd, "heads", nbytes),  # attention output projection
         PartialSum(1, x, btd, "kv_heads", nbytes),  # backward: input grad of fused QKV
     ]
+    if c.mla:  # backward: input grads of the heads' up-projections (q's from D or R, kv's from C)
+        per_layer[1:] = [
+            PartialSum(1, x, (B, T, c.q_lora_rank or D), "heads", nbytes),
+            PartialSum(1, x, (B, T, c.kv_lora_rank), "heads", nbytes),
+        ]
     if c.num_experts:
         E = c.num_experts
         # each device routes its own tokens: its rows' share of the sequence under `context`
@@ -130,6 +143,8 @@ def _context_exchange(
     if cp == 1:
         return []
     T, G, N, H = c.seq_len, c.num_kv_heads, c.num_heads, c.head_dim
+    if c.mla:  # keys and values, one per head: their mean width
+        H = (c.qk_head_dim + c.v_head_dim) // 2
     nbytes = jnp.dtype(c.compute_dtype).itemsize
     kv_whole = ("batch", None, "kv_heads", "head_dim"), (B, T, G, H)
     if strategy == "all-gather":
@@ -191,6 +206,10 @@ def activations(c: TransformerConfig, batch_size: int) -> Inventory:
     qkv = Activation(
         1, ("batch", "seq", "kv_heads", "qkv", "head_dim"), (B, T, G, N // G + 2, H), nb
     )
+    if c.mla:  # the queries and the keys, U wide; the up-projection's keys and values, K + W
+        U, X = c.qk_head_dim, c.qk_nope_head_dim + c.v_head_dim
+        btgh = dataclasses.replace(btgh, shape=(B, T, N, U))
+        qkv = dataclasses.replace(btnh, shape=(B, T, N, U + X))
     n = dataclasses.replace
     llama = c.style == "llama"
     fused = c.attention in ("cudnn", "splash")
