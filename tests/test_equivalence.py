@@ -107,6 +107,29 @@ def test_llama_variant_with_accumulation_equals_one_big_batch():
     _assert_matches(_run("fsdp=4,tensor=2", "tiny-llama", 2, HF_VARIANT), reference)
 
 
+# DeepSeek-style latent attention (models/mla.py) on tiny-llama: q through rank 48, a kv latent
+# of 32, RoPE parts of 16 (interleaved), values of 24 against q.k's 32; one kv head per head.
+MLA = (
+    ("num_kv_heads", 4),
+    ("kv_lora_rank", 32),
+    ("q_lora_rank", 48),
+    ("qk_nope_head_dim", 16),
+    ("qk_rope_head_dim", 16),
+    ("v_head_dim", 24),
+    ("rope_interleave", True),
+)
+
+
+# Heads split over tensor two and four ways (one a device), the ranks' storage over fsdp.
+@pytest.mark.parametrize(
+    "layout", ["data=2,fsdp=2,tensor=2", pytest.param("data=2,tensor=4", marks=SLOW)]
+)
+def test_latent_attention_matches_single_device(layout):
+    reference = _run("single", "tiny-llama", overrides=MLA)
+    assert "wq_b_LRNU" in reference[1].params and "wqkv_LDGQH" not in reference[1].params
+    _assert_matches(_run(layout, "tiny-llama", overrides=MLA), reference)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data=2,fsdp=2,tensor=2", "fsdp=8"])
 def test_params_and_optimizer_state_are_sharded_by_the_rules(layout):
