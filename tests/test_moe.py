@@ -3,6 +3,7 @@ dropped fraction is what the router's choices imply, and checkpoints move across
 layouts."""
 
 import functools
+import importlib.util
 import os
 
 import jax
@@ -338,3 +339,76 @@ def test_profile_attributes_all_to_all_to_the_expert_axis(tmp_path, monkeypatch,
     for row in rep["steps"]:
         a2a = row["by_axis"]["expert"]["all-to-all"]
         assert a2a["bytes"] == mc.num_layers * per_layer and a2a["time_s"] > 0
+
+
+def _ragged_all_to_all_by_doc(operand, output, in_off, send, out_off, recv, *, axis_name):
+    """jax.lax.ragged_all_to_all as its docstring defines it, from an all-to-all (XLA:CPU has
+    no ragged one): slice i of `operand` goes to peer i // (slices per peer), written at
+    out_off[i] there; what a peer is not sent keeps `output`'s value."""
+    n = jax.lax.psum(1, axis_name)
+    rows, M = operand.shape[0], output.shape[0]
+    r = jnp.arange(rows)
+    in_slice_Nr = (r >= in_off[:, None]) & (r < (in_off + send)[:, None])
+    slice_r = jnp.argmax(in_slice_Nr, axis=0)
+    sent_r = in_slice_Nr.any(0)
+    peer_r = slice_r // (in_off.shape[0] // n)
+    pos_r = jnp.where(sent_r, out_off[slice_r] + r - in_off[slice_r], M)
+    block = jnp.zeros((n, M, *operand.shape[1:]), operand.dtype)
+    block = block.at[peer_r, pos_r].set(operand, mode="drop")
+    mask = jnp.zeros((n, M), bool).at[peer_r, pos_r].set(True, mode="drop")
+    got = jax.lax.all_to_all(block, axis_name, 0, 0, tiled=True).sum(0)
+    hit = jax.lax.all_to_all(mask, axis_name, 0, 0, tiled=True).any(0)
+    return jnp.where(hit.reshape(M, *(1,) * (operand.ndim - 1)), got, output)
+
+
+@pytest.mark.parametrize("factor", [1.25, 4.0])
+def test_ragged_exchange_equals_the_cpu_one(monkeypatch, factor):
+    # The path TPUs and GPUs take (offsets, sizes and the ragged exchange), run here with the
+    # ragged all-to-all built as its docstring defines it: the same outputs, drops and
+    # gradients as the path XLA:CPU takes, with and without rows past the bound.
+    from jaxdist.parallel import dropless
+
+    args = _inputs(skewed=True)
+    blocks = _moe_on("expert=4,data=2", args, buffer_factor=factor)
+    monkeypatch.setattr(dropless, "RAGGED_PLATFORMS", ("cpu",))
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", _ragged_all_to_all_by_doc)
+    ragged = _moe_on("expert=4,data=2", args, buffer_factor=factor)
+    np.testing.assert_allclose(ragged[0], blocks[0], rtol=1e-6, atol=1e-6)
+    assert float(ragged[1]["dropped"]) == float(blocks[1]["dropped"])
+    assert (float(blocks[1]["dropped"]) > 0) == (factor < 4)
+    for a, b in zip(ragged[2], blocks[2], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="needs libtpu (pip install 'jaxdist[tpu]')"
+)
+def test_dropless_compiles_for_tpu_with_ragged_all_to_all():
+    # XLA:CPU cannot run a ragged all-to-all; the TPU compiler takes one from this host. Per
+    # layer: out and back forward, their transposes backward, each the receive bound's rows
+    # (1.25 x the balanced share) or the routed rows, whole: nothing padded to E x capacity.
+    from jaxdist.compiled import hlo
+    from jaxdist.compiled.tpu import parse_target, tpu_devices
+    from jaxdist.mesh import build_mesh, parse_mesh
+
+    mesh = build_mesh(parse_mesh("expert=4,data=2"), tpu_devices(parse_target("tpu-v5p:2x2x2")))
+    s, D = jax.ShapeDtypeStruct, 128  # a whole TPU lane row: no padding in the bytes
+    tok, w_in = NamedSharding(mesh, P(("data", "fsdp", "expert"))), NamedSharding(mesh, P("expert"))
+    args = [
+        s((B, T, D), np.float32, sharding=tok),
+        s((B, T, K), np.int32, sharding=tok),
+        s((B, T, K), np.float32, sharding=tok),
+        *(s(shape, np.float32, sharding=w_in) for shape in ((E, D, F), (E, D, F), (E, F, D))),
+    ]
+
+    def loss(x, expert, weight, w_up, w_gate, w_down):
+        with activation_rules(Layout.on(mesh, STANDARD_RULES), mesh):
+            y, _ = moe_ffn(x, expert, weight, w_up, w_gate, w_down, None)
+        return jnp.sum(y * y)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 3, 4, 5))).lower(*args).compile().as_text()
+    ragged = [c for c in hlo.collectives(text, dict(mesh.shape)) if c.kind == "ragged-all-to-all"]
+    A = B // 8 * T * K
+    R = dispatch_rows(B // 8 * T, E, K, 4, None)
+    assert sorted(c.bytes for c in ragged) == sorted([R * D * 4, A * D * 4] * 2)
+    assert all(c.axes == ("expert",) for c in ragged)
