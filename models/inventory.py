@@ -18,9 +18,10 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.layout import Layout
+from jaxdist.layout import Layout, ways
+from jaxdist.parallel import dropless
 from jaxdist.parallel.context import carrier
-from jaxdist.parallel.experts import capacity
+from jaxdist.parallel.experts import dispatch_rows
 from jaxdist.planning.inputs import Activation, Inventory, PartialSum, PlanModel
 from models.mla import MLA_LOGICAL
 from models.remat import RECOMPUTE
@@ -55,11 +56,12 @@ def plan_model(config: TransformerConfig) -> PlanModel:
 
 
 def _expert_slots(c: TransformerConfig) -> float:
-    """Rows each active expert multiplies per routed token (jaxdist.parallel.experts.capacity):
-    every slot of its buffer runs, filled or not."""
-    if not c.num_experts:
+    """Rows each active expert multiplies per routed token (jaxdist.parallel.experts): in
+    capacity mode every slot of its buffer runs, filled or not; dropless, the grouped GEMMs run
+    the routed rows (their receive bound with expert parallelism is an upper limit)."""
+    if not c.num_experts or c.capacity_factor is None:
         return 1.0
-    return c.num_experts / c.top_k if c.dropless else c.capacity_factor
+    return c.capacity_factor
 
 
 def _reruns(policy: str) -> frozenset[tuple]:
@@ -101,17 +103,8 @@ def partial_sums(c: TransformerConfig, layout: Layout, platform: str = "cpu") ->
             PartialSum(1, x, (B, T, c.kv_lora_rank), "heads", nbytes),
         ]
     if c.num_experts:
-        E = c.num_experts
-        # each device routes its own tokens: its rows' share of the sequence under `context`
-        C = capacity(B // batch_ways * T // context[1], E, c.top_k, c.capacity_factor, c.dropless)
-        ecd = (E, C, D)  # per device, whole: nothing further splits it
-        per_layer += [
-            # dispatch and combine, forward; their transposes, backward
-            PartialSum(2 * fwd + 2, (), ecd, "expert", nbytes, "all-to-all"),
-            # expert down projection, forward, and its transpose, backward
-            PartialSum(fwd + 1, (), ecd, "mlp", nbytes),
-            PartialSum(1, x, btd, "mlp", nbytes),  # backward: input grad of up and gate
-        ]
+        per_layer += _expert_exchange(c, layout, B // batch_ways * T // context[1], fwd, platform)
+        per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))  # backward: up and gate's input
     else:
         per_layer += [
             PartialSum(down, x, btd, "mlp", nbytes),  # MLP down projection
@@ -132,6 +125,29 @@ def partial_sums(c: TransformerConfig, layout: Layout, platform: str = "cpu") ->
         PartialSum(3 * virtual, ("batch", "seq"), (B, T), "vocab", 4),
     ]
     return [dataclasses.replace(p, count=p.count * microbatches) for p in sums]
+
+
+def _expert_exchange(
+    c: TransformerConfig, layout: Layout, tokens: int, fwd: int, platform: str
+) -> list[PartialSum]:
+    """One MoE layer's exchange over the expert axes and its experts' down-projection sums
+    over the mlp axes, for a device routing `tokens` of its own (jaxdist.parallel.experts);
+    `fwd`: how often the forward runs."""
+    E, D, K = c.num_experts, c.d_model, c.top_k
+    nbytes = jnp.dtype(c.compute_dtype).itemsize
+    n_ep = ways(layout.mesh_shape, layout.rules.mesh_axes("expert", "param"))
+    rows = dispatch_rows(tokens, E, K, n_ep, c.capacity_factor, c.moe_buffer_factor)
+    # The experts' down projection, forward, and its transpose, backward: over the buffer.
+    sums = [PartialSum(fwd + 1, (), (rows, D), "mlp", nbytes)]
+    if c.capacity_factor is not None:  # dispatch and combine, forward; their transposes
+        return sums + [PartialSum(2 * fwd + 2, (), (rows, D), "expert", nbytes, "all-to-all")]
+    ragged = platform in dropless.RAGGED_PLATFORMS
+    forward, backward = dropless.exchanges(tokens, K, n_ep, c.moe_buffer_factor, ragged)
+    sums += [PartialSum(fwd, (), (r, D), "expert", nbytes, kind) for kind, r in forward]
+    sums += [PartialSum(1, (), (r, D), "expert", nbytes, kind) for kind, r in backward]
+    if n_ep > 1:  # the routing tables: counts and offsets out, offsets and kept rows back
+        sums.append(PartialSum(2 * fwd, (), (2, E), "expert", 4, "all-to-all"))
+    return sums
 
 
 def _context_exchange(
@@ -187,12 +203,12 @@ def activations(c: TransformerConfig, batch_size: int) -> Inventory:
     Counted from the residuals JAX saves for this code (jax.ad_checkpoint's saved
     residuals, per layer, at each remat policy) and checked against XLA's memory analysis
     by `jaxdist plan --verify`. MoE layers are approximated as a dense MLP of top_k x
-    capacity_factor times the width.
+    the rows each active expert multiplies per routed token (_expert_slots) times the width.
     """
     B, T, D, F = batch_size, c.seq_len, c.d_model, c.d_mlp
     N, G, H, V = c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
     if c.num_experts:
-        F = int(F * c.top_k * c.capacity_factor)
+        F = int(F * c.top_k * _expert_slots(c))
     nb = jnp.dtype(c.compute_dtype).itemsize
     btd = Activation(1, ("batch", "seq", "embed"), (B, T, D), nb)
     btd32 = Activation(1, ("batch", "seq", "embed"), (B, T, D), 4)  # the norms' fp32 work

@@ -3,8 +3,9 @@
 Legend: B batch  T seq  D embed  F mlp (per expert)  E expert  K router choices  L layers
 
 Two implementations of one function: `dispatch` sends tokens to their experts through
-jaxdist.parallel.experts (all-to-all over the `expert` mesh axis, per-expert capacity); `dense` runs
-every expert on every token and masks by the router: the reference a test compares against.
+jaxdist.parallel.experts (over the `expert` mesh axis; dropless, or per-expert capacity);
+`dense` runs every expert on every token and masks by the router: the reference a test
+compares against.
 """
 
 import jax
@@ -60,7 +61,7 @@ def moe_mlp(c, h_BTD, w) -> tuple[jax.Array, dict]:
             w["w_gate_LEDF"],
             w["w_down_LEFD"],
             c.capacity_factor,
-            c.dropless,
+            c.moe_buffer_factor,
         )
     return y_BTD, {**stats, "balance_loss": balance, "z_loss": z_loss}
 

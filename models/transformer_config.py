@@ -69,8 +69,12 @@ class TransformerConfig:
     # Mixture of experts (every layer's MLP) when num_experts > 0; d_mlp is each expert's.
     num_experts: int = 0
     top_k: int = 2
-    capacity_factor: float = 1.25
-    dropless: bool = False
+    # None: dropless (every routed token runs; with experts split over devices each device's
+    # receive buffer holds moe_buffer_factor x its balanced share, rows past it dropped and
+    # counted in moe_dropped: jaxdist.parallel.dropless). A factor: capacity mode, each expert
+    # takes factor x tokens x top-k / experts per device, the rest dropped (Switch, GShard).
+    capacity_factor: float | None = None
+    moe_buffer_factor: float = 1.25
     moe_impl: Literal["dispatch", "dense"] = "dispatch"
     # The chosen experts' weights renormalized to sum to 1 (Mixtral; Qwen3-MoE's
     # norm_topk_prob), else their router probabilities as they are.
@@ -103,8 +107,13 @@ class TransformerConfig:
         if self.num_experts:
             if not 1 <= self.top_k <= self.num_experts:
                 raise ConfigError(f"top-k {self.top_k} must lie in [1, {self.num_experts} experts]")
-            if self.capacity_factor <= 0:
+            if self.capacity_factor is not None and not self.capacity_factor > 0:
                 raise ConfigError(f"capacity factor {self.capacity_factor} must be > 0")
+            if not self.moe_buffer_factor >= 1:
+                raise ConfigError(
+                    f"MoE buffer factor {self.moe_buffer_factor} must be at least 1 (the "
+                    "balanced share)"
+                )
             if self.mlp_bias:
                 raise ConfigError("MLP biases with MoE layers are not supported; drop mlp_bias")
         if self.mla:

@@ -131,7 +131,8 @@ def test_experts_beside_context_route_each_devices_own_tokens():
     # of the sequence (test_comm_rows_...: no gather of it into the layer, all-to-alls of the
     # local tokens only). Inside a pipeline the balance and z-losses are means over the whole
     # sequence, as in the same pipeline without the split (microbatched, so not the flat run).
-    moe = {"model": "tiny-moe", "overrides": (("dropless", True),)}
+    # A receive buffer that holds every row 2 expert devices can send: none dropped.
+    moe = {"model": "tiny-moe", "overrides": (("moe_buffer_factor", 2.0),)}
     _assert_matches(_run("context=2,expert=2,fsdp=2", **moe), _run("single", **moe))
     piped = _run("pipeline=2,context=2,expert=2", **moe)
     unsplit = _run("pipeline=2,expert=2,data=2", **moe)
@@ -288,7 +289,8 @@ def test_comm_rows_match_the_expected_exchange(layout, strategy, model, capsys):
     from jaxdist.cli.main import main
 
     args = ["comm", "--model", model, "--mesh", layout, "--batch-size", str(ROWS)]
-    args += ["--context-strategy", strategy, "--json"] + (["--dropless"] if "moe" in model else [])
+    args += ["--context-strategy", strategy, "--json"]
+    args += ["--moe-buffer-factor", "2"] if "moe" in model else []
     args += ["--microbatches", "2"] if "pipeline" in layout else []
     assert main(args) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -69,8 +69,8 @@ def _model(name: str, **overrides):
     with the documents from the tokens when `packed`, else the plain model call (no docs).
 
     Every call runs ROWS rows, the given ones padded with EOS rows and the padding's logits
-    dropped (rows do not see each other; MoE only dropless), so that the tests of this file
-    compile two programs per model, packed and plain, instead of one per shape."""
+    dropped (rows do not see each other; MoE only dropless, its default), so that the tests of
+    this file compile two programs per model, packed and plain, instead of one per shape."""
     mc = get_model_config(name, vocab_size=VOCAB, **overrides)
     assert mc.compute_dtype == "float32"
     graphdef, params = nnx.split(Transformer(mc, nnx.Rngs(0)))
@@ -95,9 +95,9 @@ def _model(name: str, **overrides):
     "name", ["tiny", SLOW_LLAMA, pytest.param("tiny-moe", marks=pytest.mark.slow)]
 )
 def test_a_document_sees_only_itself_at_positions_from_zero(name):
-    # tiny-moe: dropless, so no expert capacity couples the tokens of a batch (with a
-    # capacity, which tokens are dropped depends on all the tokens routed together).
-    _, params, apply = _model(name, **({"dropless": True} if name == "tiny-moe" else {}))
+    # tiny-moe: dropless (its default) on one device, so no expert capacity couples the
+    # tokens of a batch (with a capacity, which tokens are dropped depends on all of them).
+    _, params, apply = _model(name)
     rng = np.random.default_rng(0)
     a, b = [EOS, *_content(rng, 9)], [EOS, *_content(rng, 13)]
     rest = [EOS, *_content(rng, T - len(a) - len(b) - 1)]

@@ -9,7 +9,7 @@ import pytest
 from jaxdist.cli.main import main
 from jaxdist.compiled.tpu import parse_target, topology_name
 from jaxdist.errors import ConfigError
-from jaxdist.parallel.experts import capacity
+from jaxdist.parallel.experts import dispatch_rows
 from jaxdist.planning.inputs import PlanConfig
 from jaxdist.planning.planner import plan, price
 from meshes.presets import STANDARD_RULES
@@ -184,13 +184,15 @@ def test_expert_layouts_for_a_moe_model():
     experts = price({"expert": 8}, [model], STANDARD_RULES, cfg)
     # Experts split 8 ways: their weights and moments no longer sit whole on every device.
     assert experts["memory_bytes"]["params"] < naive["memory_bytes"]["params"] / 2
-    # The token exchange is an all-to-all over the expert axis, on the critical path: each
-    # device's 4 rows of tokens sent to their experts' capacity buffers and back, forward and
-    # backward, float32, every layer (the bytes test_moe finds in the compiled step's trace).
+    # The token exchange over the expert axis, on the critical path: dropless (tiny-moe's
+    # default) on CPU, each device's 4 rows of tokens x top-k sent in a block of the receive
+    # bound to each peer, forward and backward (an all-to-all; the results come back by
+    # all-gather), float32, every layer, beside two int32 routing tables each forward.
     mc = get_model_config("tiny-moe")
-    C = capacity(32 // 8 * mc.seq_len, mc.num_experts, mc.top_k, mc.capacity_factor, dropless=False)
-    a2a = mc.num_layers * 4 * mc.num_experts * C * mc.d_model * 4
+    rows = 8 * dispatch_rows(32 // 8 * mc.seq_len, mc.num_experts, mc.top_k, 8, None)
+    a2a = mc.num_layers * (2 * rows * mc.d_model * 4 + 2 * 2 * mc.num_experts * 4)
     assert experts["by_axis"]["expert all-to-all"]["bytes"] == a2a
+    assert experts["by_axis"]["expert all-gather"]["bytes"] == mc.num_layers * rows * 128 * 4
     assert experts["comm_exposed_s"] > 0
     ranked = plan(model, STANDARD_RULES, cfg)["layouts"]
     assert any(r["mesh"]["expert"] > 1 for r in ranked)

@@ -18,7 +18,7 @@ import dataclasses
 # Flags several commands share, under the same concern in each.
 _MODEL = (
     "--model", "--style", "--layers", "--d-model", "--heads", "--kv-heads", "--d-mlp", "--seq-len",
-    "--vocab", "--capacity-factor", "--dropless",
+    "--vocab", "--capacity-factor", "--moe-buffer-factor",
 )  # fmt: skip
 _LAYOUT = (
     "--microbatches", "--pipeline-schedule", "--virtual-stages", "--context-strategy",
@@ -42,7 +42,7 @@ PANELS = (
         "model",
         (
             "--model", "--style", "--layers", "--d-model", "--heads", "--kv-heads", "--d-mlp",
-            "--seq-len", "--vocab", "--init-from", "--capacity-factor", "--dropless",
+            "--seq-len", "--vocab", "--init-from", "--capacity-factor", "--moe-buffer-factor",
         ),
     ),
     ("data", ("--data", "--batch-size", "--document-mask")),

@@ -74,9 +74,12 @@ class Common:
     """attention kernel: auto (the platform's fused one: splash on TPU, cuDNN on GPU at 16
     bits, else XLA's), or xla (plain einsums, runs everywhere), splash, cudnn"""
     capacity_factor: float | None = None
-    """MoE: expert capacity = factor x tokens x top-k / experts (tokens past it are dropped)"""
-    dropless: bool = False
-    """MoE: size expert buffers so that no token is ever dropped"""
+    """MoE: capacity mode, each expert takes factor x tokens x top-k / experts per device (tokens
+    past it are dropped); default dropless (every routed token runs)"""
+    moe_buffer_factor: float | None = None
+    """MoE, dropless with experts split over devices: each device's receive buffer as a
+    multiple of its balanced share (default 1.25); rows past it are dropped and counted in
+    moe_dropped"""
     compile_cache: str = DEFAULT_CACHE
     """persistent XLA compilation cache directory, or off"""
 
@@ -89,6 +92,11 @@ class Common:
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ConfigError(
                 f"--capacity-factor: capacity factor {self.capacity_factor} must be > 0"
+            )
+        if self.moe_buffer_factor is not None and not self.moe_buffer_factor >= 1:
+            raise ConfigError(
+                f"--moe-buffer-factor: {self.moe_buffer_factor} must be at least 1 (the "
+                "balanced share)"
             )
         self.step.validate()
         if self.model == "custom":
@@ -311,16 +319,16 @@ def model_config(args: Common, platform: str):
     from models.presets import get_model_config
 
     dtype, attention = computes(platform, args.compute_dtype, args.attention)
-    moe = {}
-    if args.capacity_factor is not None or args.dropless:
-        if args.model == "custom" or not get_model_config(args.model).num_experts:
-            raise ConfigError(
-                f"--capacity-factor/--dropless apply to MoE models; {args.model} "
-                "has no experts (try --model tiny-moe)"
-            )
-        moe["dropless"] = args.dropless
-        if args.capacity_factor is not None:
-            moe["capacity_factor"] = args.capacity_factor
+    given = {
+        "capacity_factor": args.capacity_factor,
+        "moe_buffer_factor": args.moe_buffer_factor,
+    }
+    moe = {k: v for k, v in given.items() if v is not None}
+    if moe and (args.model == "custom" or not get_model_config(args.model).num_experts):
+        raise ConfigError(
+            f"--capacity-factor/--moe-buffer-factor apply to MoE models; {args.model} "
+            "has no experts (try --model tiny-moe)"
+        )
     return get_model_config(
         args.model,
         **moe,

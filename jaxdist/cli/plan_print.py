@@ -41,8 +41,8 @@ def train_command(args, row: dict) -> str:
             argv += [_flag(attr), getattr(args, attr)]
     if args.capacity_factor is not None:
         argv += ["--capacity-factor", str(args.capacity_factor)]
-    if args.dropless:
-        argv.append("--dropless")
+    if args.moe_buffer_factor is not None:
+        argv += ["--moe-buffer-factor", str(args.moe_buffer_factor)]
     argv += ["--remat", row["remat"]] + _sync_flags(row)
     return shlex.join(argv)
 

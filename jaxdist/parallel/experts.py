@@ -1,15 +1,19 @@
 """Expert parallelism: tokens travel to their experts and back by all-to-all.
 
-`moe_ffn` runs per device (`shard_map`): each device packs its own tokens into per-expert
-buffers of `capacity` slots, an all-to-all over the `expert` mesh axis hands every buffer to
-the device that owns the expert, the experts run (SwiGLU; their MLP width split Megatron-style
-over the `mlp` axes, their weights gathered over the FSDP axes), and a second all-to-all brings
-the results home, where they are weighted by the router and summed. A token whose expert is
-full is dropped (its expert output is zero; the residual carries it on). Dropless mode sizes
-the buffers so that no token can be dropped: capacity = tokens per device.
+`moe_ffn` runs per device (`shard_map`): each device sends its own tokens to the devices that
+hold their experts over the `expert` mesh axes, the experts run (SwiGLU; their MLP width split
+Megatron-style over the `mlp` axes, their weights gathered over the FSDP axes), and a second
+exchange brings the results home, where they are weighted by the router and summed.
 
-Pays in communication: 2 all-to-alls per MoE layer forward and 2 backward, each of
-E x capacity x D per device; small routing messages are latency-bound.
+Two ways, by `capacity_factor`:
+- None, dropless (jaxdist.parallel.dropless): the tokens sorted by expert, buffers sized by the
+  tokens routed, grouped GEMMs; with expert parallelism a receive buffer of a stated bound.
+- a factor, capacity: each device packs its tokens into per-expert buffers of `capacity`
+  slots, filled or not, the experts run as einsums over them; a token whose expert is full is
+  dropped (its expert output is zero; the residual carries it on).
+
+Pays in communication: 2 exchanges per MoE layer forward and 2 backward, each of
+`dispatch_rows` x D per device; small routing messages are latency-bound.
 """
 
 import math
@@ -21,16 +25,34 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.layout import ways
+from jaxdist.parallel import dropless
 from jaxdist.rules import active
 
+# Dropless with expert parallelism: each device's receive buffer, as a multiple of its
+# balanced share of the routed rows (jaxdist.parallel.dropless; rows past it are dropped and
+# counted).
+BUFFER_FACTOR = 1.25
 
-def capacity(
-    tokens_per_device: int, num_experts: int, top_k: int, capacity_factor: float, dropless: bool
-) -> int:
-    """Slots per expert in each device's send buffer."""
-    if dropless:
-        return tokens_per_device  # top-k picks distinct experts: at most one slot per token
+
+def capacity(tokens_per_device: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Slots per expert in each device's send buffer (capacity mode)."""
     return max(1, math.ceil(capacity_factor * tokens_per_device * top_k / num_experts))
+
+
+def dispatch_rows(
+    tokens_per_device: int,
+    num_experts: int,
+    top_k: int,
+    n_ep: int,
+    capacity_factor: float | None,
+    buffer_factor: float = BUFFER_FACTOR,
+) -> int:
+    """Rows of one device's expert buffer, the rows its experts multiply and (with n_ep > 1)
+    the rows each exchange moves: E x capacity in capacity mode, the routed assignments
+    (times the bound factor with expert parallelism) dropless."""
+    if capacity_factor is None:
+        return dropless.receive_rows(tokens_per_device, top_k, n_ep, buffer_factor)
+    return num_experts * capacity(tokens_per_device, num_experts, top_k, capacity_factor)
 
 
 class _Routing(NamedTuple):
@@ -38,7 +60,9 @@ class _Routing(NamedTuple):
 
     E: int  # all experts
     K: int  # experts per token
-    C: int  # slots per expert in each device's buffer
+    C: int  # slots per expert in each device's buffer; dropless: its receive rows
+    dropless: bool
+    ragged: bool  # dropless exchange by ragged all-to-all (TPU, GPU)
     n_ep: int  # devices over the expert axes
     expert: tuple[str, ...]  # the mesh axes the experts are split over (all-to-all)
     embed: tuple[str, ...]  # the FSDP axes the expert weights are gathered over here
@@ -55,15 +79,42 @@ def _swiglu(recv_sECD, up_eDF, gate_eDF, down_eFD):
 
 
 def _local(r: _Routing, x_btD, e_btK, g_btK, up_eDF, gate_eDF, down_eFD):
-    """One device's share: pack its tokens per expert, send them, run the experts held here,
-    bring the results back and weight them by the router."""
-    E, K, C = r.E, r.K, r.C
-    b, t, D = x_btD.shape
-    n = b * t
+    """One device's share, its expert weights whole over D; stats summed over the batch."""
     if r.embed:
         up_eDF = jax.lax.all_gather(up_eDF, r.embed, axis=1, tiled=True)
         gate_eDF = jax.lax.all_gather(gate_eDF, r.embed, axis=1, tiled=True)
         down_eFD = jax.lax.all_gather(down_eFD, r.embed, axis=2, tiled=True)
+    b, t, D = x_btD.shape
+    if r.dropless:
+        y_nD, dropped, load_E = dropless.local(
+            x_btD.reshape(b * t, D),
+            e_btK.reshape(b * t, r.K),
+            g_btK.reshape(b * t, r.K),
+            (up_eDF, gate_eDF, down_eFD),
+            n_ep=r.n_ep,
+            R=r.C,
+            expert=r.expert,
+            mlp=r.mlp,
+            ragged=r.ragged,
+        )
+    else:
+        y_nD, dropped, load_E = _capacity(r, x_btD, e_btK, g_btK, up_eDF, gate_eDF, down_eFD)
+    stats = {
+        "dropped": dropped.astype(jnp.float32),
+        "assigned": jnp.float32(b * t * r.K),
+        "load_E": load_E.astype(jnp.float32),
+    }
+    if r.batch:
+        stats = jax.lax.psum(stats, r.batch)
+    return y_nD.reshape(b, t, D), stats
+
+
+def _capacity(r: _Routing, x_btD, e_btK, g_btK, up_eDF, gate_eDF, down_eFD):
+    """Capacity mode: pack the tokens per expert, send them, run the experts held here, bring
+    the results back and weight them by the router. Returns (y_nD, dropped, load_E)."""
+    E, K, C = r.E, r.K, r.C
+    b, t, D = x_btD.shape
+    n = b * t
     x_nD = x_btD.reshape(n, D)
     # Assignments ordered choice-major: every token's first choice claims a slot before
     # any second choice does (Switch/GShard priority).
@@ -83,15 +134,7 @@ def _local(r: _Routing, x_btD, e_btK, g_btK, up_eDF, gate_eDF, down_eFD):
     back_sECD = jax.lax.all_to_all(out_sECD, r.expert, 0, 0, tiled=True) if r.expert else out_sECD
     back = jnp.concatenate([back_sECD.reshape(E * C, D), jnp.zeros((1, D), x_nD.dtype)])
     y_aD = back[slot_a] * (g_a * keep_a)[:, None].astype(x_nD.dtype)
-    y_nD = y_aD.reshape(K, n, D).sum(0)
-    stats = {
-        "dropped": jnp.sum(~keep_a).astype(jnp.float32),
-        "assigned": jnp.float32(n * K),
-        "load_E": jnp.sum(onehot_aE, axis=0).astype(jnp.float32),
-    }
-    if r.batch:
-        stats = jax.lax.psum(stats, r.batch)
-    return y_nD.reshape(b, t, D), stats
+    return y_aD.reshape(K, n, D).sum(0), jnp.sum(~keep_a), jnp.sum(onehot_aE, axis=0)
 
 
 def moe_ffn(
@@ -101,10 +144,12 @@ def moe_ffn(
     w_up_EDF,
     w_gate_EDF,
     w_down_EFD,
-    capacity_factor: float,
-    dropless: bool,
+    capacity_factor: float | None,
+    buffer_factor: float = BUFFER_FACTOR,
 ):
-    """Returns (y_BTD, stats) with stats = {dropped, assigned, load_E} summed over devices."""
+    """Returns (y_BTD, stats) with stats = {dropped, assigned, load_E} summed over devices.
+    `capacity_factor` None: dropless, with a receive buffer of `buffer_factor` x the balanced
+    share where the experts are split over devices (rows past it dropped and counted)."""
     rules, mesh = active()
     # Axes already manual here (inside the pipeline's shard_map: `pipeline` and the batch axes)
     # hold local tokens and local expert weights, gathered over FSDP by the pipeline.
@@ -129,11 +174,18 @@ def moe_ffn(
     B, T, _ = x_BTD.shape
     tokens = B // ways(mesh.shape, free(batch)) * (T // ways(mesh.shape, free(seq)))
     K = expert_BTK.shape[-1]
-    C = capacity(tokens, E, K, capacity_factor, dropless)
+    if capacity_factor is None:
+        C = dropless.receive_rows(tokens, K, n_ep, buffer_factor)
+    else:
+        C = capacity(tokens, E, K, capacity_factor)
+    # XLA:CPU has no ragged all-to-all: there the dropless exchange takes padded blocks.
+    ragged = mesh.devices.flat[0].platform in dropless.RAGGED_PLATFORMS
     tok = P(free(batch) or None, free(seq) or None, None)
     w_in = P(free(expert) or None, embed or None, free(mlp) or None)
     w_out = P(free(expert) or None, free(mlp) or None, embed or None)
-    routing = _Routing(E, K, C, n_ep, expert, embed, mlp, used(batch + seq))
+    routing = _Routing(
+        E, K, C, capacity_factor is None, ragged, n_ep, expert, embed, mlp, used(batch + seq)
+    )
     stats_spec = {"dropped": P(), "assigned": P(), "load_E": P()}
     where = {"axis_names": set(free(mesh.axis_names))} if manual else {"mesh": mesh}
     return jax.shard_map(

@@ -75,9 +75,9 @@ class PlanModel:
     # The logical axes of the layer weights whose forward matmul the policy reruns in the
     # backward (the TPU compiler then gathers them once there: planning.traffic).
     reruns: frozenset[tuple] = frozenset()
-    # MoE: each token's top_k experts, and the rows each multiplies per routed token: every
-    # slot of the [E, C] buffers runs, filled or not, so the capacity factor (E / top_k where
-    # dropless: capacity = tokens); 1 for dense models.
+    # MoE: each token's top_k experts, and the rows each multiplies per routed token: in
+    # capacity mode every slot of the [E, C] buffers runs, filled or not, so the capacity
+    # factor; dropless the grouped GEMMs run the routed rows, 1; 1 for dense models.
     top_k: int = 1
     expert_slots: float = 1.0
 
