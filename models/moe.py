@@ -28,7 +28,7 @@ MOE_LOGICAL = {
     "shared_w_up_LDF": ("layers", "embed", "mlp"),
     "shared_w_gate_LDF": ("layers", "embed", "mlp"),
     "shared_w_down_LFD": ("layers", "mlp", "embed"),
-    "shared_gate_LD": ("layers", "embed"),
+    "shared_gate_LD1": ("layers", "embed", None),
 }
 
 
@@ -80,7 +80,7 @@ def shared_expert(c, h_BTD, w) -> jax.Array:
     up_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
     y_BTD = jnp.einsum("btf,fd->btd", up_BTF, w["shared_w_down_LFD"])
     if c.shared_expert_gate:
-        gate_BT1 = jax.nn.sigmoid(jnp.einsum("btd,d->bt", h_BTD, w["shared_gate_LD"]))[..., None]
+        gate_BT1 = jax.nn.sigmoid(jnp.einsum("btd,do->bto", h_BTD, w["shared_gate_LD1"]))
         y_BTD = y_BTD * gate_BT1
     return y_BTD
 

@@ -234,7 +234,7 @@ def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
                 "shared_w_down_LFD": (L, S, D),
             }
         if c.shared_expert_gate:
-            shapes["shared_gate_LD"] = (L, D)
+            shapes["shared_gate_LD1"] = (L, D, 1)
     if c.style == "gpt2":
         shapes |= {
             "pos_embed_TD": (c.seq_len, D),

@@ -195,3 +195,27 @@ def test_bad_router_settings_end_in_one_line(over, message):
     with pytest.raises(ConfigError) as e:
         _config(**over)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_deepseek_v3_routing_half_of_its_config_and_weights():
+    # The MoE half of DeepSeek-V3's import, ready for MLA's: config fields and weight names.
+    from models.hf_config import deepseek_moe
+    from models.hf_pieces import deepseek_router_pieces, export_pieces
+
+    hf = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24)
+    hf |= dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1)
+    c = _config(**deepseek_moe(hf | {"first_k_dense_replace": 0}, "ds"))
+    assert (c.scoring, c.n_group, c.topk_group, c.routed_scaling_factor) == ("sigmoid", 4, 2, 2.5)
+    assert (c.router_bias, c.shared_width, c.moe_renormalize) == (True, 24, True)
+    names = {p.name(0): p.ours for p in deepseek_router_pieces(c)}
+    assert names == {
+        "model.layers.0.mlp.gate.e_score_correction_bias": "expert_bias_LE",
+        "model.layers.0.mlp.shared_experts.gate_proj.weight": "shared_w_gate_LDF",
+        "model.layers.0.mlp.shared_experts.up_proj.weight": "shared_w_up_LDF",
+        "model.layers.0.mlp.shared_experts.down_proj.weight": "shared_w_down_LFD",
+    }
+    with pytest.raises(ConfigError, match="first_k_dense_replace 3 .* not supported yet"):
+        deepseek_moe(hf | {"first_k_dense_replace": 3}, "ds")
+    # No Hugging Face form until MLA joins it: refused in one line, not written half.
+    with pytest.raises(ConfigError, match="no Hugging Face form here yet"):
+        export_pieces(c, 256)
