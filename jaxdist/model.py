@@ -2,7 +2,9 @@
 
 Any Flax NNX module whose parameters declare `logical_axes` (LOGICAL_AXES below) and whose call
 `model(tokens_BT, docs=None) -> (logits_BTV, aux)` maps tokens [B, T] to logits [B, T, V] fits:
-aux holds `loss` (added to the objective, e.g. MoE balance) and `metrics` (logged). The step
+aux holds `loss` (added to the objective, e.g. MoE balance) and `metrics` (logged), and may
+hold `expert_load` ({parameter name: expert loads [L, E]}: the step moves those parameters, a
+router's jaxdist.optim.ExpertBias, by them). The step
 passes `docs` (second argument; jaxdist.kernels.documents.Documents: per-token document ids and
 positions) only when rows are packed documents and document masking is on; the model then
 keeps every document to itself (no attention or mixing across a boundary, positions restarting

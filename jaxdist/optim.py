@@ -4,10 +4,15 @@ warmup, then cosine, linear or constant, and global-norm gradient clipping.
 Which weights Muon takes is read from each parameter's logical axes, never from its name: a
 matrix is a weight with two or more dims besides the stacked `layers` and the `expert` axis
 (batch dims of Muon: one orthogonalization per layer and per expert); a weight with a `vocab`
-or `seq` axis is a lookup table or the head, and stays with AdamW, like norms and biases."""
+or `seq` axis is a lookup table or the head, and stays with AdamW, like norms and biases.
+
+One parameter no gradient moves: a router's balancing bias (`ExpertBias`, last below), which
+the step moves after the optimizer by the experts' loads."""
 
 import jax
+import jax.numpy as jnp
 import optax
+from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from jaxdist.config import OptimConfig
@@ -102,3 +107,49 @@ def _muon(config: OptimConfig, lr: optax.Schedule) -> optax.GradientTransformati
         optax.add_decayed_weights(config.weight_decay),
         optax.scale_by_learning_rate(lr),
     )
+
+
+# --- A parameter no gradient moves: the router's balancing bias ----------------------------
+# Aux-loss-free load balancing (DeepSeek-V3, arXiv:2412.19437): a router's per-expert bias,
+# moved each step outside the gradient.
+#
+# A model routes with `scores + bias` to choose experts and weighs them by the scores alone, so
+# no gradient reaches the bias. It holds the bias as an `ExpertBias`, a parameter that carries its
+# update rate and that its loss never differentiates: the optimizer's update of it is zero (no
+# decay either: it has one axis besides `layers`, jaxdist.optim). After the optimizer the step
+# moves it, layer by layer and expert by expert, by `rate * sign(mean load - load)`: an expert
+# chosen more than the mean goes down, one chosen less goes up. The loads are the step's own
+# (every microbatch's, the whole batch's: summed over devices before the step sees them), so
+# every device and every mesh moves it alike. Being a parameter, it is checkpointed, restored,
+# gathered for export and evaluated with the rest of the weights.
+#
+# The model hands the loads in its aux as `expert_load`: {parameter name: load [L, E]}.
+
+
+class ExpertBias(nnx.Param):
+    """A router's selection bias [L, E]; metadata `rate`: the step's move per step (0: none)."""
+
+
+def moved(bias_LE: jax.Array, load_LE: jax.Array, rate: float) -> jax.Array:
+    """The bias after one step: each expert's moved by `rate` towards its layer's mean load."""
+    mean_L1 = jnp.mean(load_LE, axis=-1, keepdims=True)
+    return bias_LE + rate * jnp.sign(mean_L1 - load_LE).astype(bias_LE.dtype)
+
+
+def bias_rates(abstract_params: nnx.State) -> dict[str, float]:
+    """{parameter name: rate} of the model's moving biases (a rate of 0 moves nothing)."""
+    return {
+        path[0]: v.get_metadata().get("rate", 0.0)
+        for path, v in nnx.to_flat_state(abstract_params)
+        if isinstance(v, ExpertBias) and v.get_metadata().get("rate", 0.0)
+    }
+
+
+def move_biases(params: nnx.State, old: nnx.State, loads: dict, rates: dict, keep) -> nnx.State:
+    """`params` (the optimizer's output) with each moving bias set to its old value moved by
+    the step's loads; `keep(new, old)`: the step's choice between them (a skipped step keeps
+    the old)."""
+    for name, rate in rates.items():
+        bias = old[name][...]
+        params[name] = params[name].replace(keep(moved(bias, loads[name], rate), bias))
+    return params

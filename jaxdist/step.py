@@ -13,6 +13,9 @@ skipped as not finite. Over microbatches it is their max, not their sum or mean:
 microbatch starts from the same state, so they agree on every scale and on the history but its
 newest amax, whose max over the microbatches is the whole batch's amax, what one microbatch of
 the whole batch records (Flax's fm32 type adds by max for the same reason).
+
+A router's selection bias (jaxdist.optim.ExpertBias) is a parameter no gradient reaches:
+after the optimizer, the step moves it by the step's expert loads, which the model's aux gives.
 """
 
 import dataclasses
@@ -25,6 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist import optim
 from jaxdist.errors import ConfigError
 from jaxdist.kernels import documents, fp8
 from jaxdist.kernels.loss import Vocab, model_loss, stage_loss
@@ -104,10 +108,13 @@ def _update(
     grads,
     extra: dict,
     new_fp8=None,
+    bias_rates: dict | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """The optimizer's update, skipped where the loss or gradients are not finite, and the
     step's metrics. `new_fp8`: the FP8 state's new value (--fp8 delayed), taken as it is, not
-    a gradient, and kept out of the norm and the optimizer."""
+    a gradient, and kept out of the norm and the optimizer. `bias_rates`: the routers' biases
+    to move by the loads in `extra` (jaxdist.optim.move_biases), by name."""
+    loads = extra.pop("expert_load", {})
     loss = extra["loss"]
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -117,6 +124,7 @@ def _update(
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     params = jax.tree.map(keep, params, state.params)
+    params = optim.move_biases(params, state.params, loads, bias_rates or {}, keep)
     opt_state = jax.tree.map(keep, opt_state, state.opt_state)
     # A skipped step keeps the old FP8 state too: its amaxes (NaN, Inf) would poison the
     # scales for a whole history.
@@ -137,9 +145,11 @@ def make_train_step(
     config: StepConfig,
     schedule: pipeline.Schedule | None = None,
     vocab: Vocab | None = None,
+    bias_rates: dict | None = None,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the pure step for one model structure, optimizer and accumulation setting;
-    with a pipeline `schedule`, the model's stages run pipelined over the microbatches."""
+    with a pipeline `schedule`, the model's stages run pipelined over the microbatches;
+    `bias_rates`: the routers' biases it moves (jaxdist.optim.bias_rates)."""
     vocab = vocab or Vocab()
 
     def loss_fn(inputs: tuple, tokens_BT1: jax.Array, scale: jax.Array):
@@ -153,6 +163,7 @@ def make_train_step(
         return (ce + aux["loss"]) * scale, {
             "loss": ce * scale,
             "aux_loss": aux["loss"],
+            "expert_load": aux.get("expert_load", {}),
             **aux["metrics"],
         }
 
@@ -171,7 +182,7 @@ def make_train_step(
         else:
             grads, extra = _accumulated_grads(value_and_grad, inputs, tokens_BT1, scale, M)
         (grads, new_fp8) = grads
-        return _update(tx, lr_schedule, state, grads, extra, new_fp8)
+        return _update(tx, lr_schedule, state, grads, extra, new_fp8, bias_rates)
 
     return train_step
 
@@ -301,9 +312,15 @@ def build(
     replicated = state_sharding.step
     param_sharding = state_sharding.params
     schedule = schedules.for_layout(layout)
+    bias_rates = optim.bias_rates(abstract_params)
     if schedule is not None:
         pipeline.check_layers(abstract_params, schedule)
-    step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab)
+        if bias_rates:
+            raise ConfigError(
+                "aux-loss-free balancing (bias_update_rate) does not run under a pipeline: its "
+                "stages return no expert loads; drop the pipeline axis or set the rate to 0"
+            )
+    step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab, bias_rates)
     groups = layout.grouped
 
     def start(params) -> TrainState:

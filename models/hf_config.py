@@ -3,9 +3,10 @@
 Supported: LlamaForCausalLM (Llama 1-3.x: RoPE scaling llama3, linear, dynamic, yarn),
 MistralForCausalLM (a sliding window only where it covers the context), Qwen2ForCausalLM (Q, K
 and V biases, no output bias), Qwen3ForCausalLM (per-head q/k RMSNorm, head_dim apart from
-hidden_size / heads), MixtralForCausalLM and Qwen3MoeForCausalLM (every layer a top-k MoE),
-DeepseekV3ForCausalLM (latent attention; every layer dense until DeepSeek's routing lands),
-GPT2LMHeadModel. Anything else is refused in one line naming what is.
+hidden_size / heads), MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen2MoeForCausalLM (every
+layer a top-k MoE; Qwen2-MoE's with its gated shared expert), DeepseekV3ForCausalLM (latent
+attention; every layer dense until DeepSeek's routing lands), GPT2LMHeadModel. Anything else is
+refused in one line naming what is.
 """
 
 import json
@@ -25,6 +26,7 @@ SUPPORTED = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "GPT2LMHeadModel",
 )
 _MODEL_TYPE = {
@@ -35,6 +37,7 @@ _MODEL_TYPE = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "GPT2LMHeadModel": "gpt2",
 }
 _GPT2_SIZES = dict(d_model="n_embd", num_layers="n_layer", num_heads="n_head")
@@ -120,9 +123,11 @@ def _llama_family(hf: dict, where: str, arch: str) -> dict:
         fields |= dict(attention_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)))
     elif arch == "Qwen2ForCausalLM":
         fields |= dict(attention_bias=True, attention_out_bias=False)
+    elif arch == "Qwen2MoeForCausalLM":
+        fields |= dict(attention_bias=bool(hf.get("qkv_bias", True)), attention_out_bias=False)
     elif arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         fields |= dict(attention_bias=bias, qk_norm=True)
-    if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         fields |= _moe(hf, where, arch)
     if arch == "DeepseekV3ForCausalLM":
         fields |= _deepseek(hf, where)
@@ -139,16 +144,43 @@ def _moe(hf: dict, where: str, arch: str) -> dict:
         return dict(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
     if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
         raise ConfigError(
-            f"{where}: Qwen3-MoE with dense layers among the MoE ones (decoder_sparse_step "
+            f"{where}: {arch} with dense layers among the MoE ones (decoder_sparse_step "
             f"{hf.get('decoder_sparse_step', 1)}, mlp_only_layers {hf.get('mlp_only_layers')}) "
             "is not supported; every layer must be MoE (decoder_sparse_step 1, no mlp_only_layers)"
         )
     experts = hf.get("num_experts") or hf["num_local_experts"]
-    return dict(
+    fields = dict(
         num_experts=experts,
         top_k=hf["num_experts_per_tok"],
         d_mlp=hf["moe_intermediate_size"],
         moe_renormalize=bool(hf.get("norm_topk_prob", False)),
+    )
+    if arch == "Qwen2MoeForCausalLM":
+        shared = hf["shared_expert_intermediate_size"]
+        fields |= dict(shared_expert_intermediate_size=shared, shared_expert_gate=True)
+    return fields
+
+
+def deepseek_moe(hf: dict, where: str) -> dict:
+    """The MoE half of a DeepSeek-V3 config.json (HF's DeepseekV3Config) as our fields: sigmoid
+    scores, groups, the selection bias, the shared experts. Not yet reachable: DeepSeek-V3's
+    attention (MLA) comes with another module, and with it the architecture's registration."""
+    if hf.get("first_k_dense_replace", 0):
+        raise ConfigError(
+            f"{where}: first_k_dense_replace {hf['first_k_dense_replace']} (dense first layers) "
+            "is not supported yet; every layer must be MoE"
+        )
+    return dict(
+        num_experts=hf["n_routed_experts"],
+        top_k=hf["num_experts_per_tok"],
+        d_mlp=hf["moe_intermediate_size"],
+        moe_renormalize=bool(hf.get("norm_topk_prob", True)),
+        scoring="sigmoid",
+        n_group=hf.get("n_group") or 1,
+        topk_group=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        router_bias=True,
+        n_shared_experts=hf.get("n_shared_experts") or 0,
     )
 
 
@@ -263,7 +295,11 @@ def _llama_family_out(c: TransformerConfig, arch: str) -> dict:
         )
     if arch == "MixtralForCausalLM":
         out |= dict(num_local_experts=c.num_experts, num_experts_per_tok=c.top_k)
-    if arch == "Qwen3MoeForCausalLM":
+    if arch == "Qwen2MoeForCausalLM":
+        # Its intermediate_size is the dense MLP's of layers that are not MoE: none here.
+        out |= dict(qkv_bias=c.attention_bias, intermediate_size=c.shared_width)
+        out["shared_expert_intermediate_size"] = c.shared_width
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         out |= dict(
             num_experts=c.num_experts,
             num_experts_per_tok=c.top_k,

@@ -135,7 +135,20 @@ def _mlp_pieces(c: TransformerConfig) -> list[Piece]:
 
 
 def moe_architecture(c: TransformerConfig) -> str:
-    """The HF form of a MoE config: Qwen3-MoE (its per-head q/k norms) or Mixtral."""
+    """The HF form of a MoE config: Qwen2-MoE (its gated shared expert), Qwen3-MoE (its
+    per-head q/k norms) or Mixtral."""
+    if c.scoring != "softmax" or c.n_group > 1 or c.router_bias or c.routed_scaling_factor != 1:
+        raise ConfigError(
+            "a router with sigmoid scores, groups, a selection bias or a scaling factor "
+            "(DeepSeek-V3's) has no Hugging Face form here yet: it comes with MLA attention"
+        )
+    if c.shared_expert_gate:
+        return "Qwen2MoeForCausalLM"
+    if c.shared_width:
+        raise ConfigError(
+            "a shared expert without a gate (DeepSeek's n_shared_experts) has no Hugging Face "
+            "form here yet: it comes with MLA attention"
+        )
     if c.qk_norm:
         return "Qwen3MoeForCausalLM"
     if not c.moe_renormalize:
@@ -155,6 +168,7 @@ def _moe_pieces(c: TransformerConfig) -> list[Piece]:
     else:
         block, names = "model.layers.{l}.mlp.", ("gate_proj", "up_proj", "down_proj")
     out = [Piece(block + "gate.weight", "router_LDE", ((E,), (D,)), (1, 0))]
+    out += shared_expert_pieces(c, block)
     for e in range(E):
         expert = f"{block}experts.{e}."
         # Each is [out, in]: our [E, in, out] rows e..e+1 (a size-1 factor for the E axis).
@@ -163,6 +177,36 @@ def _moe_pieces(c: TransformerConfig) -> list[Piece]:
         out.append(Piece(up, "w_up_LEDF", ((1, F), (D,)), (0, 2, 1), (e, e + 1), 0))
         out.append(Piece(down, "w_down_LEFD", ((1, D), (F,)), (0, 2, 1), (e, e + 1), 0))
     return out
+
+
+def shared_expert_pieces(c: TransformerConfig, block: str) -> list[Piece]:
+    """The shared expert's SwiGLU and its gate: Qwen2-MoE's mlp.shared_expert and
+    shared_expert_gate (a [1, D] linear); DeepSeek-V3's mlp.shared_experts (no gate)."""
+    if not c.shared_width:
+        return []
+    D, S = c.d_model, c.shared_width
+    mlp = block + ("shared_expert." if c.shared_expert_gate else "shared_experts.")
+    out = [
+        Piece(mlp + "gate_proj.weight", "shared_w_gate_LDF", ((S,), (D,)), (1, 0)),
+        Piece(mlp + "up_proj.weight", "shared_w_up_LDF", ((S,), (D,)), (1, 0)),
+        Piece(mlp + "down_proj.weight", "shared_w_down_LFD", ((D,), (S,)), (1, 0)),
+    ]
+    if c.shared_expert_gate:
+        out.append(
+            Piece(block + "shared_expert_gate.weight", "shared_gate_LD1", ((1,), (D,)), (1, 0))
+        )
+    return out
+
+
+def deepseek_router_pieces(c: TransformerConfig) -> list[Piece]:
+    """DeepSeek-V3's MoE layer (HF's DeepseekV3MoE) beside the router and experts that
+    _moe_pieces names with Qwen's block: the selection bias (mlp.gate.e_score_correction_bias)
+    and the shared experts. For the lead: DeepSeek-V3 import joins these to MLA's pieces."""
+    block = "model.layers.{l}.mlp."
+    bias = Piece(
+        block + "gate.e_score_correction_bias", "expert_bias_LE", ((c.num_experts,),), (0,)
+    )
+    return [bias, *shared_expert_pieces(c, block)]
 
 
 def _gpt2_pieces(c: TransformerConfig, vocab: int, positions: int, prefix: str) -> list[Piece]:

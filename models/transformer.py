@@ -39,6 +39,7 @@ from jaxdist.kernels import fp8
 from jaxdist.kernels.documents import Documents
 from jaxdist.kernels.lookup import lookup
 from jaxdist.model import Stages
+from jaxdist.optim import ExpertBias
 from jaxdist.parallel.attention import attention, document_mask
 from jaxdist.rules import constrain, gathered
 from models import mla, moe, remat, rope
@@ -80,6 +81,12 @@ PROJECTIONS = {
     "w_down_LFD": "btf,fd->btd",
 }
 
+# Projections into the residual stream: their init shrinks with depth (GPT-2).
+_OUT_PROJECTIONS = ("wo_LNHD", "w_down_LFD", "w_down_LEFD", "shared_w_down_LFD")
+# Layer weights kept in float32 whatever the compute dtype: the selection bias moves by steps
+# of about 1e-3, which bfloat16 would round away near the scores it is added to.
+_FLOAT32_LAYER_WEIGHTS = ("expert_bias_LE",)
+
 
 class Transformer(nnx.Module):
     def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
@@ -93,8 +100,12 @@ class Transformer(nnx.Module):
             elif "bias" in name:
                 value = jnp.zeros(shape, jnp.float32)
             else:
-                scale = out_std if name in ("wo_LNHD", "w_down_LFD", "w_down_LEFD") else std
+                scale = out_std if name in _OUT_PROJECTIONS else std
                 value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+            if name == "expert_bias_LE":  # moved by the step, not by the optimizer
+                rate = config.bias_update_rate
+                setattr(self, name, ExpertBias(value, logical_axes=LOGICAL[name], rate=rate))
+                continue
             setattr(self, name, nnx.Param(value, logical_axes=LOGICAL[name]))
         # --fp8 delayed (the layout the model is built under): the projections' FP8 state.
         shapes = _param_shapes(config)
@@ -185,7 +196,7 @@ def run_layers(
 ):
     """The stacked layers given (all of them, or a pipeline stage's share), in order; with
     their FP8 state (--fp8 delayed), stacked as they are, kept in float32."""
-    layers = {k: _compute(c, v) for k, v in layers.items()}
+    layers = {k: v if k in _FLOAT32_LAYER_WEIGHTS else _compute(c, v) for k, v in layers.items()}
     if docs is None:
         positions_BT, mask_B1TS = jnp.arange(x_BTD.shape[1])[None], None  # B of 1: broadcast
     else:

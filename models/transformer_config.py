@@ -93,6 +93,25 @@ class TransformerConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # The router (models/routing.py; names as HF's DeepseekV3 config): softmax or sigmoid
+    # scores; n_group groups of experts of which each token's choice spans its best topk_group;
+    # the weights times routed_scaling_factor.
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # A per-layer, per-expert bias added to the scores to choose experts, never to weigh them
+    # (HF's e_score_correction_bias), and the rate the step moves it at from the experts'
+    # loads, outside the gradient (aux-loss-free balancing, jaxdist.optim; DeepSeek-V3:
+    # 0.001); 0: the bias stays as loaded.
+    router_bias: bool = False
+    bias_update_rate: float = 0.0
+    # A shared expert for every token, a SwiGLU of n_shared_experts x d_mlp (DeepSeek) or of
+    # shared_expert_intermediate_size (Qwen2-MoE, whose shared_expert_gate scales it by a
+    # sigmoid of the token).
+    n_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
 
     def __post_init__(self):
         # A recorded config (JSON) gives lists: the tuple a frozen, hashable config needs.
@@ -116,6 +135,7 @@ class TransformerConfig:
                 )
             if self.mlp_bias:
                 raise ConfigError("MLP biases with MoE layers are not supported; drop mlp_bias")
+            _check_routing(self)
         if self.mla:
             _check_mla(self)
         elif self.d_model % self.num_heads and not self.head_dim_override:
@@ -124,6 +144,11 @@ class TransformerConfig:
             raise ValueError(
                 f"heads {self.num_heads} not divisible by kv_heads {self.num_kv_heads}"
             )
+
+    @property
+    def shared_width(self) -> int:
+        """The shared expert's hidden width; 0: none."""
+        return self.shared_expert_intermediate_size or self.n_shared_experts * self.d_mlp
 
     @property
     def head_dim(self) -> int:
@@ -206,6 +231,33 @@ def mla_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
     )
 
 
+def _check_routing(c: TransformerConfig) -> None:
+    """The router's settings (models/routing.py), each wrong one refused in one line."""
+    E, G = c.num_experts, c.n_group
+    if c.scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"router scoring {c.scoring!r} must be softmax or sigmoid")
+    if G < 1 or E % G:
+        raise ConfigError(f"n_group {G} must divide the {E} experts into equal groups")
+    if not 1 <= c.topk_group <= G:
+        raise ConfigError(f"topk_group {c.topk_group} must lie in [1, {G} groups (n_group)]")
+    if c.top_k > c.topk_group * (E // G):
+        raise ConfigError(
+            f"top-k {c.top_k} is more experts than the {c.topk_group} chosen groups hold "
+            f"({c.topk_group} x {E // G}); raise topk_group or lower top_k"
+        )
+    if c.bias_update_rate < 0 or (c.bias_update_rate and not c.router_bias):
+        raise ConfigError(
+            f"bias_update_rate {c.bias_update_rate} needs router_bias and must be >= 0"
+        )
+    if c.n_shared_experts < 0 or (c.n_shared_experts and c.shared_expert_intermediate_size):
+        raise ConfigError(
+            "give the shared expert's width once: n_shared_experts (x d_mlp) or "
+            "shared_expert_intermediate_size, not both (and neither below 0)"
+        )
+    if c.shared_expert_gate and not c.shared_width:
+        raise ConfigError("shared_expert_gate gates a shared expert; this model has none")
+
+
 def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
     L, D, F, N, G, H, V = (
         c.num_layers,
@@ -246,6 +298,16 @@ def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
         for k in ("w_up_LDF", "w_down_LFD"):
             del shapes[k]
         shapes |= moe_shapes(L, D, F, c.num_experts)
+        if c.router_bias:
+            shapes["expert_bias_LE"] = (L, c.num_experts)
+        if S := c.shared_width:
+            shapes |= {
+                "shared_w_up_LDF": (L, D, S),
+                "shared_w_gate_LDF": (L, D, S),
+                "shared_w_down_LFD": (L, S, D),
+            }
+        if c.shared_expert_gate:
+            shapes["shared_gate_LD1"] = (L, D, 1)
     if c.style == "gpt2":
         shapes |= {
             "pos_embed_TD": (c.seq_len, D),

@@ -148,6 +148,18 @@ def configs(eos_id: int) -> dict[str, transformers.PretrainedConfig]:
             **{**DEEPSEEK, "q_lora_rank": None, "rope_interleave": False},
             **{**llama, "num_hidden_layers": 1},
         ),
+        # 4 experts of 24, top 2, not renormalized, and a shared expert of 40 gated by a
+        # sigmoid of the token; Q, K and V biases (Qwen2's attention)
+        "qwen2-moe": transformers.Qwen2MoeConfig(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+            **llama,
+        ),
     }
 
 

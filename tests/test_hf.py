@@ -4,9 +4,9 @@ The references (tests/fixtures/hf, made by tests/make_hf_fixtures.py with transf
 versions.json there) are tiny random LlamaForCausalLM (grouped-query: untied; tied with 4 heads
 per group; with attention and MLP biases; Llama 3.1's RoPE scaling), GPT2LMHeadModel,
 Qwen2ForCausalLM, Qwen3ForCausalLM (its EOS <|im_end|>, a second one in generation_config.json),
-MistralForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM and DeepseekV3ForCausalLM (latent
-attention with q_lora_rank, interleaved yarn RoPE and mscale; without, as DeepSeek-V2-Lite;
-every layer dense) models, their fp32 logits for
+MistralForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (its shared
+expert gated) and DeepseekV3ForCausalLM (latent attention with q_lora_rank, interleaved yarn RoPE
+and mscale; without, as DeepSeek-V2-Lite; every layer dense) models, their fp32 logits for
 fixed ids and their greedy generations. MoE models are compared computing every expert
 (moe_impl dense), as transformers does: dispatch's capacity would drop tokens."""
 
@@ -43,7 +43,7 @@ from tests.helpers import mesh_for
 
 FIX = pathlib.Path(__file__).parent / "fixtures" / "hf"
 MODELS = ["llama-gqa", "llama-tied", "llama-bias", "gpt2"]
-MODELS += ["llama31", "qwen2", "qwen3", "mistral", "mixtral", "qwen3-moe"]
+MODELS += ["llama31", "qwen2", "qwen3", "mistral", "mixtral", "qwen3-moe", "qwen2-moe"]
 MODELS += ["deepseek-v3", "deepseek-v3-lite"]
 SLOW = pytest.mark.slow
 
@@ -270,8 +270,8 @@ def _copy(name: str, tmp_path: pathlib.Path) -> pathlib.Path:
 def test_unsupported_architecture_is_named(tmp_path):
     d = _copy("llama-gqa", tmp_path)
     config = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2MoeForCausalLM"]}))
-    with pytest.raises(ConfigError, match="'Qwen2MoeForCausalLM' is not supported; supported: Ll"):
+    (d / "config.json").write_text(json.dumps({**config, "architectures": ["GptOssForCausalLM"]}))
+    with pytest.raises(ConfigError, match="'GptOssForCausalLM' is not supported; supported: L"):
         hf.open_model(d)
 
 
