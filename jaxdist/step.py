@@ -281,6 +281,22 @@ def check(layout: Layout, mesh: Mesh) -> None:
     fp8.check(layout, mesh)
 
 
+def _schedule_and_biases(layout: Layout, abstract_params):
+    """The pipeline schedule (None without a pipeline), checked against the layers, and the
+    routers' balancing biases the step moves (jaxdist.optim.bias_rates), which a pipeline's
+    stages cannot move: they return no expert loads."""
+    schedule = schedules.for_layout(layout)
+    bias_rates = optim.bias_rates(abstract_params)
+    if schedule is not None:
+        pipeline.check_layers(abstract_params, schedule)
+        if bias_rates:
+            raise ConfigError(
+                "aux-loss-free balancing (bias_update_rate) does not run under a pipeline: its "
+                "stages return no expert loads; drop the pipeline axis or set the rate to 0"
+            )
+    return schedule, bias_rates
+
+
 def build(
     init_model: Callable[[nnx.Rngs], nnx.Module],
     tx: optax.GradientTransformation,
@@ -311,15 +327,7 @@ def build(
     state_sharding, abstract_opt = _state_sharding(tx, abstract_params, abstract_fp8, rules, mesh)
     replicated = state_sharding.step
     param_sharding = state_sharding.params
-    schedule = schedules.for_layout(layout)
-    bias_rates = optim.bias_rates(abstract_params)
-    if schedule is not None:
-        pipeline.check_layers(abstract_params, schedule)
-        if bias_rates:
-            raise ConfigError(
-                "aux-loss-free balancing (bias_update_rate) does not run under a pipeline: its "
-                "stages return no expert loads; drop the pipeline axis or set the rate to 0"
-            )
+    schedule, bias_rates = _schedule_and_biases(layout, abstract_params)
     step = make_train_step(graphdef, tx, lr_schedule, config, schedule, vocab, bias_rates)
     groups = layout.grouped
 
