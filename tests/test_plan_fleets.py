@@ -267,3 +267,14 @@ def test_a_plan_a_person_can_act_on(tmp_path, capsys, monkeypatch):
     parsed = tyro.cli(cmd_train.Train, args=argv[1:])
     assert isinstance(parsed, cmd_train.Train) and parsed.step.microbatches == best["microbatches"]
     assert "check it from this host: add --compile-only --target v5p-16" in printed
+
+
+def test_json_dash_is_the_plan_alone_on_stdout(tmp_path, capsys, monkeypatch):
+    """`plan --json -` prints the plan as JSON and nothing else, as `train --compile-only
+    --json -` does, and writes no file named `-` (it once did, into the working directory)."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["plan", "--model", "tiny", "--hardware", "v5p-16", "--batch-size", "64"]
+    assert main([*argv, "--json", "-"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["layouts"] and result["command"].startswith("jaxdist train ")
+    assert not (tmp_path / "-").exists()

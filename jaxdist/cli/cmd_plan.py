@@ -61,7 +61,7 @@ class Plan(Common):
     collective bytes beside the predictions"""
     json: str | None = None
     """also write the plan as JSON to this file, the command to run its first choice among it
-    ("command")"""
+    ("command"); -: the JSON alone on stdout, instead of the table"""
     wide: bool = False
     """every column: the fleet law's terms apart (communication and its overlap), tokens/s"""
     replicas: int | None = None
@@ -240,6 +240,9 @@ def run(args: Plan) -> int:
     best = result["layouts"][result["best"]] if result["best"] is not None else None
     result["command"] = train_command(args, best) if best else None
     result["check_target"] = check_target(result, hw) if best else None
+    if args.json == "-":  # the plan alone on stdout, as `train --compile-only --json -` does
+        print(json.dumps(result, default=str))
+        return 0 if best else 1
     print_plan(result, console, args.wide)
     if args.verify:
         print_verify(result, console)
