@@ -18,6 +18,7 @@ up-projects its own heads.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,16 @@ from jaxdist.inference.generate import Decoder
 from jaxdist.parallel.attention import padded_values
 from jaxdist.rules import constrain
 from models import mla
-from models.transformer import LOGICAL, TransformerConfig, after_attention, latent, logits, qkv
+from models.transformer import (
+    LOGICAL,
+    TransformerConfig,
+    after_attention,
+    latent,
+    logits,
+    of_stack,
+    qkv,
+)
+from models.transformer_config import stacks
 
 CACHE_LOGICAL = {
     "k_LBSGH": ("layers", "batch", None, "kv_heads", "head_dim"),
@@ -59,12 +69,25 @@ def decoder(c: TransformerConfig) -> Decoder:
     return Decoder(
         forward=lambda p, t, cache, pos: forward(c, p, t, cache, pos),
         init_cache=lambda rows, length: init_cache(c, rows, length),
-        cache_logical=MLA_CACHE_LOGICAL if c.mla else CACHE_LOGICAL,
+        cache_logical={
+            prefix + k: v
+            for prefix, _ in stacks(c)
+            for k, v in (MLA_CACHE_LOGICAL if c.mla else CACHE_LOGICAL).items()
+        },
         context=c.seq_len,
     )
 
 
 def init_cache(c: TransformerConfig, batch: int, length: int) -> dict[str, jax.Array]:
+    """Each layer stack's cache (stacks), its entries named with the stack's prefix."""
+    return {
+        prefix + k: v
+        for prefix, stack in stacks(c)
+        for k, v in _stack_cache(stack, batch, length).items()
+    }
+
+
+def _stack_cache(c: TransformerConfig, batch: int, length: int) -> dict[str, jax.Array]:
     dtype = jnp.dtype(c.compute_dtype)
     if c.mla:
         L = c.num_layers
@@ -91,14 +114,18 @@ def forward(c: TransformerConfig, p: dict, tokens_BT: jax.Array, cache: dict, po
     # Query t sees keys up to its own position; later cache rows (still zeros) are masked.
     mask_11TS = (jnp.arange(S)[None, :] <= positions_T[:, None])[None, None]
 
-    def block(x_BTD, layer):
+    def block(stack, x_BTD, layer):
         # One layer's weights and cache (each cache entry without its L axis).
         w, kv = layer
         w = {k: constrain(v, LOGICAL[k][1:]) for k, v in w.items()}
-        return _block(c, x_BTD, w, positions_T[None], mask_11TS, kv, pos)
+        return _block(stack, x_BTD, w, positions_T[None], mask_11TS, kv, pos)
 
-    x_BTD, cache = jax.lax.scan(block, x_BTD, (layers, cache))
-    return logits(c, p, x_BTD), cache
+    out = {}
+    for prefix, stack in stacks(c):  # the dense first layers, then the rest
+        step = functools.partial(block, stack)
+        x_BTD, kv = jax.lax.scan(step, x_BTD, (of_stack(layers, prefix), of_stack(cache, prefix)))
+        out |= {prefix + k: v for k, v in kv.items()}
+    return logits(c, p, x_BTD), out
 
 
 def _block(c, x_BTD, w, positions_1T, mask_11TS, kv: dict, pos):

@@ -23,7 +23,7 @@ from models.hf_config import (  # noqa: F401 (the adapter's and the tests' names
 )
 from models.hf_pieces import Piece, export_pieces, hf_tensor, layered, pieces  # noqa: F401
 from models.presets import model_spec
-from models.transformer_config import TransformerConfig, _param_shapes
+from models.transformer_config import TransformerConfig, _param_shapes, stack_size
 
 # Non-weights that some saved checkpoints carry: attention-mask and RoPE buffers.
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
@@ -94,7 +94,7 @@ def check_weights(model: HFModel, tensors: dict) -> list[Piece]:
     plan = pieces(c, model.vocab_size, positions, model.prefix)
     expected = {}
     for piece in plan:
-        for layer in range(c.num_layers) if layered(piece.ours) else [None]:
+        for layer in range(stack_size(c, piece.ours)) if layered(piece.ours) else [None]:
             expected[piece.name(layer)] = piece.hf_shape
     for name, shape in expected.items():
         if name not in tensors:

@@ -11,7 +11,7 @@ from jaxdist.hf.adapter import HFTensor
 from jaxdist.model import ModelSpec
 from models import hf
 from models.presets import from_record, model_spec
-from models.transformer_config import TransformerConfig
+from models.transformer_config import TransformerConfig, stack_size
 
 
 class TransformerHF:
@@ -38,7 +38,7 @@ class TransformerHF:
         return [
             HFTensor(p.name(layer), p.hf_shape, p.ours, layer, functools.partial(hf.hf_tensor, p))
             for p in pieces
-            for layer in (range(c.num_layers) if hf.layered(p.ours) else [None])
+            for layer in (range(stack_size(c, p.ours)) if hf.layered(p.ours) else [None])
         ]
 
     def from_record(self, fields: dict) -> ModelSpec:

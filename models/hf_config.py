@@ -5,7 +5,8 @@ MistralForCausalLM (a sliding window only where it covers the context), Qwen2For
 and V biases, no output bias), Qwen3ForCausalLM (per-head q/k RMSNorm, head_dim apart from
 hidden_size / heads), MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen2MoeForCausalLM (every
 layer a top-k MoE; Qwen2-MoE's with its gated shared expert), DeepseekV3ForCausalLM (latent
-attention; every layer dense until DeepSeek's routing lands), GPT2LMHeadModel. Anything else is
+attention; its first_k_dense_replace layers dense, the rest MoE with DeepSeek's routing; the
+multi-token prediction layers past num_hidden_layers skipped), GPT2LMHeadModel. Anything else is
 refused in one line naming what is.
 """
 
@@ -163,14 +164,11 @@ def _moe(hf: dict, where: str, arch: str) -> dict:
 
 def deepseek_moe(hf: dict, where: str) -> dict:
     """The MoE half of a DeepSeek-V3 config.json (HF's DeepseekV3Config) as our fields: sigmoid
-    scores, groups, the selection bias, the shared experts. Not yet reachable: DeepSeek-V3's
-    attention (MLA) comes with another module, and with it the architecture's registration."""
-    if hf.get("first_k_dense_replace", 0):
-        raise ConfigError(
-            f"{where}: first_k_dense_replace {hf['first_k_dense_replace']} (dense first layers) "
-            "is not supported yet; every layer must be MoE"
-        )
+    scores, groups, the selection bias, the shared experts, the dense first layers."""
+    dense = hf.get("first_k_dense_replace") or 0
     return dict(
+        dense_layers=dense,
+        dense_d_mlp=hf["intermediate_size"] if dense else 0,
         num_experts=hf["n_routed_experts"],
         top_k=hf["num_experts_per_tok"],
         d_mlp=hf["moe_intermediate_size"],
@@ -192,21 +190,20 @@ def _deepseek(hf: dict, where: str) -> dict:
     """Latent attention (models/mla.py): one key and value per query head whatever
     num_key_value_heads says (transformers' kv_b_proj gives one per head), no head_dim of its
     own (config.json's is the RoPE part's)."""
-    dense = hf.get("first_k_dense_replace", 0)
-    if dense < hf["num_hidden_layers"]:
-        raise ConfigError(
-            f"{where}: DeepSeek-V3 MoE layers (layers {dense} on) need its routing (sigmoid "
-            "scores, expert groups, shared experts), which is not supported yet; only configs "
-            "whose every layer is dense (first_k_dense_replace = num_hidden_layers) load"
-        )
+    dense, L = hf.get("first_k_dense_replace") or 0, hf["num_hidden_layers"]
+    if dense < 0:
+        raise ConfigError(f"{where}: first_k_dense_replace {dense} must be >= 0")
     if hf.get("attention_bias"):
         raise ConfigError(f"{where}: DeepSeek-V3 attention biases are not supported")
     fields = {k: hf[k] or 0 for k in MLA_FIELDS}  # q_lora_rank None: a plain q projection
-    return fields | dict(
+    fields |= dict(
         num_kv_heads=hf["num_attention_heads"],
         head_dim_override=0,
         rope_interleave=bool(hf.get("rope_interleave", True)),
     )
+    # Every layer dense (first_k_dense_replace >= num_hidden_layers, as transformers reads it):
+    # no experts at all.
+    return fields | (deepseek_moe(hf, where) if dense < L else {})
 
 
 def _sliding_window(hf: dict, arch: str) -> int:
@@ -291,8 +288,10 @@ def _llama_family_out(c: TransformerConfig, arch: str) -> dict:
             head_dim=c.qk_rope_head_dim,
             rope_interleave=c.rope_interleave,
             attention_bias=False,
-            first_k_dense_replace=c.num_layers,
+            first_k_dense_replace=c.dense_layers if c.num_experts else c.num_layers,
         )
+        if c.num_experts:
+            out |= _deepseek_moe_out(c)
     if arch == "MixtralForCausalLM":
         out |= dict(num_local_experts=c.num_experts, num_experts_per_tok=c.top_k)
     if arch == "Qwen2MoeForCausalLM":
@@ -309,3 +308,18 @@ def _llama_family_out(c: TransformerConfig, arch: str) -> dict:
             mlp_only_layers=[],
         )
     return out
+
+
+def _deepseek_moe_out(c: TransformerConfig) -> dict:
+    """deepseek_moe's fields back (its router's form checked by hf_pieces.moe_architecture)."""
+    return dict(
+        intermediate_size=c.dense_d_mlp or c.d_mlp,
+        moe_intermediate_size=c.d_mlp,
+        n_routed_experts=c.num_experts,
+        num_experts_per_tok=c.top_k,
+        n_shared_experts=c.n_shared_experts,
+        n_group=c.n_group,
+        topk_group=c.topk_group,
+        routed_scaling_factor=c.routed_scaling_factor,
+        norm_topk_prob=c.moe_renormalize,
+    )

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxdist.errors import ConfigError
-from models.transformer_config import TransformerConfig
+from models.transformer_config import DENSE, TransformerConfig, stacks
 
 
 class Piece(NamedTuple):
@@ -30,7 +30,8 @@ class Piece(NamedTuple):
     factors: each HF dim split into factors (row-major); perm: our dims, each given as the
     index of its factor among all factors in order; rows: for a parameter assembled from
     several HF tensors, the range of its axis `rows_axis` (of the per-layer tensor) this one
-    fills."""
+    fills; offset: the HF index of our stack's first layer (the MoE layers after DeepSeek-V3's
+    dense first ones)."""
 
     hf: str
     ours: str
@@ -38,9 +39,10 @@ class Piece(NamedTuple):
     perm: tuple[int, ...]
     rows: tuple[int, int] | None = None
     rows_axis: int = 0
+    offset: int = 0
 
     def name(self, layer: int | None) -> str:
-        return self.hf.format(l=layer)
+        return self.hf.format(l=None if layer is None else layer + self.offset)
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -53,10 +55,28 @@ def layered(ours: str) -> bool:
 
 def pieces(c: TransformerConfig, vocab: int, positions: int, prefix: str = "") -> list[Piece]:
     """Every HF tensor of config `c` (HF vocabulary `vocab`, `positions` learned positions)."""
+    if c.style == "llama" and c.dense_layers:
+        return _stacked_pieces(c, vocab)
     if c.style == "llama":
         return _llama_pieces(c, vocab) + (_moe_pieces(c) if c.num_experts else _mlp_pieces(c))
     _no_gpt2_moe(c)
     return _gpt2_pieces(c, vocab, positions, prefix)
+
+
+def _stacked_pieces(c: TransformerConfig, vocab: int) -> list[Piece]:
+    """A model of dense first layers and MoE layers (DeepSeek-V3): each stack's layer pieces,
+    ours prefixed as the stack's weights are, HF's numbered from the stack's first layer; the
+    embedding, final norm and head once."""
+    out, first = [], 0
+    for prefix, stack in stacks(c):
+        mlp = _moe_pieces(stack) if stack.num_experts else _mlp_pieces(stack)
+        for p in _llama_pieces(stack, vocab) + mlp:
+            if layered(p.ours):
+                out.append(p._replace(ours=prefix + p.ours, offset=first))
+            elif prefix != DENSE:
+                out.append(p)
+        first += stack.num_layers
+    return out
 
 
 def _no_gpt2_moe(c: TransformerConfig) -> None:
@@ -135,8 +155,15 @@ def _mlp_pieces(c: TransformerConfig) -> list[Piece]:
 
 
 def moe_architecture(c: TransformerConfig) -> str:
-    """The HF form of a MoE config: Qwen2-MoE (its gated shared expert), Qwen3-MoE (its
-    per-head q/k norms) or Mixtral."""
+    """The HF form of a MoE config: DeepSeek-V3 (latent attention), Qwen2-MoE (its gated
+    shared expert), Qwen3-MoE (its per-head q/k norms) or Mixtral."""
+    if c.mla:
+        return _deepseek_form(c)
+    if c.dense_layers:
+        raise ConfigError(
+            "dense first layers (dense_layers) without latent attention have no Hugging Face "
+            "form here (DeepSeek-V3's first_k_dense_replace comes with MLA)"
+        )
     if c.scoring != "softmax" or c.n_group > 1 or c.router_bias or c.routed_scaling_factor != 1:
         raise ConfigError(
             "a router with sigmoid scores, groups, a selection bias or a scaling factor "
@@ -159,16 +186,33 @@ def moe_architecture(c: TransformerConfig) -> str:
     return "MixtralForCausalLM"
 
 
+def _deepseek_form(c: TransformerConfig) -> str:
+    """DeepSeek-V3's MoE layer: a sigmoid router with its selection bias (exported as zeros
+    where ours has none), shared experts of n_shared_experts x d_mlp, ungated."""
+    if c.scoring != "sigmoid" or c.shared_expert_gate or c.shared_expert_intermediate_size:
+        raise ConfigError(
+            "a latent-attention MoE exports as DeepSeek-V3, whose router scores by sigmoid and "
+            "whose shared experts are n_shared_experts x d_mlp wide, ungated; this model's "
+            f"scoring is {c.scoring}, shared_expert_gate {c.shared_expert_gate}, "
+            f"shared_expert_intermediate_size {c.shared_expert_intermediate_size}"
+        )
+    return "DeepseekV3ForCausalLM"
+
+
 def _moe_pieces(c: TransformerConfig) -> list[Piece]:
     """The router and one tensor per expert: Mixtral's block_sparse_moe (w1 gate, w3 up, w2
-    down) or Qwen3-MoE's mlp (gate_proj, up_proj, down_proj)."""
+    down) or Qwen3-MoE's and DeepSeek-V3's mlp (gate_proj, up_proj, down_proj)."""
     D, F, E = c.d_model, c.d_mlp, c.num_experts
-    if moe_architecture(c) == "MixtralForCausalLM":
+    arch = moe_architecture(c)
+    if arch == "MixtralForCausalLM":
         block, names = "model.layers.{l}.block_sparse_moe.", ("w1", "w3", "w2")
     else:
         block, names = "model.layers.{l}.mlp.", ("gate_proj", "up_proj", "down_proj")
     out = [Piece(block + "gate.weight", "router_LDE", ((E,), (D,)), (1, 0))]
-    out += shared_expert_pieces(c, block)
+    if arch == "DeepseekV3ForCausalLM":
+        out += deepseek_router_pieces(c)
+    else:
+        out += shared_expert_pieces(c, block)
     for e in range(E):
         expert = f"{block}experts.{e}."
         # Each is [out, in]: our [E, in, out] rows e..e+1 (a size-1 factor for the E axis).
@@ -201,7 +245,7 @@ def shared_expert_pieces(c: TransformerConfig, block: str) -> list[Piece]:
 def deepseek_router_pieces(c: TransformerConfig) -> list[Piece]:
     """DeepSeek-V3's MoE layer (HF's DeepseekV3MoE) beside the router and experts that
     _moe_pieces names with Qwen's block: the selection bias (mlp.gate.e_score_correction_bias)
-    and the shared experts. For the lead: DeepSeek-V3 import joins these to MLA's pieces."""
+    and the shared experts."""
     block = "model.layers.{l}.mlp."
     bias = Piece(
         block + "gate.e_score_correction_bias", "expert_bias_LE", ((c.num_experts,),), (0,)

@@ -26,6 +26,7 @@ from jaxdist.planning.inputs import Activation, Inventory, PartialSum, PlanModel
 from models.mla import MLA_LOGICAL
 from models.remat import RECOMPUTE
 from models.transformer import LOGICAL, Transformer, TransformerConfig
+from models.transformer_config import stacks
 
 
 def plan_model(config: TransformerConfig) -> PlanModel:
@@ -82,10 +83,35 @@ def partial_sums(c: TransformerConfig, layout: Layout, platform: str = "cpu") ->
     (jaxdist.parallel.pipeline). `platform`: GPU's and TPU's compilers sum two partial sums
     bound for the same all-reduce before reducing (XLA's all-reduce reassociation; the CPU
     pipeline does not)."""
-    microbatches, batch_ways = layout.microbatches, layout.batch_ways
+    microbatches = layout.microbatches
     stages, virtual = layout.stages, layout.virtual_stages
     context = (carrier(layout.step.context_strategy, platform, stages > 1), layout.seq_ways)
-    B, T, D, L = layout.micro_rows, c.seq_len, c.d_model, c.num_layers // stages
+    B, T, D = layout.micro_rows, c.seq_len, c.d_model
+    nbytes = jnp.dtype(c.compute_dtype).itemsize
+    x, btd = ("batch", "seq", "embed"), (B, T, D)
+    sums = []
+    for _, stack in stacks(c):  # each layer stack's layers (dense first layers, then MoE)
+        per_layer = _layer_sums(stack, layout, context, platform)
+        L = stack.num_layers // stages
+        sums += [dataclasses.replace(p, count=p.count * L) for p in per_layer]
+    if stages > 1 and not c.num_experts:
+        # The backward tick's replay needs each layer's output only as the next layer's input:
+        # the last layer's MLP output, and so its all-reduce, is dead code, once per chunk.
+        sums.append(PartialSum(-virtual, x, btd, "mlp", nbytes))
+    sums += [
+        PartialSum(virtual, x, btd, "vocab", nbytes),  # embedding lookup in a vocab-split table
+        PartialSum(virtual, x, btd, "vocab", nbytes),  # backward: input grad of the output head
+        # Cross-entropy over split logits: the max, the sum of exponentials, the target.
+        PartialSum(3 * virtual, ("batch", "seq"), (B, T), "vocab", 4),
+    ]
+    return [dataclasses.replace(p, count=p.count * microbatches) for p in sums]
+
+
+def _layer_sums(
+    c: TransformerConfig, layout: Layout, context: tuple[str, int], platform: str
+) -> list[PartialSum]:
+    """One layer's partial sums (partial_sums' terms, once per layer)."""
+    B, T, D, stages = layout.micro_rows, c.seq_len, c.d_model, layout.stages
     nbytes = jnp.dtype(c.compute_dtype).itemsize
     x, btd = ("batch", "seq", "embed"), (B, T, D)
     # Full remat, or a pipeline's backward tick, replays the forward. Full remat's replay stops
@@ -103,7 +129,8 @@ def partial_sums(c: TransformerConfig, layout: Layout, platform: str = "cpu") ->
             PartialSum(1, x, (B, T, c.kv_lora_rank), "heads", nbytes),
         ]
     if c.num_experts:
-        per_layer += _expert_exchange(c, layout, B // batch_ways * T // context[1], fwd, platform)
+        tokens = B // layout.batch_ways * T // context[1]
+        per_layer += _expert_exchange(c, layout, tokens, fwd, platform)
         per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))  # backward: up and gate's input
     else:
         per_layer += [
@@ -112,19 +139,7 @@ def partial_sums(c: TransformerConfig, layout: Layout, platform: str = "cpu") ->
         ]
         if c.style == "llama" and platform == "cpu":  # ... and of the gate (elsewhere summed)
             per_layer.append(PartialSum(1, x, btd, "mlp", nbytes))
-    per_layer += _context_exchange(c, B, *context, pipelined=stages > 1)
-    sums = [dataclasses.replace(p, count=p.count * L) for p in per_layer]
-    if stages > 1 and not c.num_experts:
-        # The backward tick's replay needs each layer's output only as the next layer's input:
-        # the last layer's MLP output, and so its all-reduce, is dead code, once per chunk.
-        sums.append(PartialSum(-virtual, x, btd, "mlp", nbytes))
-    sums += [
-        PartialSum(virtual, x, btd, "vocab", nbytes),  # embedding lookup in a vocab-split table
-        PartialSum(virtual, x, btd, "vocab", nbytes),  # backward: input grad of the output head
-        # Cross-entropy over split logits: the max, the sum of exponentials, the target.
-        PartialSum(3 * virtual, ("batch", "seq"), (B, T), "vocab", 4),
-    ]
-    return [dataclasses.replace(p, count=p.count * microbatches) for p in sums]
+    return per_layer + _context_exchange(c, B, *context, pipelined=stages > 1)
 
 
 def _expert_exchange(
@@ -203,12 +218,16 @@ def activations(c: TransformerConfig, batch_size: int) -> Inventory:
     Counted from the residuals JAX saves for this code (jax.ad_checkpoint's saved
     residuals, per layer, at each remat policy) and checked against XLA's memory analysis
     by `jaxdist plan --verify`. MoE layers are approximated as a dense MLP of top_k x
-    the rows each active expert multiplies per routed token (_expert_slots) times the width.
+    the rows each active expert multiplies per routed token (_expert_slots) times the width;
+    with dense first layers (dense_layers), every layer as one of the mean width.
     """
     B, T, D, F = batch_size, c.seq_len, c.d_model, c.d_mlp
     N, G, H, V = c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
     if c.num_experts:
         F = int(F * c.top_k * _expert_slots(c))
+    if c.dense_layers:
+        dense_F = c.dense_d_mlp or c.d_mlp
+        F = (c.dense_layers * dense_F + (c.num_layers - c.dense_layers) * F) // c.num_layers
     nb = jnp.dtype(c.compute_dtype).itemsize
     btd = Activation(1, ("batch", "seq", "embed"), (B, T, D), nb)
     btd32 = Activation(1, ("batch", "seq", "embed"), (B, T, D), 4)  # the norms' fp32 work

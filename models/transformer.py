@@ -15,7 +15,10 @@ RMSNorm of each query and key head before RoPE (Qwen3), a head width apart from 
 scaled RoPE frequencies (models/rope.py). The configuration: models/transformer_config.py.
 
 Layers are stored stacked along L and run with `lax.scan`, so compile time does not grow with
-depth and every per-layer weight carries the `layers` logical axis.
+depth and every per-layer weight carries the `layers` logical axis. A MoE model whose first
+layers are dense (dense_layers, DeepSeek-V3's first_k_dense_replace) has two stacks, each
+scanned: the dense layers' weights named dense_... (dense_w_up_LDF), then the MoE layers' under
+the usual names; a model of one kind keeps one stack and its names (transformer_config.stacks).
 
 The attention and dense MLP projections are einsums through jaxdist.kernels.fp8 (`_project`):
 in the compute dtype, or in FP8 where the step's --fp8 runs them so; with --fp8 delayed the
@@ -35,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdist.errors import ConfigError
 from jaxdist.kernels import fp8
 from jaxdist.kernels.documents import Documents
 from jaxdist.kernels.lookup import lookup
@@ -45,7 +49,13 @@ from jaxdist.rules import constrain, gathered
 from models import mla, moe, remat, rope
 from models.mla import MLA_LOGICAL
 from models.moe import MOE_LOGICAL
-from models.transformer_config import EXPERT_WEIGHTS, TransformerConfig, _param_shapes
+from models.transformer_config import (
+    DENSE,
+    EXPERT_WEIGHTS,
+    TransformerConfig,
+    _param_shapes,
+    stacks,
+)
 
 LOGICAL = {
     "tok_embed_VD": ("vocab", "embed"),
@@ -72,6 +82,8 @@ LOGICAL = {
     **MOE_LOGICAL,
     **MLA_LOGICAL,
 }
+# The dense first layers' stack (dense_layers): each weight laid out as its MoE-stack namesake.
+LOGICAL |= {DENSE + k: v for k, v in LOGICAL.items() if "_L" in k}
 # The projections that may run in FP8: each weight's einsum with its input (one layer's).
 PROJECTIONS = {
     "wqkv_LDGQH": "btd,dgqh->btgqh",
@@ -100,18 +112,24 @@ class Transformer(nnx.Module):
             elif "bias" in name:
                 value = jnp.zeros(shape, jnp.float32)
             else:
-                scale = out_std if name in _OUT_PROJECTIONS else std
+                scale = out_std if name.removeprefix(DENSE) in _OUT_PROJECTIONS else std
                 value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
             if name == "expert_bias_LE":  # moved by the step, not by the optimizer
                 rate = config.bias_update_rate
                 setattr(self, name, ExpertBias(value, logical_axes=LOGICAL[name], rate=rate))
                 continue
             setattr(self, name, nnx.Param(value, logical_axes=LOGICAL[name]))
-        # --fp8 delayed (the layout the model is built under): the projections' FP8 state.
+        # --fp8 delayed (the layout the model is built under): the projections' FP8 state,
+        # each stack's (the dense stack's named fp8_dense_...).
         shapes = _param_shapes(config)
-        mine = {k: (spec, shapes[k][1:]) for k, spec in PROJECTIONS.items() if k in shapes}
-        for name, meta in fp8.delayed_state(mine, config.num_layers).items():
-            setattr(self, name, meta)
+        for prefix, stack in stacks(config):
+            mine = {
+                prefix + k: (spec, shapes[prefix + k][1:])
+                for k, spec in PROJECTIONS.items()
+                if prefix + k in shapes
+            }
+            for name, meta in fp8.delayed_state(mine, stack.num_layers).items():
+                setattr(self, name, meta)
 
     def weights(self) -> dict[str, jax.Array]:
         """Every parameter by name, as stored (fp32)."""
@@ -128,7 +146,7 @@ class Transformer(nnx.Module):
         with `docs`, each document of a row is seen alone (see the module docstring)."""
         c, p = self.config, self.weights()
         x_BTD = embed(c, p, tokens_BT, docs)
-        x_BTD, aux = run_layers(c, _layers(p), x_BTD, docs, self.fp8_state())
+        x_BTD, aux = run_stacks(c, p, x_BTD, docs, self.fp8_state())
         aux = moe.summarize(c, aux) if c.num_experts else {"loss": 0.0, "metrics": {}}
         return logits(c, p, x_BTD), aux
 
@@ -137,13 +155,19 @@ class Transformer(nnx.Module):
         for a loss that never holds all logits at once (jaxdist.kernels.fused_loss)."""
         c, p = self.config, self.weights()
         x_BTD = embed(c, p, tokens_BT, docs)
-        x_BTD, aux = run_layers(c, _layers(p), x_BTD, docs, self.fp8_state())
+        x_BTD, aux = run_stacks(c, p, x_BTD, docs, self.fp8_state())
         aux = moe.summarize(c, aux) if c.num_experts else {"loss": 0.0, "metrics": {}}
         return final_norm(c, p, x_BTD), head_weight(c, p), aux
 
     def stages(self) -> Stages:
         """The model cut into pipeline pieces: embed, a run of layers, the head."""
         c = self.config
+        if c.dense_layers:
+            # The pipeline splits one layer stack; this model has two (dense, then MoE).
+            raise ConfigError(
+                f"pipeline parallelism over a model with dense first layers (dense_layers "
+                f"{c.dense_layers}) and MoE layers is not supported; drop the pipeline axis"
+            )
         return Stages(
             self.weights(),
             [k for k in _param_shapes(c) if "_L" in k],
@@ -185,6 +209,32 @@ def embed(
 
 def _layers(p: dict) -> dict:
     return {k: v for k, v in p.items() if "_L" in k}
+
+
+def of_stack(named: dict, prefix: str) -> dict:
+    """The entries of one layer stack (stacks' prefix) of a dict of layer weights or their FP8
+    state, by their names within the stack: "" the main stack's, DENSE the dense first layers'
+    (dense_w_up_LDF, fp8_dense_w_up_... -> w_up_LDF, fp8_w_up_...)."""
+    if not prefix:
+        return {k: v for k, v in named.items() if DENSE not in k}
+    return {k.replace(prefix, "", 1): v for k, v in named.items() if prefix in k}
+
+
+def run_stacks(
+    c: TransformerConfig,
+    p: dict,
+    x_BTD: jax.Array,
+    docs: Documents | None = None,
+    fp8_state: dict | None = None,
+):
+    """Every layer stack of the model in order (stacks: the dense first layers, then the rest);
+    the statistics of the last, the MoE layers' where the model has experts."""
+    layers, fp8_state = _layers(p), fp8_state or {}
+    for prefix, stack in stacks(c):
+        x_BTD, aux = run_layers(
+            stack, of_stack(layers, prefix), x_BTD, docs, of_stack(fp8_state, prefix)
+        )
+    return x_BTD, aux
 
 
 def run_layers(

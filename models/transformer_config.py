@@ -17,6 +17,9 @@ RematPolicy = Literal["none", "full", "dots", "dots_except_mlp", "offload"]
 
 # A MoE layer's weights (models/moe.py): the router, and each expert's SwiGLU, stacked over E.
 EXPERT_WEIGHTS = ("w_up_LEDF", "w_gate_LEDF", "w_down_LEFD")
+# The dense first layers of a MoE model (dense_layers): a stack of their own, each weight named
+# as the MoE stack's with this prefix (dense_norm1_scale_LD, dense_w_up_LDF, ...).
+DENSE = "dense_"
 
 
 def moe_shapes(L: int, D: int, F: int, E: int) -> dict[str, tuple[int, ...]]:
@@ -112,6 +115,11 @@ class TransformerConfig:
     n_shared_experts: int = 0
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    # MoE models only: the first dense_layers layers have a dense SwiGLU MLP of dense_d_mlp
+    # (DeepSeek-V3's first_k_dense_replace and intermediate_size; 0: d_mlp), the rest MoE.
+    # They are stacked and scanned apart (stacks below).
+    dense_layers: int = 0
+    dense_d_mlp: int = 0
 
     def __post_init__(self):
         # A recorded config (JSON) gives lists: the tuple a frozen, hashable config needs.
@@ -136,6 +144,7 @@ class TransformerConfig:
             if self.mlp_bias:
                 raise ConfigError("MLP biases with MoE layers are not supported; drop mlp_bias")
             _check_routing(self)
+        _check_dense_layers(self)
         if self.mla:
             _check_mla(self)
         elif self.d_model % self.num_heads and not self.head_dim_override:
@@ -195,6 +204,44 @@ class TransformerConfig:
         if self.mla:  # QK^T over the q.k width, AV over the value's
             attn_width = self.num_heads * (self.qk_head_dim + self.v_head_dim) / 2
         return 6 * n + 12 * self.num_layers * attn_width * self.seq_len
+
+
+def _check_dense_layers(c: TransformerConfig) -> None:
+    if not c.dense_layers and not c.dense_d_mlp:
+        return
+    if not c.num_experts:
+        raise ConfigError(
+            f"dense_layers {c.dense_layers} (dense first layers) needs MoE layers after them; "
+            "this model has no experts (every layer is dense already)"
+        )
+    if not 0 <= c.dense_layers < c.num_layers:
+        raise ConfigError(
+            f"dense_layers {c.dense_layers} must lie in [0, {c.num_layers} layers): at least "
+            "one layer must be MoE"
+        )
+    if c.dense_d_mlp < 0:
+        raise ConfigError(f"dense_d_mlp {c.dense_d_mlp} must be >= 0 (0: d_mlp)")
+
+
+def stacks(c: TransformerConfig) -> list[tuple[str, TransformerConfig]]:
+    """The model's layer stacks in order, each with its weights' name prefix and the config of
+    its layers alone: one (every layer alike) or, with dense_layers, the dense first layers
+    ("dense_", no experts, dense_d_mlp wide) then the MoE ones."""
+    if not c.dense_layers:
+        return [("", c)]
+    rest = dict(num_layers=c.num_layers - c.dense_layers, dense_layers=0, dense_d_mlp=0)
+    dense = rest | dict(num_layers=c.dense_layers, num_experts=0, d_mlp=c.dense_d_mlp or c.d_mlp)
+    return [
+        (DENSE, dataclasses.replace(c, **dense)),
+        ("", dataclasses.replace(c, **rest)),
+    ]
+
+
+def stack_size(c: TransformerConfig, name: str) -> int:
+    """How many layers the stacked weight `name` holds (its stack's)."""
+    if not c.dense_layers:
+        return c.num_layers
+    return c.dense_layers if name.startswith(DENSE) else c.num_layers - c.dense_layers
 
 
 def _check_mla(c: TransformerConfig) -> None:
@@ -259,6 +306,10 @@ def _check_routing(c: TransformerConfig) -> None:
 
 
 def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    if c.dense_layers:  # the MoE stack's weights and the dense stack's, prefixed
+        (prefix, dense), (_, rest) = stacks(c)
+        shapes = _param_shapes(rest)
+        return shapes | {prefix + k: s for k, s in _param_shapes(dense).items() if "_L" in k}
     L, D, F, N, G, H, V = (
         c.num_layers,
         c.d_model,

@@ -148,6 +148,14 @@ def configs(eos_id: int) -> dict[str, transformers.PretrainedConfig]:
             **{**DEEPSEEK, "q_lora_rank": None, "rope_interleave": False},
             **{**llama, "num_hidden_layers": 1},
         ),
+        # DeepSeek-V3's MoE: a dense first layer (intermediate_size 80), then 2 MoE layers of 8
+        # routed experts of 16 (top 2 within the best 2 of 4 groups, sigmoid scores, a random
+        # selection bias, weights renormalized and scaled by 2.5) and one shared expert
+        "deepseek-v3-moe": transformers.DeepseekV3Config(
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **{**DEEPSEEK, **DEEPSEEK_MOE},
+            **{**llama, "num_hidden_layers": 3},
+        ),
         # 4 experts of 24, top 2, not renormalized, and a shared expert of 40 gated by a
         # sigmoid of the token; Q, K and V biases (Qwen2's attention)
         "qwen2-moe": transformers.Qwen2MoeConfig(
@@ -179,6 +187,16 @@ DEEPSEEK = {
     "moe_intermediate_size": 16,
     "rope_interleave": True,
     "tie_word_embeddings": False,
+}
+DEEPSEEK_MOE = {
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
 }
 YARN_MSCALE = {
     "factor": 4.0,
@@ -246,6 +264,10 @@ def main(names: list[str]) -> int:
             for n, p in model.named_parameters():
                 # q/k norm weights near 0 would make every attention weight alike.
                 p.normal_(1.0 if n.endswith(("q_norm.weight", "k_norm.weight")) else 0.0, 0.2)
+            # DeepSeek-V3's selection bias is a buffer (zeros): random, so that it matters.
+            for n, b in model.named_buffers():
+                if n.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.2)
         directory = OUT / name
         rng = np.random.default_rng(0)
         input_ids = rng.integers(0, VOCAB, size=(2, 12))

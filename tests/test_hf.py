@@ -6,7 +6,9 @@ per group; with attention and MLP biases; Llama 3.1's RoPE scaling), GPT2LMHeadM
 Qwen2ForCausalLM, Qwen3ForCausalLM (its EOS <|im_end|>, a second one in generation_config.json),
 MistralForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (its shared
 expert gated) and DeepseekV3ForCausalLM (latent attention with q_lora_rank, interleaved yarn RoPE
-and mscale; without, as DeepSeek-V2-Lite; every layer dense) models, their fp32 logits for
+and mscale; without, as DeepSeek-V2-Lite; every layer dense; and a dense first layer then MoE
+layers of DeepSeek's routing: sigmoid scores, 4 groups, a random selection bias, a shared expert)
+models, their fp32 logits for
 fixed ids and their greedy generations. MoE models are compared computing every expert
 (moe_impl dense), as transformers does: dispatch's capacity would drop tokens."""
 
@@ -44,7 +46,7 @@ from tests.helpers import mesh_for
 FIX = pathlib.Path(__file__).parent / "fixtures" / "hf"
 MODELS = ["llama-gqa", "llama-tied", "llama-bias", "gpt2"]
 MODELS += ["llama31", "qwen2", "qwen3", "mistral", "mixtral", "qwen3-moe", "qwen2-moe"]
-MODELS += ["deepseek-v3", "deepseek-v3-lite"]
+MODELS += ["deepseek-v3", "deepseek-v3-lite", "deepseek-v3-moe"]
 SLOW = pytest.mark.slow
 
 
@@ -111,22 +113,36 @@ def test_imported_logits_equal_transformers(name, layout):
     np.testing.assert_allclose(logits[..., :V], ref["logits"], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v3-lite"])
+@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v3-lite", "deepseek-v3-moe"])
 def test_latent_attention_logits_within_1e5_of_transformers(name):
     """The issue's bound for DeepSeek-V3 (float32), its heads split four ways (one a device)."""
     ref = reference(name)
     model, mesh, params = load_on(name, "fsdp=2,tensor=4")
     assert model.config.mla and "wkv_b_LCNX" in params and "wqkv_LDGQH" not in params
-    assert ("wq_b_LRNU" in params) == (name == "deepseek-v3")
+    assert ("wq_b_LRNU" in params) == (name != "deepseek-v3-lite")
     logits = logits_of(model.config, mesh, params, np.tile(ref["input_ids"], (4, 1)))[:2]
     np.testing.assert_allclose(logits[..., :300], ref["logits"], atol=1e-5, rtol=0)
 
 
-def test_deepseek_moe_layers_are_refused_until_routing_lands(tmp_path):
-    d = _copy("deepseek-v3", tmp_path)
+def test_deepseek_moe_reads_its_routing_and_dense_first_layers():
+    c = hf.open_model(FIX / "deepseek-v3-moe").config
+    assert (c.dense_layers, c.dense_d_mlp, c.num_experts, c.top_k, c.d_mlp) == (1, 80, 8, 2, 16)
+    assert (c.scoring, c.n_group, c.topk_group, c.routed_scaling_factor) == ("sigmoid", 4, 2, 2.5)
+    assert c.router_bias and c.moe_renormalize and c.shared_width == 16
+    params = _source("deepseek-v3-moe")[1].params
+    bias = load_file(str(FIX / "deepseek-v3-moe" / "model.safetensors"))
+    want = bias["model.layers.2.mlp.gate.e_score_correction_bias"]
+    np.testing.assert_array_equal(np.asarray(params["expert_bias_LE"])[1], want)
+    assert params["dense_w_up_LDF"].shape == (1, 32, 80) and params["w_up_LEDF"].shape[0] == 2
+
+
+def test_deepseek_dense_first_layers_below_zero_are_refused(tmp_path):
+    """At or past the layers every layer is dense, as transformers reads it (deepseek-v3-lite
+    says 2 of its 1); below zero is refused."""
+    d = _copy("deepseek-v3-moe", tmp_path)
     config = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**config, "first_k_dense_replace": 1}))
-    with pytest.raises(ConfigError, match=r"MoE layers \(layers 1 on\) need its routing"):
+    (d / "config.json").write_text(json.dumps({**config, "first_k_dense_replace": -1}))
+    with pytest.raises(ConfigError, match=r"first_k_dense_replace -1 must be >= 0"):
         hf.open_model(d)
 
 

@@ -343,6 +343,7 @@ def test_generate_hf_model_from_the_command_line():
 # config.json to start from: ours written whole), and llama31 as fine-tuned from its source.
 ARCHITECTURES = ["llama31", "qwen2", "qwen3", "mistral", "mixtral", "qwen3-moe", "qwen2-moe"]
 ARCHITECTURES += ["llama31-base", "deepseek-v3", "deepseek-v3-lite", "deepseek-v3-base"]
+ARCHITECTURES += ["deepseek-v3-moe", "deepseek-v3-moe-base"]
 
 
 @pytest.fixture(scope="module")

@@ -198,7 +198,7 @@ def test_bad_router_settings_end_in_one_line(over, message):
 
 
 def test_deepseek_v3_routing_half_of_its_config_and_weights():
-    # The MoE half of DeepSeek-V3's import, ready for MLA's: config fields and weight names.
+    # The MoE half of DeepSeek-V3's import: config fields and weight names.
     from models.hf_config import deepseek_moe
     from models.hf_pieces import deepseek_router_pieces, export_pieces
 
@@ -214,8 +214,8 @@ def test_deepseek_v3_routing_half_of_its_config_and_weights():
         "model.layers.0.mlp.shared_experts.up_proj.weight": "shared_w_up_LDF",
         "model.layers.0.mlp.shared_experts.down_proj.weight": "shared_w_down_LFD",
     }
-    with pytest.raises(ConfigError, match="first_k_dense_replace 3 .* not supported yet"):
-        deepseek_moe(hf | {"first_k_dense_replace": 3}, "ds")
-    # No Hugging Face form until MLA joins it: refused in one line, not written half.
+    dense = deepseek_moe(hf | {"first_k_dense_replace": 3, "intermediate_size": 64}, "ds")
+    assert (dense["dense_layers"], dense["dense_d_mlp"]) == (3, 64)
+    # Without MLA there is no DeepSeek-V3 form: refused in one line, not written half.
     with pytest.raises(ConfigError, match="no Hugging Face form here yet"):
         export_pieces(c, 256)
