@@ -189,6 +189,20 @@ PUBLISHED = {
 }
 
 
+# Published sizes quoted rounded, each checked to half a unit of its last digit: Qwen3-30B-A3B
+# "30.5B in total" (its model card), DeepSeek-V3 "671B total parameters" (arXiv:2412.19437,
+# the main model: its multi-token-prediction module's 14B apart, as jaxdist skips it).
+ROUNDED = {"qwen3-30b-a3b": (30.5e9, 0.05e9), "deepseek-v3": (671e9, 0.5e9)}
+
+
+@pytest.mark.parametrize("name", list(ROUNDED))
+def test_named_moe_configs_have_their_published_sizes(name):
+    c = get_model_config(name)
+    quoted, half_unit = ROUNDED[name]
+    assert abs(c.num_params() - quoted) <= half_unit, c.num_params()
+    assert c.capacity_factor is None  # dropless, as both were trained
+
+
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_named_configs_are_the_published_architectures(name):
     c = get_model_config(name)
