@@ -174,11 +174,12 @@ def compiled_row(args, cfg: dict, report: dict) -> dict:
         devices *= n
     need = routed(cfg, args.batch_size, args.seq_len, devices, args.remat, mesh.get("expert", 1))
     mm = report["matmuls"]
-    exchange = sum(
-        r["bytes"]
-        for r in report["collectives"]
-        if "expert" in r["axis"].split("+") and r["kind"] in ("ragged-all-to-all", "all-to-all")
-    )
+    # The exchange: the ragged all-to-alls over the expert axes (TPU, GPU); the all-to-alls
+    # there where there are none (XLA:CPU's blocks). Their routing tables (int32 [n_ep, 2, E /
+    # n_ep] all-to-alls, under a MB a step) and the head's all-to-all are not the tokens'.
+    over = [r for r in report["collectives"] if "expert" in r["axis"].split("+")]
+    kind = "ragged-all-to-all" if any(r["kind"] == "ragged-all-to-all" for r in over) else ""
+    exchange = sum(r["bytes"] for r in over if r["kind"] == (kind or "all-to-all"))
     return {
         "target": report["target"],
         "device_kind": report["device_kind"],
