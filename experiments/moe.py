@@ -13,11 +13,31 @@ batches. Reported per seed and method: max/mean expert load (the largest over la
 experts of load / its layer's mean) averaged over the last 10 steps, and the held-out loss
 (jaxdist.evaluation.evaluate on the last batches of the first epoch, which no run reaches).
 Writes results/moe.json.
+
+The compiled check (`compiled`): Qwen3-30B-A3B's train step (its published config, dropless by
+default) compiled from this host for a TPU v5p slice and for H100s, per layout: peak memory per
+device, bytes sent per collective kind, matmul FLOPs per step, and the experts' share (their
+grouped GEMMs' FLOPs and the exchange's bytes, counted in the compiled program) against what
+the routed tokens themselves need. Writes results/moe_compiled.json.
+
+    python experiments/moe.py compiled                     # v5p-16 (8 chips) and h100:8
+    python experiments/moe.py compiled --targets v5p-16 --meshes fsdp=8
+
+The routed tokens' own, per device and step (t tokens per device, K experts per token, L MoE
+layers, D embed, F an expert's width, SwiGLU's 3 matrices): expert FLOPs = passes x 2 x t x K x
+3 x D x F x L, passes 3 (forward, and backward twice the forward) plus 1 under remat `full` (the
+forward again); dispatch bytes = exchanges x t x K x D x 2 bytes (bf16) x L, exchanges 4 (out to
+the experts and back, forward and backward) plus 2 under remat `full`, where experts are split
+over devices (none otherwise).
 """
 
 import argparse
 import json
+import os
 import pathlib
+import subprocess
+import sys
+import tempfile
 import time
 
 METHODS = {
@@ -94,5 +114,136 @@ def main() -> None:
         print(f"mean {method:>6s} {load:14.3f} {loss:10.4f}")
 
 
+def routed(cfg: dict, batch: int, seq: int, devices: int, remat: str, n_ep: int) -> dict:
+    """What the routed tokens need per device and step (the module's docstring)."""
+    t, K, L = batch * seq / devices, cfg["num_experts_per_tok"], cfg["num_hidden_layers"]
+    D, F = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    again = remat == "full"
+    flops = (3 + again) * 2 * t * K * 3 * D * F * L
+    exchanges = (4 + 2 * again) if n_ep > 1 else 0
+    return {"expert_flops": flops, "dispatch_bytes": exchanges * t * K * D * 2 * L}
+
+
+def _sent(rows: list[dict], mesh: dict) -> dict:
+    """Bytes each device sends per step by collective kind: all-gather, reduce-scatter and
+    (ragged) all-to-all x (n-1)/n of the buffer, all-reduce x 2(n-1)/n, others x 1."""
+    out: dict[str, float] = {}
+    for r in rows:
+        n = 1
+        for a in r["axis"].split("+"):
+            n *= mesh.get(a, 1)
+        share = (n - 1) / n
+        weight = {"all-reduce": 2 * share, "collective-permute": 1.0}.get(r["kind"], share)
+        out[r["kind"]] = out.get(r["kind"], 0.0) + r["bytes"] * weight
+    return out
+
+
+def compile_one(args, target: str, mesh: str) -> dict:
+    """`jaxdist train --compile-only --target` in a fresh interpreter (one compile's memory at a
+    time); its JSON report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "jaxdist.cli", "train", "--model", args.model]
+        cmd += ["--mesh", mesh, "--batch-size", str(args.batch_size)]
+        cmd += ["--seq-len", str(args.seq_len), "--remat", args.remat]
+        cmd += ["--compile-only", "--target", target, "--json", str(path)]
+        print("$ jaxdist " + " ".join(cmd[3:-2]), flush=True)
+        root = str(pathlib.Path(__file__).resolve().parent.parent)
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
+        # XLA's own word where its rematerialization could not bring the program under the
+        # device's memory (the GPU compiler says so, then goes on).
+        remat = [x for x in done.stderr.splitlines() if "Can't reduce memory use" in x]
+        said = {"xla_remat": remat[-1].split("] ", 1)[-1][:300]} if remat else {}
+        command = {"target": target, "mesh": mesh, "command": "jaxdist " + " ".join(cmd[3:-2])}
+        if not path.exists():
+            tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            return command | said | {"error": tail[:400]}
+        report = json.loads(path.read_text())
+    return command | said | report
+
+
+def compiled_row(args, cfg: dict, report: dict) -> dict:
+    """One compiled layout's figures beside the routed tokens' own."""
+    if "error" in report:
+        return report
+    mesh = report["mesh"]
+    said = {"xla_remat": report["xla_remat"]} if "xla_remat" in report else {}
+    devices = 1
+    for n in mesh.values():
+        devices *= n
+    need = routed(cfg, args.batch_size, args.seq_len, devices, args.remat, mesh.get("expert", 1))
+    mm = report["matmuls"]
+    # The exchange: the ragged all-to-alls over the expert axes (TPU, GPU); the all-to-alls
+    # there where there are none (XLA:CPU's blocks). Their routing tables (int32 [n_ep, 2, E /
+    # n_ep] all-to-alls, under a MB a step) and the head's all-to-all are not the tokens'.
+    over = [r for r in report["collectives"] if "expert" in r["axis"].split("+")]
+    kind = "ragged-all-to-all" if any(r["kind"] == "ragged-all-to-all" for r in over) else ""
+    exchange = sum(r["bytes"] for r in over if r["kind"] == (kind or "all-to-all"))
+    return {
+        "target": report["target"],
+        "device_kind": report["device_kind"],
+        "mesh": mesh,
+        "command": report["command"],
+        "peak_gb": report["per_device_bytes"]["peak_estimate"] / 1e9,
+        "peak_gib": report["per_device_bytes"]["peak_estimate"] / 2**30,
+        "fits": report.get("fits"),
+        "sent_gb": {k: v / 1e9 for k, v in _sent(report["collectives"], mesh).items()},
+        "collectives": report["collectives"],
+        "matmul_tflop_per_device": mm["total"] / 1e12,
+        "matmul_tflop_per_step": mm["total"] * devices / 1e12,
+        "matmuls_by_op_tflop": {k: v / 1e12 for k, v in mm["by_op"].items()},
+        "expert_tflop": mm["ragged_dots"] / 1e12,
+        "routed_expert_tflop": need["expert_flops"] / 1e12,
+        "expert_flops_ratio": mm["ragged_dots"] / need["expert_flops"],
+        "exchange_gb": exchange / 1e9,
+        "routed_dispatch_gb": need["dispatch_bytes"] / 1e9,
+        "dispatch_ratio": exchange / need["dispatch_bytes"] if need["dispatch_bytes"] else None,
+        "compile_s": report["compile_s"],
+    } | said
+
+
+def compiled_main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description="the compiled check of a MoE model (docstring)")
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--targets", default="v5p-16,h100:8")
+    ap.add_argument("--meshes", default="fsdp=8;fsdp=2,expert=4", help="; between meshes")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--remat", default="full")
+    ap.add_argument("--out", default=None, help="results directory (default: experiments/results)")
+    args = ap.parse_args(argv)
+    out = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).parent / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    root = pathlib.Path(__file__).resolve().parent.parent
+    cfg = json.loads((root / "models" / "configs" / f"{args.model}.json").read_text())
+    rows = []
+    for target in args.targets.split(","):
+        for mesh in args.meshes.split(";"):
+            rows.append(compiled_row(args, cfg, compile_one(args, target, mesh)))
+            (out / "moe_compiled.json").write_text(
+                json.dumps({"args": vars(args), "rows": rows}, indent=1)
+            )
+    print(
+        f"{'target':>8s} {'mesh':>16s} {'peak GB':>8s} {'sent GB':>8s} {'TFLOP/dev':>9s} "
+        f"{'expert':>7s} {'routed':>7s} {'x':>5s} {'a2a GB':>7s} {'routed':>7s} {'x':>5s}"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['target']:>8s} {r['mesh']:>16s} error: {r['error']}")
+            continue
+        mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
+        ratio = f"{r['dispatch_ratio']:5.2f}" if r["dispatch_ratio"] is not None else "    -"
+        print(
+            f"{r['target']:>8s} {mesh:>16s} {r['peak_gb']:8.2f} {sum(r['sent_gb'].values()):8.1f} "
+            f"{r['matmul_tflop_per_device']:9.1f} {r['expert_tflop']:7.1f} "
+            f"{r['routed_expert_tflop']:7.1f} {r['expert_flops_ratio']:5.2f} "
+            f"{r['exchange_gb']:7.2f} {r['routed_dispatch_gb']:7.2f} {ratio}"
+        )
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["compiled"]:
+        compiled_main(sys.argv[2:])
+    else:
+        main()

@@ -82,6 +82,8 @@ def compile_only(jitted: JittedStep) -> dict:
         "platform": platform,
         "device_kind": mesh.devices.flat[0].device_kind,
         "per_device_bytes": per_device,
+        # Per device, loop trips multiplied in: the experts' grouped GEMMs apart (ragged_dots).
+        "matmuls": gemms.matmul_flops(text),
         "collectives": [
             {"axis": axis, "kind": kind, **v} for (axis, kind), v in sorted(collectives.items())
         ],

@@ -34,6 +34,8 @@ A GEMM's precision is its widest operand's: an f8 x bf16 dot runs as a 16-bit on
 import dataclasses
 import re
 
+import numpy as np
+
 from jaxdist.compiled.hlo import DTYPE_BYTES, Instruction, instructions
 
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
@@ -261,3 +263,147 @@ def summary(counts: dict, labels: int = 4) -> str:
         shown = ", ".join(names[:labels]) + (", ..." if len(names) > labels else "")
         line += f" (not f8: {shown})"
     return line
+
+
+# A dot's dimension numbers: (attribute, dimensions).
+_DIM_NUMBERS = re.compile(r"\b(\w+_dims)=\{([\d,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_SHAPES = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+
+
+def _dims(shape: str) -> list[int] | None:
+    """An array shape's dimensions (`bf16[4,8]{1,0}` -> [4, 8]); None for a tuple."""
+    m = re.match(r"\s*[a-z]\w*\[([\d,]*)\]", shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else None
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def dot_flops(ins: Instruction, shapes: dict[str, list]) -> int:
+    """FLOPs of one execution of a matmul as the math needs them. A `dot`: 2 x its result x
+    its contracted extent. A `convolution` (a TPU program's matmul): _convolution_flops. A
+    `ragged-dot` (the experts' grouped GEMM: each row meets one group's matrix): 2 x the lhs x
+    the rhs's free dimensions, whichever dimension is ragged (a lowering that multiplies every
+    row by every group's matrix needs G times it)."""
+    line, start = ins.line, ins.operands_at
+    names = re.findall(r"%([\w.\-]+)(?:#(\d+))?", line[start : line.find(")", start) + 1])
+    operands = []
+    for name, index in names[:2]:
+        elements = shapes.get(name, [])
+        i = int(index or 0)
+        operands.append(elements[i] if i < len(elements) else None)
+    out = _dims(ins.result)
+    if out is None or len(operands) < 2 or None in operands:
+        return 0
+    lhs, rhs = operands
+    attrs = {k: [int(d) for d in v.split(",") if d] for k, v in _DIM_NUMBERS.findall(line)}
+    if ins.op == "dot":
+        return 2 * _prod(out) * _prod(lhs[d] for d in attrs.get("lhs_contracting_dims", []))
+    if ins.op == "convolution":
+        return _convolution_flops(line, lhs, rhs, out)
+    # ragged-dot
+    bound = set(attrs.get("rhs_contracting_dims", []))
+    bound |= set(attrs.get("rhs_group_dims", [])) | set(attrs.get("rhs_batch_dims", []))
+    return 2 * _prod(lhs) * _prod(n for d, n in enumerate(rhs) if d not in bound)
+
+
+_COST_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
+
+
+def _kernel_flops(ins: Instruction) -> tuple[int, str] | None:
+    """(FLOPs, label) of a TPU kernel that carries its own cost estimate: the TPU compiler
+    lowers a ragged dot to one (`ragged-dot-none.N`, a grouped matmul over the rows' groups,
+    after a `ragged-dot-metadata` kernel without FLOPs), estimated as the math needs it; a
+    Pallas kernel (splash attention) carries the estimate its author wrote."""
+    if ins.op != "custom-call" or ins.target != "tpu_custom_call":
+        return None
+    m = _COST_FLOPS.search(ins.line)
+    if not m or not int(m.group(1)):
+        return None
+    name = (_OP_NAME.search(ins.line) or m).group(0) + ins.name
+    label = "ragged_dot" if "ragged-dot" in name or "ragged_dot" in name else ins.name
+    return int(m.group(1)), re.sub(r"\.\d+$", "", label)
+
+
+def _convolution_flops(line: str, lhs: list[int], rhs: list[int], out: list[int]) -> int:
+    """2 x the multiply-adds of a convolution that touch the input, not its padding: the TPU
+    compiler writes a matmul's batch-like dimensions (an einsum's g and q) as windows over a
+    padded input of size 1, of which each output meets one kernel element. Per spatial
+    dimension, the (output, kernel) position pairs that land inside the input; times the
+    output's batch and features and the kernel's input features."""
+    labels = _DIM_LABELS.search(line)
+    if not labels:
+        return 0
+    lhs_l, rhs_l, out_l = labels.groups()
+    window = re.search(r"window=\{([^}]*)\}", line)
+    fields = dict(f.split("=", 1) for f in window.group(1).split()) if window else {}
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+
+    def per_dim(key: str, default: int) -> list[int]:
+        raw = fields.get(key)
+        return [int(x) for x in raw.split("x")] if raw else [default] * len(spatial)
+
+    pads = [tuple(int(x) for x in p.split("_")) for p in fields.get("pad", "").split("x") if p]
+    strides, dilations = per_dim("stride", 1), per_dim("rhs_dilate", 1)
+    pairs = 1
+    for k, c in enumerate(spatial):
+        n, w, o_n = lhs[lhs_l.index(c)], rhs[rhs_l.index(c)], out[out_l.index(c)]
+        lo = pads[k][0] if k < len(pads) else 0
+        at = lo - np.arange(w) * dilations[k]  # output p meets kernel k at input p*s - at
+        first = np.maximum(0, -(-at // strides[k]))
+        last = np.minimum(o_n - 1, (at + n - 1) // strides[k])
+        pairs *= int(np.maximum(0, last - first + 1).sum())
+    return 2 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * pairs
+
+
+def _op_name(line: str) -> str:
+    m = _OP_NAME.search(line)
+    return m.group(1) if m else ""
+
+
+def matmul_flops(hlo_text: str) -> dict:
+    """The matmul FLOPs of one execution of a compiled program, each dot, convolution, ragged
+    dot and TPU kernel with a cost estimate (_kernel_flops) times the executions of its
+    computation (loop trip counts multiplied in, as jaxdist.compiled.hlo counts collectives).
+    `total`; `by_op` (dot, convolution, ragged-dot, custom-call); `by_label` (what made each:
+    an einsum, a named scope, `ragged_dot`, a kernel's name); `ragged_dots`: the grouped
+    GEMMs' FLOPs as the compiled program runs them: as the math needs them (each row times its
+    own group's matrix) where a ragged dot stays one (TPU: a grouped-matmul kernel); G times
+    that where it became dense dots over every group, each row times every group's matrix
+    (JAX on XLA:CPU; XLA's GPU compiler, jax 0.11.2: dots whose op_name says ragged_dot)."""
+    from jaxdist.compiled.hlo import _computations, _multiplicities
+
+    comps, entry = _computations(hlo_text)
+    runs = _multiplicities(comps, entry, None)
+    shapes: dict[str, list] = {}
+    computation = None
+    out = {"total": 0, "by_op": {}, "by_label": {}, "ragged_dots": 0}
+    for ins in instructions(hlo_text):
+        if ins.computation != computation:
+            computation, shapes = ins.computation, {}
+        shapes[ins.name] = [
+            [int(d) for d in dims.split(",") if d] for _, dims in _SHAPES.findall(ins.result)
+        ]
+        if not runs.get(ins.computation):
+            continue
+        kernel = _kernel_flops(ins)
+        if kernel:
+            flops, label = kernel
+        elif ins.op in _DOT_OPS:
+            flops = dot_flops(ins, shapes)
+            ragged = ins.op == "ragged-dot" or "ragged_dot" in _op_name(ins.line)
+            label = "ragged_dot" if ragged else _label(ins.line)[0]
+        else:
+            continue
+        flops *= runs[ins.computation]
+        out["total"] += flops
+        out["by_op"][ins.op] = out["by_op"].get(ins.op, 0) + flops
+        out["by_label"][label] = out["by_label"].get(label, 0) + flops
+        if label == "ragged_dot":
+            out["ragged_dots"] += flops
+    return out

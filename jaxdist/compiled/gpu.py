@@ -28,7 +28,14 @@ _TARGETS = pathlib.Path(__file__).with_name("gpu_targets")
 KINDS = ("h100", "h200")
 # Without autotuning XLA would pick fallback GEMM tiles; its cost model picks realistic ones.
 # Triton GEMMs stay on (XLA's default, as on a GPU): jaxdist.compiled.gemms reads them.
-COMPILER_OPTIONS = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
+# CUB's radix sort off: XLA sizes its scratch through the CUDA runtime, which fails without a
+# GPU ("cudaErrorInvalidDevice: invalid device ordinal", jax 0.11.2) for a sort long enough to
+# take it, as a dropless MoE's sort of its token x top-k assignments is (65,536 for
+# Qwen3-30B-A3B at 8,192 tokens a device); XLA's own sort stands in.
+COMPILER_OPTIONS = {
+    "xla_gpu_experimental_cost_model_gemm_tiling_default": True,
+    "xla_gpu_enable_cub_radix_sort": False,
+}
 AOT_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in COMPILER_OPTIONS.items())
 
 
