@@ -1,5 +1,6 @@
 """Shared builders for tests: compiled steps for a layout, and the command line."""
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -99,3 +100,27 @@ def losses(run_dir: pathlib.Path) -> dict[int, float]:
     """Step -> loss, the last logged line of each step winning (as after a resume)."""
     records = read_metrics(run_dir / "metrics.jsonl")
     return {s: r["loss"] for s, r in latest_per_step(records).items()}
+
+
+def load_experiment(name: str):
+    """experiments/NAME.py as a module: the studies are scripts, not a package the library or
+    the tests import by name."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# DeepSeek-V3's router at a tiny size: sigmoid scores, 4 groups of 2 experts of which a token's
+# choice spans the best 2, a selection bias moved at 0.01 a step, one shared expert, weights
+# scaled by 2.5 (tests/test_routing.py, tests/test_dense_layers.py).
+DEEPSEEK_ROUTER = dict(
+    scoring="sigmoid",
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    router_bias=True,
+    bias_update_rate=0.01,
+    n_shared_experts=1,
+)

@@ -20,7 +20,7 @@ from models import decode
 from models.inventory import activations, plan_model
 from models.transformer import Transformer
 from models.transformer_config import TransformerConfig, stacks
-from tests.helpers import compiled_for, mesh_for
+from tests.helpers import DEEPSEEK_ROUTER, compiled_for, mesh_for
 
 MIXED = TransformerConfig(
     "mixed", "llama", 3, 32, 4, 4, 16, 128, 16, num_experts=4, top_k=2, dense_layers=1,
@@ -114,13 +114,7 @@ DEEPSEEK_V3 = dict(
     num_layers=3,
     dense_layers=1,
     dense_d_mlp=384,
-    scoring="sigmoid",
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.5,
-    router_bias=True,
-    bias_update_rate=0.01,
-    n_shared_experts=1,
+    **DEEPSEEK_ROUTER,
     moe_buffer_factor=4.0,
     num_kv_heads=4,
     kv_lora_rank=32,

@@ -2,24 +2,12 @@
 pricing under the paper's idealized setting, within 15% of Charles et al.'s Table 6
 (arXiv:2503.09799)."""
 
-import importlib.util
-import pathlib
-
 import pytest
 
 from jaxdist.errors import ConfigError
+from tests.helpers import load_experiment
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "diloco_bandwidth.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("diloco_bandwidth", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-diloco_bandwidth = _load_script()
+diloco_bandwidth = load_experiment("diloco_bandwidth")
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,7 @@
 the same losses on every layout, with its weights sharded as the rule table says."""
 
 import functools
-import importlib.util
 import math
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -18,22 +16,12 @@ from jaxdist.kernels import documents
 from jaxdist.layout import Layout
 from jaxdist.rules import activation_rules
 from meshes.presets import STANDARD_RULES
-from tests.helpers import mesh_for
+from tests.helpers import load_experiment, mesh_for
 
 STEPS = 4
 # data=8 is the reference; the quick loop keeps the default layout beside it.
 LAYOUTS = ["data=8", pytest.param("fsdp=8", marks=pytest.mark.slow), "data=2,fsdp=2,tensor=2"]
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "own_model.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("own_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-own_model = _load_script()
+own_model = load_experiment("own_model")
 
 
 @functools.cache

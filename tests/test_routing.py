@@ -16,21 +16,11 @@ from jaxdist.errors import ConfigError
 from jaxdist.optim import moved
 from models.presets import get_model_config
 from models.routing import route
-from tests.helpers import compiled_for
+from tests.helpers import DEEPSEEK_ROUTER, compiled_for
 
-# DeepSeek-V3's router at a tiny size: sigmoid scores, 4 groups of 2 experts, the best 2 groups,
-# a selection bias moved at 0.01 a step, one shared expert, weights scaled by 2.5. Capacity E/K
-# drops nothing, so a sharded run computes what one device does.
-DEEPSEEK = dict(
-    scoring="sigmoid",
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.5,
-    router_bias=True,
-    bias_update_rate=0.01,
-    n_shared_experts=1,
-    capacity_factor=4.0,
-)
+# DeepSeek-V3's router at a tiny size (tests.helpers.DEEPSEEK_ROUTER). Capacity E/K drops
+# nothing, so a sharded run computes what one device does.
+DEEPSEEK = dict(**DEEPSEEK_ROUTER, capacity_factor=4.0)
 STEPS = 3
 
 
