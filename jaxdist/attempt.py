@@ -239,7 +239,7 @@ def restore_or_init(
             raise NoCheckpointRestores(
                 f"{run_dir} holds checkpoints but none restores (set aside as damaged: "
                 f"{', '.join(aside) or 'none'}, in {checkpointer.directory}); starting again "
-                "at step 0 would leave their work behind. Look at them (jaxdist runs "
+                "at step 0 would leave their work behind. Look at them (jaxdist checkpoints "
                 f"{run_dir}), or pass --allow-fresh-start to start over beside them"
             )
         return (init_state or (lambda c: c.init_fn()))(jitted), 0, None

@@ -115,8 +115,8 @@ def open_run(
         checkpointer.close()
     if restored is None:
         raise ConfigError(
-            f"{run_dir} holds no valid checkpoint (all were set aside as damaged: jaxdist runs "
-            f"{run_dir} lists them)"
+            f"{run_dir} holds no valid checkpoint (all were set aside as damaged: "
+            f"jaxdist checkpoints {run_dir} lists them)"
         )
     weights = restored.state["outer"]["params"] if groups else restored.state["params"]
     return OpenRun(run_dir, record, spec, weights, restored.step, mesh, rules)
