@@ -67,6 +67,7 @@ def moe_mlp(c, h_BTD, w) -> tuple[jax.Array, dict]:
             w["w_down_LEFD"],
             c.capacity_factor,
             c.moe_buffer_factor,
+            c.moe_gemm,
         )
     if c.shared_width:
         y_BTD = y_BTD + shared_expert(c, h_BTD, w)

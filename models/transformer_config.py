@@ -78,6 +78,9 @@ class TransformerConfig:
     # takes factor x tokens x top-k / experts per device, the rest dropped (Switch, GShard).
     capacity_factor: float | None = None
     moe_buffer_factor: float = 1.25
+    # The experts' grouped GEMM (jaxdist.kernels.grouped_gemm): auto (JAX's Pallas Mosaic GPU
+    # kernels on Hopper GPUs, XLA's ragged dot elsewhere), xla or pallas.
+    moe_gemm: Literal["auto", "xla", "pallas"] = "auto"
     moe_impl: Literal["dispatch", "dense"] = "dispatch"
     # The chosen experts' weights renormalized to sum to 1 (Mixtral; Qwen3-MoE's
     # norm_topk_prob), else their router probabilities as they are.

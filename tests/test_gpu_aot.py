@@ -4,6 +4,7 @@ memory. The compiles skip, saying why, where the gpu-aot extra is not installed;
 without it is told is tested in tests/test_extras.py."""
 
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -196,6 +197,8 @@ def test_preset_compiles_for_gpu_with_fused_attention_in_memory(
     fused = a["cudnn_fused_forward"] + a["cudnn_fused_backward"]
     assert g["by_kind"]["cudnn"] == {"bf16": fused}
     assert k["host_transfers"] == 0
+    if model.startswith("moe"):
+        _assert_experts_run_at_the_routed_flops(r, model, batch)
     # XLA's GPU target config's memory (84.9 GB on an H100), 90% of it a program's budget.
     budget = 0.9 * r["device_memory_bytes"]
     assert r["fits"] and r["per_device_bytes"]["peak_estimate"] <= budget
@@ -205,6 +208,20 @@ def test_preset_compiles_for_gpu_with_fused_attention_in_memory(
         assert r["per_device_bytes"]["peak_estimate"] / GIB <= peer
     if mesh != "auto":
         assert {c["axis"] for c in r["collectives"]} == {"fsdp"}
+
+
+def _assert_experts_run_at_the_routed_flops(r: dict, model: str, batch: int) -> None:
+    """The experts' grouped GEMMs run as JAX's Pallas kernels (jaxdist.kernels.grouped_gemm) at
+    the routed tokens' FLOPs: each row times its own expert's matrix, in the forward, the
+    backward's two products and, where remat drops it, the forward again. XLA's own GPU
+    lowering of a ragged dot multiplies every row by every expert's matrix (8x here)."""
+    from models.presets import get_model_config
+
+    c = get_model_config(model)
+    tokens = batch * r["seq_len"] // math.prod(r["mesh"].values())
+    forward = tokens * c.top_k * 3 * 2 * c.d_model * c.d_mlp * c.num_layers
+    assert r["matmuls"]["ragged_dots"] in (3 * forward, 4 * forward)
+    assert set(r["gemms"]["by_kind"]["pallas"]) == {"bf16"}
 
 
 @pytest.mark.slow

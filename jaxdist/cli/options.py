@@ -80,6 +80,10 @@ class Common:
     """MoE, dropless with experts split over devices: each device's receive buffer as a
     multiple of its balanced share (default 1.25); rows past it are dropped and counted in
     moe_dropped"""
+    moe_gemm: Literal["auto", "xla", "pallas"] | None = None
+    """MoE, dropless: the experts' grouped GEMM: auto (default: JAX's Pallas kernels on Hopper
+    GPUs, where XLA's ragged dot multiplies every row by every expert; XLA's ragged dot
+    elsewhere), xla, or pallas (Hopper only)"""
     compile_cache: str = DEFAULT_CACHE
     """persistent XLA compilation cache directory, or off"""
 
@@ -322,11 +326,12 @@ def model_config(args: Common, platform: str):
     given = {
         "capacity_factor": args.capacity_factor,
         "moe_buffer_factor": args.moe_buffer_factor,
+        "moe_gemm": args.moe_gemm,
     }
     moe = {k: v for k, v in given.items() if v is not None}
     if moe and (args.model == "custom" or not get_model_config(args.model).num_experts):
         raise ConfigError(
-            f"--capacity-factor/--moe-buffer-factor apply to MoE models; {args.model} "
+            f"--capacity-factor/--moe-buffer-factor/--moe-gemm apply to MoE models; {args.model} "
             "has no experts (try --model tiny-moe)"
         )
     return get_model_config(

@@ -71,9 +71,10 @@ _BITS = {precision_of(dtype): 8 * n for dtype, n in DTYPE_BYTES.items()}
 
 @dataclasses.dataclass(frozen=True)
 class Gemm:
-    """One GEMM kernel of the program: how it runs (`kind`: cublas, triton, cudnn, or a plain
-    dot the compiler left), its operands' element types, and what made it (`label`: the
-    einsum or op of its metadata; `backward`: made by differentiation)."""
+    """One GEMM kernel of the program: how it runs (`kind`: cublas, triton, cudnn, pallas (the
+    experts' Mosaic GPU grouped GEMMs), or a plain dot the compiler left), its operands'
+    element types, and what made it (`label`: the einsum or op of its metadata; `backward`:
+    made by differentiation)."""
 
     name: str
     kind: str
@@ -159,6 +160,14 @@ def gemms(hlo_text: str) -> list[Gemm]:
                 label, backward = FUSED_ATTENTION, "Backward" in target
             kind = "cublas" if target.startswith("__cublas") else "cudnn"
             found.append((Gemm(ins.name, kind, _operand_types(ins, types), label, backward), ""))
+        elif ins.op == "custom-call" and target.startswith("mosaic_gpu"):
+            if "grouped_gemm" in _op_name(ins.line):  # the experts' (jaxdist.kernels)
+                backward = "transpose(" in _op_name(ins.line) or "wgrad" in _op_name(ins.line)
+                constraints = _OPERAND_SHAPES.search(ins.line)
+                listed = _FLOAT_TYPE.findall(constraints.group(1)) if constraints else []
+                operands = tuple(listed[:2]) or ("?",)
+                gemm = Gemm(ins.name, "pallas", operands, "grouped GEMM (Pallas)", backward)
+                found.append((gemm, ""))
         elif ins.op in _DOT_OPS:
             label, backward = _label(ins.line)
             gemm = Gemm(ins.name, "dot", _operand_types(ins, types), label, backward)
@@ -316,10 +325,13 @@ _COST_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
 
 
 def _kernel_flops(ins: Instruction) -> tuple[int, str] | None:
-    """(FLOPs, label) of a TPU kernel that carries its own cost estimate: the TPU compiler
-    lowers a ragged dot to one (`ragged-dot-none.N`, a grouped matmul over the rows' groups,
-    after a `ragged-dot-metadata` kernel without FLOPs), estimated as the math needs it; a
-    Pallas kernel (splash attention) carries the estimate its author wrote."""
+    """(FLOPs, label) of a kernel: a TPU kernel carries its own cost estimate (the TPU compiler
+    lowers a ragged dot to one, `ragged-dot-none.N`, a grouped matmul over the rows' groups,
+    after a `ragged-dot-metadata` kernel without FLOPs, estimated as the math needs it; a
+    Pallas kernel such as splash attention carries the estimate its author wrote); the experts'
+    Mosaic GPU grouped GEMMs (_mosaic_grouped_flops) carry none."""
+    if ins.op == "custom-call" and ins.target.startswith("mosaic_gpu"):
+        return _mosaic_grouped_flops(ins)
     if ins.op != "custom-call" or ins.target != "tpu_custom_call":
         return None
     m = _COST_FLOPS.search(ins.line)
@@ -328,6 +340,30 @@ def _kernel_flops(ins: Instruction) -> tuple[int, str] | None:
     name = (_OP_NAME.search(ins.line) or m).group(0) + ins.name
     label = "ragged_dot" if "ragged-dot" in name or "ragged_dot" in name else ins.name
     return int(m.group(1)), re.sub(r"\.\d+$", "", label)
+
+
+_OPERAND_SHAPES = re.compile(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}")
+_FLOAT_TYPE = re.compile(r"(bf16|f16|f32|f8e4m3fn|f8e5m2)\[")
+_FLOAT_SHAPE = re.compile(r"(?:bf16|f16|f32|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
+
+
+def _mosaic_grouped_flops(ins: Instruction) -> tuple[int, str] | None:
+    """The experts' grouped GEMMs on Hopper (jaxdist.kernels.grouped_gemm) as the math needs
+    them, read from the kernel's operands (its float operands in order: lhs, rhs) and result:
+    in the `grouped_gemm` scope (forward, input gradient) 2 x the result x the lhs's contracted
+    width; in `grouped_gemm_wgrad` 2 x the lhs (its rows contracted) x the rhs's width."""
+    scope = _op_name(ins.line)
+    if "grouped_gemm" not in scope:
+        return None
+    constraints = _OPERAND_SHAPES.search(ins.line)
+    shapes = _FLOAT_SHAPE.findall(constraints.group(1)) if constraints else []
+    out = _dims(ins.result)
+    if len(shapes) < 2 or out is None:
+        return None
+    lhs, rhs = ([int(d) for d in s.split(",") if d] for s in shapes[:2])
+    if "grouped_gemm_wgrad" in scope:
+        return 2 * _prod(lhs) * rhs[-1], "ragged_dot"
+    return 2 * _prod(out) * lhs[-1], "ragged_dot"
 
 
 def _convolution_flops(line: str, lhs: list[int], rhs: list[int], out: list[int]) -> int:

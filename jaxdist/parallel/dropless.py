@@ -32,6 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxdist.kernels import grouped_gemm
+
 RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
 
 
@@ -63,12 +65,12 @@ def exchanges(
     ]
 
 
-def swiglu(x_RD, sizes_e, up_eDF, gate_eDF, down_eFD):
-    """The experts' SwiGLU as grouped GEMMs: rows grouped by expert, sizes_e rows each (rows
-    past their sum come out zero)."""
-    gate_RF = jax.lax.ragged_dot(x_RD, gate_eDF, sizes_e)
-    up_RF = jax.lax.ragged_dot(x_RD, up_eDF, sizes_e)
-    return jax.lax.ragged_dot(jax.nn.silu(gate_RF) * up_RF, down_eFD, sizes_e)
+def swiglu(x_RD, sizes_e, up_eDF, gate_eDF, down_eFD, gemm: str = "xla"):
+    """The experts' SwiGLU as grouped GEMMs (jaxdist.kernels.grouped_gemm, `gemm` its kernel):
+    rows grouped by expert, sizes_e rows each (rows past their sum come out zero)."""
+    gate_RF = grouped_gemm.grouped_matmul(x_RD, gate_eDF, sizes_e, gemm)
+    up_RF = grouped_gemm.grouped_matmul(x_RD, up_eDF, sizes_e, gemm)
+    return grouped_gemm.grouped_matmul(jax.nn.silu(gate_RF) * up_RF, down_eFD, sizes_e, gemm)
 
 
 def _plan(counts_E, in_off_E, n_ep, R, expert):
@@ -130,7 +132,7 @@ def _exchange_blocks(x_AD, in_off_E, out_off_E, keep_E, e_A, n_ep, R, expert, ru
     return y_AD * kept_A[:, None].astype(y_AD.dtype)
 
 
-def local(x_nD, e_nK, g_nK, weights, *, n_ep, R, expert, mlp, ragged):
+def local(x_nD, e_nK, g_nK, weights, *, n_ep, R, expert, mlp, ragged, gemm="xla"):
     """One device's tokens through their experts. `weights`: this device's experts' (up, gate,
     down), whole over D; `mlp`: axes their width is split over (partial sums summed here).
     Returns (y_nD, dropped, counts_E)."""
@@ -146,7 +148,7 @@ def local(x_nD, e_nK, g_nK, weights, *, n_ep, R, expert, mlp, ragged):
     counts_E = jnp.zeros(E, jnp.int32).at[e_A].add(1)
 
     def run(rows_RD, sizes_e):
-        out_RD = swiglu(rows_RD, sizes_e, *weights)
+        out_RD = swiglu(rows_RD, sizes_e, *weights, gemm=gemm)
         return jax.lax.psum(out_RD, mlp) if mlp else out_RD
 
     if n_ep == 1:

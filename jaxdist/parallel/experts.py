@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxdist.kernels import grouped_gemm
 from jaxdist.layout import ways
 from jaxdist.parallel import dropless
 from jaxdist.rules import active
@@ -63,6 +64,7 @@ class _Routing(NamedTuple):
     C: int  # slots per expert in each device's buffer; dropless: its receive rows
     dropless: bool
     ragged: bool  # dropless exchange by ragged all-to-all (TPU, GPU)
+    gemm: str  # dropless grouped GEMM: xla (ragged dot) or pallas (jaxdist.kernels.grouped_gemm)
     n_ep: int  # devices over the expert axes
     expert: tuple[str, ...]  # the mesh axes the experts are split over (all-to-all)
     embed: tuple[str, ...]  # the FSDP axes the expert weights are gathered over here
@@ -96,6 +98,7 @@ def _local(r: _Routing, x_btD, e_btK, g_btK, up_eDF, gate_eDF, down_eFD):
             expert=r.expert,
             mlp=r.mlp,
             ragged=r.ragged,
+            gemm=r.gemm,
         )
     else:
         y_nD, dropped, load_E = _capacity(r, x_btD, e_btK, g_btK, up_eDF, gate_eDF, down_eFD)
@@ -146,6 +149,7 @@ def moe_ffn(
     w_down_EFD,
     capacity_factor: float | None,
     buffer_factor: float = BUFFER_FACTOR,
+    gemm: str = "auto",
 ):
     """Returns (y_BTD, stats) with stats = {dropped, assigned, load_E} summed over devices.
     `capacity_factor` None: dropless, with a receive buffer of `buffer_factor` x the balanced
@@ -180,11 +184,22 @@ def moe_ffn(
         C = capacity(tokens, E, K, capacity_factor)
     # XLA:CPU has no ragged all-to-all: there the dropless exchange takes padded blocks.
     ragged = mesh.devices.flat[0].platform in dropless.RAGGED_PLATFORMS
+    kernel = grouped_gemm.kernel_for(gemm, mesh.devices.flat[0])
     tok = P(free(batch) or None, free(seq) or None, None)
     w_in = P(free(expert) or None, embed or None, free(mlp) or None)
     w_out = P(free(expert) or None, free(mlp) or None, embed or None)
     routing = _Routing(
-        E, K, C, capacity_factor is None, ragged, n_ep, expert, embed, mlp, used(batch + seq)
+        E,
+        K,
+        C,
+        capacity_factor is None,
+        ragged,
+        kernel,
+        n_ep,
+        expert,
+        embed,
+        mlp,
+        used(batch + seq),
     )
     stats_spec = {"dropped": P(), "assigned": P(), "load_E": P()}
     where = {"axis_names": set(free(mesh.axis_names))} if manual else {"mesh": mesh}
