@@ -100,7 +100,7 @@ def _scattered(shape_VD, ids_BT, g_BTD, logical) -> jax.Array:
     scatter = [tuple(a for a in as_tuple(entry) if a in token_axes) for entry in stored]
     summed = tuple(sorted(token_axes - {a for axes in scatter for a in axes}))
     vocab_axes = as_tuple(used[0])
-    ring = mesh.devices.flat[0].platform == "tpu"
+    platform = mesh.devices.flat[0].platform
     rows = shape_VD[0] // ways(mesh.shape, vocab_axes)
 
     def body(ids_BT, g_BTD):
@@ -108,8 +108,10 @@ def _scattered(shape_VD, ids_BT, g_BTD, logical) -> jax.Array:
         g_VD = g_VD.at[_local_rows(ids_BT, vocab_axes, rows)].add(g_BTD, mode="drop")
         for dim, axes in enumerate(scatter):
             if axes:
-                g_VD = reduce_scatter(g_VD, axes, dim, ways(mesh.shape, axes), ring)
-        return jax.lax.psum(g_VD, summed) if summed else g_VD
+                n = ways(mesh.shape, axes)
+                scattered = functools.partial(reduce_scatter, axes=axes, dim=dim, n=n)
+                g_VD = summed_on(platform, scattered, g_VD, ring=platform == "tpu")
+        return summed_on(platform, jax.lax.psum, g_VD, summed) if summed else g_VD
 
     out = PartitionSpec(
         *((as_tuple(u) + axes) or None for u, axes in zip(used, scatter, strict=True))
@@ -192,6 +194,7 @@ def _routed(table_VD, ids_BT, logical, route: Route, here) -> jax.Array:
     backward, each a shard_map over the token and vocabulary axes."""
     rules, mesh = active()
     n = ways(mesh.shape, route.split)
+    psum = functools.partial(summed_on, mesh.devices.flat[0].platform, jax.lax.psum)
     table_spec = PartitionSpec(route.vocab or None, route.split)
     names = set(route.split) | set(route.vocab) | set(route.summed)
     names |= {a for entry in route.tokens_spec for a in as_tuple(entry)}
@@ -205,7 +208,7 @@ def _routed(table_VD, ids_BT, logical, route: Route, here) -> jax.Array:
         # device i is this device's tokens in D slice i.
         x_NBTD = jax.lax.all_to_all(x_NBTD, route.split, 0, 0)
         x_BTD = jnp.moveaxis(x_NBTD, 0, -2).reshape(*ids_BT.shape, -1)
-        return jax.lax.psum(x_BTD, route.vocab) if route.vocab else x_BTD
+        return psum(x_BTD, route.vocab) if route.vocab else x_BTD
 
     def backward(ids_BT, g_BTD):
         ids_NBT = jax.lax.all_gather(ids_BT, route.split, axis=0)
@@ -213,7 +216,7 @@ def _routed(table_VD, ids_BT, logical, route: Route, here) -> jax.Array:
         g_NBTD = jax.lax.all_to_all(g_NBTD, route.split, 0, 0)
         g_VD = jnp.zeros((route.rows, g_NBTD.shape[-1]), g_BTD.dtype)
         g_VD = g_VD.at[_local_rows(ids_NBT, route.vocab, route.rows)].add(g_NBTD, mode="drop")
-        return jax.lax.psum(g_VD, route.summed) if route.summed else g_VD
+        return psum(g_VD, route.summed) if route.summed else g_VD
 
     x_spec = PartitionSpec(*route.tokens_spec, None)
     run = shard(forward, in_specs=(table_spec, route.tokens_spec), out_specs=x_spec)
@@ -247,6 +250,19 @@ def _local_rows(ids, vocab_axes: tuple[str, ...], rows: int):
         return ids
     first = position(vocab_axes) * rows
     return jnp.where((ids >= first) & (ids < first + rows), ids - first, rows)
+
+
+def summed_on(platform: str, reduce, g: jax.Array, *args, **kwargs) -> jax.Array:
+    """`reduce(g, *args, **kwargs)` (a psum or reduce-scatter inside this module's shard_maps),
+    in float32 on CPU where `g` is bfloat16, cast back. XLA:CPU sums bf16 collectives in f32
+    anyway (its AllReducePromotion pass), but that pass rebuilds the reducer from its root's
+    opcode, and in a shard_map manual over only some mesh axes the reducer's add carries a
+    sharding annotation, so its root is a copy: the compile aborts the process ("Invalid binary
+    instruction opcode copy"; experiments/xla_cpu_bf16_repro.py). Summing in f32 here is what
+    the pass would have done; other platforms sum bf16 as it is, half the bytes."""
+    if platform != "cpu" or g.dtype != jnp.bfloat16:
+        return reduce(g, *args, **kwargs)
+    return reduce(g.astype(jnp.float32), *args, **kwargs).astype(g.dtype)
 
 
 def reduce_scatter(g: jax.Array, axes: tuple[str, ...], dim: int, n: int, ring: bool) -> jax.Array:
