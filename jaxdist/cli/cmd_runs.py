@@ -56,7 +56,7 @@ class Profile:
     """a run directory (its profile/), a trace directory (jax.profiler's log dir) or one
     .xplane.pb"""
     json: str | None = None
-    """write breakdown.json here"""
+    """write breakdown.json here (-: to stdout, instead of the table)"""
     plot: str | None = None
     """write the PNG here"""
     hardware: Annotated[str, tyro.conf.arg(help=HARDWARE_HELP)] = "cpu"
@@ -81,10 +81,14 @@ def profile(args: Profile) -> int:
     if args.mesh:
         mesh_shape = parse_mesh(args.mesh).sizes()
     report = profile_report.profile(trace, hlo_text, mesh_shape, args.hardware)
-    profile_report.print_report(report)
+    to_stdout = args.json == "-"  # as plan's and train --compile-only's --json take it
+    if to_stdout:
+        print(json.dumps(report, indent=1))
+    else:
+        profile_report.print_report(report)
     profile_report.write(
         report,
-        pathlib.Path(args.json) if args.json else None,
+        pathlib.Path(args.json) if args.json and not to_stdout else None,
         pathlib.Path(args.plot) if args.plot else None,
     )
     return 0

@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         with _house_style_logging():
             return run(args)
     except ConfigError as e:
-        print(f"jaxdist: error: {e}", file=sys.stderr)
+        # A message that names config fields (a refused resume) names them by their flags.
+        worded = e.worded(config_file.flag_of) if hasattr(e, "worded") else e
+        print(f"jaxdist: error: {worded}", file=sys.stderr)
         return 2
     except TrainingStopped as e:
         print(f"jaxdist: stopped: {e}", file=sys.stderr)
