@@ -431,6 +431,7 @@ def test_the_flags_of_a_config_come_back_as_the_same_config():
         assert "--steps" not in line and line.count("--fault") == 2 and "--lr" in line
         assert tyro.cli(cmd_train.Train, args=[*line, "--steps", "12"]) == given
     assert command_line(cmd_train.Train()) == []
-    assert [flag_of(p) for p in ("sync.sync_every", "optim.learning_rate", "model.num_layers")] == [
+    paths = ("sync.sync_every", "optim.learning_rate", "model.num_layers")
+    assert [flag_of(p, cmd_train.Train) for p in paths] == [
         "--sync-every", "--lr", "--layers",
     ]  # fmt: skip

@@ -18,7 +18,8 @@ from jaxdist.errors import ConfigError
 class Eval:
     """Evaluate a run's newest checkpoint on held-out data."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="RUN_DIR")]
+    """a run directory (train's --run-dir); its newest good checkpoint is evaluated"""
     data: str | None = None
     """held-out data (a tokenized directory: its eval split, else all of it); default: the
     eval split of the data the run trained on"""

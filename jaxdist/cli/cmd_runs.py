@@ -15,7 +15,8 @@ from jaxdist.errors import ConfigError
 class Checkpoints:
     """List the checkpoints of a run: step, size, mesh, and whether each is valid."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="RUN_DIR")]
+    """a run directory (train's --run-dir)"""
     json: bool = False
     """print one JSON list of the checkpoints instead of a table"""
 
@@ -52,7 +53,7 @@ class Profile:
     """Attribute a JAX trace's step time to compute, communication (exposed and hidden), sync
     and idle, per step and device."""
 
-    path: tyro.conf.Positional[str]
+    path: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="PATH")]
     """a run directory (its profile/), a trace directory (jax.profiler's log dir) or one
     .xplane.pb"""
     json: str | None = None

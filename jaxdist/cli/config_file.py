@@ -190,13 +190,11 @@ def flags_of(kind: type) -> dict[str, Flag]:
     }
 
 
-def flag_of(path: str, kind: type | None = None) -> str:
-    """The flag that sets config field `path` (of train's tree, or of a run's record), or the
-    path itself where no flag sets it (a preset's own constant, rope_theta)."""
+def flag_of(path: str, kind: type) -> str:
+    """The flag that sets config field `path` (of command `kind`'s tree, or of a run's record),
+    or the path itself where no flag sets it (a preset's own constant, rope_theta)."""
     if path in _RECORD_FLAGS:
         return _RECORD_FLAGS[path]
-    if kind is None:
-        from jaxdist.cli.cmd_train import Train as kind
     flag = flags_of(kind).get(path)
     return flag.names[0] if flag else path
 
