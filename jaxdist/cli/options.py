@@ -233,6 +233,7 @@ def setup(
     layout = dataclasses.replace(layout, batch_size=args.batch_size)
     if args.remat == "auto":
         model_cfg = _remat_auto(model_cfg, layout, mesh, target, platform)
+    _say_fp8(args.step, model_cfg)
     return mesh, dataclasses.replace(layout, remat=model_cfg.remat), model_cfg, args
 
 
@@ -279,6 +280,25 @@ def _remat_auto(model_cfg, layout, mesh, target: str | None, platform: str):
     if choice.said:
         print(choice.line(), file=sys.stderr)
     return dataclasses.replace(model_cfg, remat=choice.policy)
+
+
+def _say_fp8(step, model_cfg) -> None:
+    """With --fp8: one line on stderr, how many of the model's layer projections run in FP8,
+    and why the others do not (jaxdist.kernels.fp8.in_fp8), by the rule the model applies."""
+    if step.fp8 == "off":
+        return
+    from jaxdist.kernels import fp8
+    from models.transformer import PROJECTIONS
+    from models.transformer_config import _param_shapes, stacks
+
+    shapes = _param_shapes(model_cfg)
+    fans = [
+        fp8.fans(spec, shapes[prefix + name][1:])  # one layer's weight
+        for prefix, _ in stacks(model_cfg)
+        for name, spec in PROJECTIONS.items()
+        if prefix + name in shapes
+    ]
+    print(fp8.in_fp8(step, model_cfg.name, fans), file=sys.stderr)
 
 
 def _with_data(args: Common, model_cfg, data: str | None):
