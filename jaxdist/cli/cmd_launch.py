@@ -30,7 +30,8 @@ class Launch:
 
 @dataclasses.dataclass(frozen=True)
 class Slurm:
-    """Print an sbatch script for a run: jaxdist slurm --nodes 2 --gpus-per-node 8 -- train ..."""
+    """Print an sbatch script for a run, whose tasks activate the Python environment (venv or
+    conda) this command runs in: jaxdist slurm --nodes 2 --gpus-per-node 8 -- train ..."""
 
     nodes: int = 1
     """hosts in the allocation"""
