@@ -63,7 +63,8 @@ class ResumeRefused(ConfigError):
         super().__init__(self.worded(lambda path: path))
 
     def worded(self, name) -> str:
-        changed = "; ".join(f"{name(k)} {old!r} -> {new!r}" for k, old, new in self.changes)
+        said = (f"{name(k)} {old!r} -> {new!r}" for k, old, new in self.changes)
+        changed = "; ".join(dict.fromkeys(said))  # two fields of one flag (--seed): once
         return (
             f"{self.run_dir} holds a checkpoint (step {self.step}) of another model, data "
             f"stream, optimizer, replica groups or FP8 recipe: {changed}. These decide what the "
