@@ -197,6 +197,7 @@ def test_the_mesh_flag_names_its_axes_and_terms_of_art_are_explained(capsys, mon
         (["train", "--mesh"], "--mesh needs a value"),
         (["trian"], "unknown command trian (did you mean train?)"),
         (["eval"], "jaxdist eval needs RUN_DIR"),
+        (["goodput"], "jaxdist goodput needs RUN_DIR"),
         (["export-hf", "runs/a"], "jaxdist export-hf needs OUT_DIR"),
         (["slurm", "--nodes", "two", "--", "train"], "--nodes 'two' is not an integer"),
         (["train", "--remat", "most"], "--remat 'most' is not one of auto, preset, none, full"),

@@ -291,9 +291,11 @@ def _cause(event, errors, words: Callable[[], Iterable[str]]) -> str | None:
 
 
 def _name(arg) -> str:
-    """A flag's first name, or a positional argument's (RUN_DIR)."""
+    """A flag's first name, or a positional argument's (RUN_DIR: its metavar, or its field's
+    name where the metavar is only its type)."""
     if arg.is_positional():
-        return str(arg.lowered.metavar)
+        metavar = str(arg.lowered.metavar)
+        return arg.field.intern_name.upper() if metavar in ("STR", "INT", "FLOAT") else metavar
     return arg.lowered.name_or_flags[0]
 
 
