@@ -124,10 +124,11 @@ class LoopConfig:
     """steps between logged records (metrics.jsonl, TensorBoard, the console; its "time left"
     is the steps left at the recent median step time, evaluations and saves not counted)"""
     run_dir: str | None = None
-    """directory for config.json, metrics.jsonl, summary.json, checkpoints (none: a new
-    runs/<time>); pass the same one again to resume"""
+    """directory for config.json, metrics.jsonl, summary.json, checkpoints; pass the same one
+    again to resume (default: a new runs/<time>)"""
     peak_tflops: float | None = None
-    """peak TFLOP/s per device for MFU, where the device kind is not known"""
+    """peak TFLOP/s per device for MFU, where the device kind is not known (default: the device
+    kind's, from jaxdist/hardware.toml)"""
     seed: int = 0
     """seeds the model's initial weights and the data's order"""
     nonfinite: NonFinitePolicy = "skip"
@@ -163,7 +164,7 @@ class LoopConfig:
     'jaxdist[wandb]'); offline, into RUN_DIR/wandb, without an API key; a resumed run
     continues its W&B run"""
     wandb_entity: str | None = None
-    """the W&B team or user to log under (none: the API key's own)"""
+    """the W&B team or user to log under (default: the API key's own)"""
 
     def validate(self) -> None:
         if self.steps < 1:

@@ -138,7 +138,10 @@ class StepConfig:
     """gradient accumulation: the batch is run as this many slices per step (with a pipeline
     axis: the microbatches the schedule pipelines)"""
     pipeline_schedule: PipelineSchedule = "1f1b"
-    """schedule over the pipeline mesh axis"""
+    """schedule over the pipeline mesh axis: gpipe (every microbatch's forward, then every
+    backward: all their activations held), 1f1b (one forward, one backward in turn: at most a
+    stage count of microbatches' activations held), interleaved (1f1b over --virtual-stages
+    chunks of layers per device: a smaller idle bubble for more sends)"""
     virtual_stages: int = 1
     """layer chunks per device for the interleaved schedule"""
     document_mask: bool = True
@@ -208,17 +211,19 @@ class SyncConfig:
     step moves the shared weights by the groups' mean change."""
 
     sync_every: int = 32
-    """H: inner steps between two outer steps (of each fragment)"""
+    """inner steps between two outer steps (of each fragment), each group training alone
+    meanwhile; H in the DiLoCo papers"""
     outer_lr: float = 0.7
     """the outer Nesterov step's lr (DiLoCo's 0.7; short runs did best at 1, no momentum)"""
     outer_momentum: float = 0.9
     """the outer step's Nesterov momentum (torch.optim.SGD(nesterov=True)); 0: plain SGD"""
     sync_fragments: int = 1
-    """F: the layers in F strided groups (layer l in group l % F), one synced every H/F steps
-    in turn (Streaming DiLoCo); the other weights go with group 0"""
+    """F in Streaming DiLoCo: the layers in F strided groups (layer l in group l % F), one
+    synced every --sync-every / F steps in turn; the other weights go with group 0"""
     sync_delay: int = 0
-    """T: inner steps a fragment's exchange overlaps before it is applied (0: at once); the
-    groups then mix the new weights with what they learnt meanwhile (--sync-mix)"""
+    """T in Streaming DiLoCo: inner steps a fragment's exchange overlaps before it is applied
+    (0: at once); the groups then mix the new weights with what they learnt meanwhile
+    (--sync-mix)"""
     sync_mix: float = 0.5
     """with --sync-delay: the share of the outer weights in each group's new weights"""
     outer_memory: OuterMemory = "device"

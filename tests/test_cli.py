@@ -9,6 +9,7 @@ import importlib
 import json
 import math
 import re
+import shlex
 
 import pytest
 
@@ -83,6 +84,16 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     assert "left" not in steps[0] and re.search(r"tok/s  [0-9.]+ s left$", steps[2]), steps
     assert "\x1b" not in err and "\r" not in err
     assert "p50" in out and f"jaxdist train --run-dir {run_dir} --steps 12" in out
+    # The printed command carries the run's own flags and runs as printed: the run goes on to
+    # step 12 on its mesh, from its checkpoint (it once said "(same flags)" and failed, rc 2).
+    (further,) = [x for x in out.splitlines() if x.startswith("next: train further")]
+    argv = shlex.split(further.partition("  ")[2])
+    assert argv[:2] == ["jaxdist", "train"] and "--mesh" in argv and "(same flags)" not in further
+    capsys.readouterr()
+    assert main(argv[1:]) == 0, capsys.readouterr().err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 12
+    assert json.loads((run_dir / "config.json").read_text())["mesh"] == config["mesh"]
 
 
 @pytest.mark.slow
@@ -382,3 +393,45 @@ def test_the_librarys_warnings_print_in_the_house_style(capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert (out, err) == ("", "jaxdist: warning: only 1 MB free\n")
     assert logging.getLogger("jaxdist").propagate  # as it was, once the command is over
+
+
+def test_a_refused_resume_names_the_flags_that_changed(tmp_path, capsys):
+    # The newest checkpoint's record (as a save writes it) held replica groups meeting every 8
+    # steps; resuming at 32 is refused by flag, --sync-every, not by the config's field path.
+    meta = tmp_path / "checkpoints" / "3" / "meta"
+    meta.mkdir(parents=True)
+    record = {"sync": {"sync_every": 8}, "step": {"fp8": "off"}, "model": {"num_layers": 2}}
+    (meta / "metadata").write_text(json.dumps({"config": record}))
+    rc, _, err = jaxdist(
+        capsys, "train", "--mesh", "replica=2,data=4", "--devices", "cpu:8", "--sync-every", "32",
+        "--steps", "4", "--run-dir", str(tmp_path),
+    )  # fmt: skip
+    assert rc == 2
+    (line,) = err.splitlines()
+    assert line.startswith(f"jaxdist: error: {tmp_path} holds a checkpoint (step 3)")
+    assert "--sync-every 8 -> 32" in line and "sync.sync_every" not in line
+    assert "--layers" not in line  # tiny has 2 layers: unchanged, unnamed
+
+
+def test_the_flags_of_a_config_come_back_as_the_same_config():
+    # What `next:` prints is read back by the same parser into the same config: lists, a
+    # repeated flag, a negated boolean, a None over a default, a flag with two names (--lr).
+    import tyro
+
+    from jaxdist.cli.config_file import command_line, flag_of
+    from jaxdist.cli.main import INT_LISTS
+
+    argv = ["--model", "tiny-llama", "--mesh", "replica=2,fsdp=4", "--sync-every", "8"]
+    argv += ["--lr", "0.01", "--fault", "kill:3:0", "--fault", "term:5:1", "--remat", "full"]
+    argv += ["--fault-nan-steps", "3,4", "--no-document-mask", "--eval-every", "0"]
+    argv += ["--checkpoint-every", "4", "--heartbeat-timeout", "50", "--steps", "12"]
+    with INT_LISTS:
+        given = tyro.cli(cmd_train.Train, args=argv)
+        line = command_line(given, skip=("loop.steps",))
+        assert "--steps" not in line and line.count("--fault") == 2 and "--lr" in line
+        assert tyro.cli(cmd_train.Train, args=[*line, "--steps", "12"]) == given
+    assert command_line(cmd_train.Train()) == []
+    paths = ("sync.sync_every", "optim.learning_rate", "model.num_layers")
+    assert [flag_of(p, cmd_train.Train) for p in paths] == [
+        "--sync-every", "--lr", "--layers",
+    ]  # fmt: skip

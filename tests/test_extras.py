@@ -8,7 +8,7 @@ others are slow."""
 
 import pytest
 
-from tests.extras import cli_without
+from tests.extras import cli_without, needs_gpu_aot, needs_tpu
 
 GPU_AOT = "pip install 'jaxdist[gpu-aot]'"
 TPU = "pip install 'jaxdist[tpu]'"
@@ -53,3 +53,25 @@ def test_without_the_extra_a_bad_target_is_still_told_first():
     # The flag's own mistake comes before the missing extra: fixing it is the user's first step.
     r = cli_without("gpu-aot", "train", "--model", "tiny", "--compile-only", "--target", "h100:9")
     assert r.returncode == 2 and "h100:N" in r.stderr and "gpu-aot" not in r.stderr
+
+
+@needs_tpu
+@needs_gpu_aot
+def test_a_tpu_target_starts_no_cuda_plugin_on_a_host_without_gpus():
+    # Both extras installed, no JAX_PLATFORMS (a TPU VM's shell): compiling for a topology
+    # started every plugin, and CUDA's printed a traceback ("Unable to load cuFFT").
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import jax; from jaxdist.compiled.tpu import tpu_devices; "
+        "print(len(tpu_devices('v5p:2x2x1')), jax.default_backend())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["4", "cpu"]
+    assert "Traceback" not in done.stderr and "cuFFT" not in done.stderr, done.stderr

@@ -9,6 +9,7 @@ skipped non-finite step leaves it as it was. The shape filter picks the projecti
 A short run trains as bf16 does; a delayed run resumes bitwise, and a resume with another --fp8
 is refused; TPUs and a pipeline axis are refused in one line."""
 
+import dataclasses
 import functools
 import types
 
@@ -257,6 +258,34 @@ def test_shape_filter_takes_the_projections_worth_it(fp8_filter):
     assert held == picked
     assert len(f8_dots) == len(picked)
     assert fp8.fans("btd,dgqh->btgqh", (128, 2, 4, 32)) == (128, 256)
+
+
+@pytest.mark.parametrize("d_mlp, runs", [(512, 0), (4160, 3)])
+def test_the_run_says_how_many_projections_run_in_fp8_and_why_not_the_others(capsys, d_mlp, runs):
+    # `--fp8 current` on a model whose projections are all too small changed nothing (losses
+    # bit-identical) while a note spoke of FP8. The line counts what the model runs in FP8, by
+    # its own rule: the f8 dots of its forward, one per projection.
+    from jaxdist.cli.cmd_train import Train
+    from jaxdist.cli.options import setup
+
+    args = Train(model="tiny-llama", d_mlp=d_mlp, layers=1, seq_len=16, devices="cpu:8")
+    args = dataclasses.replace(args, step=StepConfig(fp8="current"), compile_cache="off")
+    capsys.readouterr()
+    mesh, layout, mc, _ = setup(args)
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("fp8:")]
+    assert f"runs {runs} of the 5 projections of each of tiny-llama's layers in FP8" in line
+
+    def forward(tokens_BT):
+        with activation_rules(layout, mesh):
+            return Transformer(mc, nnx.Rngs(0))(tokens_BT)[0]
+
+    jaxpr = jax.make_jaxpr(forward)(jnp.zeros((2, 16), jnp.int32)).jaxpr
+    assert len([e for e in _dots(jaxpr) if e.invars[0].aval.dtype in F8]) == runs
+    # Why the others stay in the compute dtype, each shape named; with none in FP8, that the
+    # step is unchanged and how to force it.
+    assert "too small to gain" in line and "128->256, 128->128" in line  # wqkv: q 128, k and v 64
+    assert ("the step is the compute dtype's, unchanged" in line) == (runs == 0)
+    assert "--fp8-filter none" in line or runs
 
 
 # --- Resume ---------------------------------------------------------------------------------

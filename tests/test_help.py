@@ -147,3 +147,69 @@ def test_a_command_line_answers_without_loading_jax(argv):
     )
     printed, *loaded = done.stdout.split()
     assert int(printed) > 0 and loaded == [], f"{' '.join(argv)} loaded {loaded}"
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_defaults_read_as_values(capsys, monkeypatch, command):
+    # tyro showed about 40 flags as `--layers {None}|INT ... (default: None)`: None is no value
+    # a user types or reads. An unset flag reads as what it means (the preset's, off).
+    text = _help(capsys, monkeypatch, 100, command)
+    assert "{None" not in text and "(default: None)" not in text
+    assert "(default: False)" not in text and "(default: True)" not in text
+    if command == "train":
+        entries = _entries(text)
+        assert (
+            entries["--layers"].startswith("INT ")
+            and "(default: the preset's)" in entries["--layers"]
+        )
+        assert entries["--profile"].endswith("(default: off)")
+        assert entries["--document-mask"].endswith("(default: on)")
+
+
+def test_the_mesh_flag_names_its_axes_and_terms_of_art_are_explained(capsys, monkeypatch):
+    from jaxdist.layout import MESH_AXES
+
+    entries = _entries(_help(capsys, monkeypatch, 100, "train"))
+    mesh = entries["--mesh"]
+    assert all(re.search(rf"\b{axis} \(", mesh) for axis in MESH_AXES), mesh
+    # Each term of art with the sentence that says what it is.
+    said = {
+        "--checkpoint-every": ("Young-Daly's interval, sqrt(2 x save cost x MTBF)", "MTBF (mean"),
+        "--mtbf-hours-per-device": ("MTBF, mean time between failures",),
+        "--pipeline-schedule": ("1f1b (one forward, one backward", "gpipe (every microbatch"),
+        "--sync-every": ("H in the DiLoCo papers",),
+        "--sync-fragments": ("F in Streaming DiLoCo",),
+        "--sync-delay": ("T in Streaming DiLoCo",),
+    }
+    for flag, sentences in said.items():
+        assert all(s in entries[flag] for s in sentences), (flag, entries[flag])
+
+
+# Bad flags as a script reads them: one line on stderr, in jaxdist's words, naming the
+# command's own help, exit code 2 (tyro drew a 6-9-line box pointing at the help).
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["train", "--fp8", "bogus"], "--fp8 'bogus' is not one of off, current, delayed"),
+        (["train", "--steps", "x"], "--steps 'x' is not an integer"),
+        (["plan", "--link-gbps", "fast"], "--link-gbps 'fast' is not a number"),
+        (["train", "--stepz", "3"], "unknown option --stepz (did you mean --steps?)"),
+        (["train", "--mesh"], "--mesh needs a value"),
+        (["trian"], "unknown command trian (did you mean train?)"),
+        (["eval"], "jaxdist eval needs RUN_DIR"),
+        (["goodput"], "jaxdist goodput needs RUN_DIR"),
+        (["export-hf", "runs/a"], "jaxdist export-hf needs OUT_DIR"),
+        (["slurm", "--nodes", "two", "--", "train"], "--nodes 'two' is not an integer"),
+        (["train", "--remat", "most"], "--remat 'most' is not one of auto, preset, none, full"),
+    ],
+)
+def test_a_bad_flag_is_one_line_naming_the_commands_help(capsys, argv, line):
+    from jaxdist.cli.main import main
+
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert done.value.code == 2 and out == ""
+    (said,) = err.splitlines()
+    prog = "jaxdist" if argv[0] == "trian" else f"jaxdist {argv[0]}"
+    assert said.startswith(f"jaxdist: error: {line}") and said.endswith(f"; see {prog} --help")

@@ -399,3 +399,32 @@ def test_generate_stops_at_an_eos_the_model_declares():
     assert got["new_ids"] == ref["greedy_ids"].tolist() and len(got["new_ids"]) == 8
     stops = json.loads((FIX / "qwen3" / "generation_config.json").read_text())["eos_token_id"]
     assert got["new_ids"][-1] == stops[1] and stops[1] not in got["new_ids"][:-1]
+
+
+@pytest.mark.slow
+def test_the_export_of_a_run_on_bytes_generates_as_the_run_does(from_scratch):
+    # A run on bytes (the default data) was exported without a tokenizer, and `generate` then
+    # refused the directory. It now holds one whose ids are the bytes: the export continues a
+    # prompt with the same ids as the run itself (greedy), and decodes them to the same text.
+    run, export = from_scratch
+    prompt = "def f(x):\n    return ünïcode "
+    argv = ["--prompt", prompt, "--max-new-tokens", "6", "--json", "--devices", "cpu:8"]
+    ours = json.loads(jaxdist("generate", str(run), *argv)[0].splitlines()[-1])
+    theirs = json.loads(jaxdist("generate", f"hf:{export}", *argv)[0].splitlines()[-1])
+    assert theirs["prompt_ids"] == ours["prompt_ids"] == list(prompt.encode())
+    assert (theirs["new_ids"], theirs["text"]) == (ours["new_ids"], ours["text"])
+
+
+@pytest.mark.slow
+def test_transformers_reads_the_byte_tokenizer_of_an_export(python, from_scratch):
+    _, export = from_scratch
+    text = "héllo ☃\n\tx"
+    code = (
+        "import sys, transformers; t = transformers.AutoTokenizer.from_pretrained(sys.argv[1]); "
+        "ids = t(sys.argv[2]).input_ids; print(ids, t.eos_token_id, repr(t.decode(ids)))"
+    )
+    done = subprocess.run(
+        [python, "-c", code, str(export), text], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == f"{list(text.encode())} 256 {text!r}"

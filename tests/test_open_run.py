@@ -67,11 +67,16 @@ def test_eval_generate_and_export_open_the_run_and_build_no_step(trained, no_ste
     run = trained
     (last,) = [r for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r]
     capsys.readouterr()
-    assert main(["eval", str(run), *DEVICES]) == 0
+    assert main(["eval", str(run), "--json", *DEVICES]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # The same 2 batches as the run's own evaluation of the same weights, on the same mesh.
     assert got["step"] == last["step"] == 2
     np.testing.assert_allclose(got["loss"], last["eval_loss"], rtol=1e-6)
+    # Without --json: one line a person reads, the same figures.
+    assert main(["eval", str(run), *DEVICES]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"eval {run} step 2: loss {got['loss']:.4f}  perplexity ")
+    assert f"over {got['tokens']:,} tokens" in line and "{" not in line
 
     argv = ["generate", str(run), "--prompt", "abc", "--max-new-tokens", "3", "--json"]
     assert main([*argv, *DEVICES]) == 0
@@ -80,7 +85,7 @@ def test_eval_generate_and_export_open_the_run_and_build_no_step(trained, no_ste
     out = run.parent / "hf"
     assert main(["export-hf", str(run), str(out), "--mesh", "fsdp=8", *DEVICES]) == 0
     assert (out / "model.safetensors").is_file()
-    assert no_step == [run, run, run]
+    assert no_step == [run, run, run, run]
 
 
 def _weights_alike(run, mesh: str = "data=2,fsdp=2,tensor=2", opened_on: str | None = None):

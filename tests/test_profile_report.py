@@ -62,7 +62,7 @@ def test_hand_written_trace_beside_the_alpha_beta_model(tmp_path):
     assert model["projection"][-1]["efficiency"] < 0.001
 
 
-def test_profile_of_a_run_dir_is_that_of_its_profile_folder(tmp_path, capsys):
+def test_profile_of_a_run_dir_is_that_of_its_profile_folder(tmp_path, capsys, monkeypatch):
     """`jaxdist profile RUN_DIR`, `RUN_DIR/profile` and the trace file itself: one report,
     with the per-axis table and the projection from the hlo.txt and mesh.json the trainer
     left in RUN_DIR/profile, never the newer trace of a watch window."""
@@ -94,6 +94,10 @@ def test_profile_of_a_run_dir_is_that_of_its_profile_folder(tmp_path, capsys):
     # The report on stdout, its warnings on stderr (`> report.txt` keeps the report alone).
     said = " ".join(err["run"].split())
     assert "warning:" not in out["run"] and "warning: projection: at 16 devices" in said
+    # `--json -` is stdout, as for plan and train --compile-only: the JSON alone, no file "-".
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", str(run), "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out) == rep and not (tmp_path / "-").exists()
 
 
 def test_no_projection_without_the_compiled_hlo(tmp_path, capsys):

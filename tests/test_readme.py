@@ -185,3 +185,34 @@ def test_every_readme_command_runs_as_written(tmp_path):
     assert not failures, f"{len(failures)} of {len(ran)} README commands failed:\n\n" + (
         "\n\n".join(failures)
     )
+    # What the commands wrote (data, runs, exports) is no change to the clone for git.
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True)
+    assert status.stdout.decode() == ""
+
+
+def test_what_the_readme_commands_write_is_ignored_by_git():
+    # `git status` after the README's commands listed data/ and exported/ as new files.
+    outputs = []
+    for _, _, lines in readme_blocks((ROOT / "README.md").read_text()):
+        first = lines[0].split()[0]
+        if not first.startswith(SHELL_WORDS) and not ASSIGNMENT.match(first):
+            continue  # the Python program
+        for command in commands(lines):
+            argv = shlex.split(one_line(command), comments=True)
+            flags = zip(argv, argv[1:], strict=False)
+            outputs += [b for a, b in flags if a in ("--out", "--run-dir")]
+            if argv[:2] == ["jaxdist", "export-hf"]:
+                outputs.append(argv[3])
+    # Directories, each (a trailing / tells git so); those outside the checkout left out.
+    outputs = [p.rstrip("/") + "/" for p in outputs if not p.startswith("/")]
+    assert {"data/mine/", "exported/"} <= set(outputs)  # the README was read
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    # --no-index: whether .gitignore ignores the path, tracked or not, existing or not.
+    done = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *outputs],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.stderr == ""
+    unmatched = [line.split("\t")[1] for line in done.stdout.splitlines() if line.startswith("::")]
+    assert unmatched == []

@@ -168,7 +168,8 @@ def test_a_resume_with_another_batch_size_and_seed_is_refused_naming_both(reruns
     rc, err = reruns["refused"]
     assert rc == 2, err
     (line,) = err.splitlines()
-    assert "data.batch_size 8 -> 16" in line and "data.seed 3 -> 1" in line
+    # By their flags (the record's data.seed and loop.seed are both --seed's: named once).
+    assert "--batch-size 8 -> 16" in line and line.count("--seed 3 -> 1") == 1
     assert "--run-dir" in line
     # Refused before anything was written: the record still says what made the checkpoint.
     assert reruns["record_after_refusal"]["data"]["batch_size"] == 8
@@ -194,7 +195,7 @@ def test_a_replay_is_a_new_run_and_a_finished_run_says_so_in_one_line(reruns):
     ]
     rc, err = reruns["finished_changed"]
     err = " ".join(err.split())
-    assert rc == 2 and "another model" in err and "model.d_model" in err, err
+    assert rc == 2 and "another model" in err and "--d-model 128 -> 64" in err, err
     assert "already finished" not in err
     assert reruns["metrics_after_finished"] == reruns["metrics"]
     assert reruns["attempts_after_finished"] == 1  # nothing written

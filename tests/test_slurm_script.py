@@ -190,3 +190,32 @@ def test_without_restarts_the_script_runs_srun_once(tmp_path):
 def test_negative_max_restarts_is_refused():
     with pytest.raises(ConfigError, match="--max-restarts -1"):
         manifests.sbatch(1, 0, TRAIN, max_restarts=-1)
+
+
+def test_the_tasks_run_the_environment_the_script_was_printed_from(tmp_path):
+    # The script ran whatever `python` the nodes' PATH held. It now activates the environment
+    # `jaxdist slurm` ran in: srun starts that environment's python, whatever the PATH was.
+    import sys
+
+    script = manifests.sbatch(1, 0, [*TRAIN, "--run-dir", str(tmp_path / "run")])
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    srun = bindir / "srun"
+    srun.write_text('#!/bin/bash\ncommand -v "$2" >"$CALLS"\n')  # srun --kill-on-bad-exit=1 python
+    srun.chmod(srun.stat().st_mode | stat.S_IXUSR)
+    venv = os.path.dirname(sys.executable)
+    bare = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != venv)
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{bare}", "CALLS": str(tmp_path / "calls")}
+    env.pop("VIRTUAL_ENV", None)
+    r = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "calls").read_text().strip() == os.path.join(sys.prefix, "bin", "python")
+    assert "# Each task runs jaxdist from the environment `jaxdist slurm` ran in" in script
+
+
+def test_another_environment_is_activated_as_its_kind_is(tmp_path):
+    (tmp_path / "conda" / "conda-meta").mkdir(parents=True)
+    conda = manifests.activation(str(tmp_path / "conda"))
+    assert conda[-1] == f'eval "$(conda shell.bash hook)" && conda activate {tmp_path}/conda'
+    with pytest.raises(ConfigError, match="holds no bin/activate"):
+        manifests.activation(str(tmp_path))

@@ -62,7 +62,7 @@ def test_a_tiny_eval_split_is_warned_of_and_its_distinct_tokens_reported(tmp_pat
     (ev,) = [r for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r]
     assert (ev["eval_tokens"], ev["eval_distinct_tokens"]) == (5120, W * 32)
 
-    assert main(["eval", str(run), "--batches", "20", "--devices", "cpu:8"]) == 0
+    assert main(["eval", str(run), "--batches", "20", "--devices", "cpu:8", "--json"]) == 0
     out = capsys.readouterr()
     got = json.loads(out.out.strip().splitlines()[-1])
     assert (got["tokens"], got["distinct_tokens"], got["distinct_windows"]) == (5120, W * 32, W)
@@ -71,7 +71,7 @@ def test_a_tiny_eval_split_is_warned_of_and_its_distinct_tokens_reported(tmp_pat
     np.testing.assert_allclose(got["loss"], ev["eval_loss"], rtol=1e-5)  # the same 20 batches
 
     # One batch of 8 reads 8 different sequences: no warning, every token distinct.
-    assert main(["eval", str(run), "--batches", "1", "--devices", "cpu:8"]) == 0
+    assert main(["eval", str(run), "--batches", "1", "--devices", "cpu:8", "--json"]) == 0
     out = capsys.readouterr()
     got = json.loads(out.out.strip().splitlines()[-1])
     assert got["tokens"] == got["distinct_tokens"] == 8 * 32

@@ -300,7 +300,9 @@ def test_tokenize_train_eval_from_the_command_line(cli_run):
     last_eval = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last_eval = [x for x in last_eval if "eval_loss" in x][-1]
     # Another process: evaluation on 4 devices, which this one (on 8) cannot become.
-    r = cli("eval", str(run_dir), "--batches", "2", "--mesh", "fsdp=4", "--devices", "cpu:4")
+    r = cli(
+        "eval", str(run_dir), "--batches", "2", "--mesh", "fsdp=4", "--devices", "cpu:4", "--json"
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     # The step named as the run names it: its checkpoint's and its last evaluation's.

@@ -39,14 +39,17 @@ CAP_OVERHEAD = 0.01
 class CheckpointConfig:
     # The aliases are the command line's names (jaxdist.cli reads these dataclasses).
     every: Annotated[str, tyro.conf.arg(aliases=("--checkpoint-every",))] = "auto"
-    """steps between checkpoints, or auto: Young-Daly from the measured save cost and MTBF,
-    at most --checkpoint-cap-minutes apart; the final step is always saved"""
+    """steps between checkpoints, or auto: Young-Daly's interval, sqrt(2 x save cost x MTBF),
+    which loses the least time to saves and recomputed steps together, from the measured save
+    cost and the devices' MTBF (mean time between failures), at most --checkpoint-cap-minutes
+    apart; the final step is always saved"""
     keep: Annotated[int, tyro.conf.arg(aliases=("--checkpoint-keep",))] = 3
     """newest checkpoints kept; older ones are deleted once a newer one commits"""
     mtbf_hours_per_device: Annotated[float, tyro.conf.arg(aliases=("--mtbf-hours-per-device",))] = (
         DEFAULT_MTBF_HOURS_PER_DEVICE
     )
-    """device MTBF for the auto interval (Llama 3 saw ~50,700 GPU-hours per interruption)"""
+    """one device's MTBF, mean time between failures, in hours (a run's is this over its device
+    count), for the auto interval (Llama 3 saw ~50,700 GPU-hours per interruption)"""
     auto_cap_minutes: Annotated[float, tyro.conf.arg(aliases=("--checkpoint-cap-minutes",))] = 10.0
     """minutes of training at most between auto checkpoints, while saving that often costs <1%"""
     allow_fresh_start: Annotated[bool, tyro.conf.arg(prefix_name=False)] = False
@@ -55,7 +58,8 @@ class CheckpointConfig:
     """node-local directory (tmpfs, local disk) for a fast second tier: each process saves its
     own shards there; a restore takes the newest good checkpoint of both tiers"""
     local_every: Annotated[str, tyro.conf.arg(aliases=("--local-checkpoint-every",))] = "auto"
-    """steps between local checkpoints, or auto: Young-Daly from their measured cost"""
+    """steps between local checkpoints, or auto: Young-Daly's interval (see
+    --checkpoint-every) from their measured cost"""
     local_loss_share: Annotated[float, tyro.conf.arg(aliases=("--local-loss-share",))] = 0.78
     """share of failures that lose a node's local tier (a host replaced), which only the
     persistent tier survives; it sets the persistent interval when there is a local tier

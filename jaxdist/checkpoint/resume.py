@@ -53,6 +53,27 @@ FIXED_DELAYED = ("step.fp8_history", "step.fp8_filter")
 _UNREPORTED = ("versions", "cli", "loop.run_dir", "data_source.eos_id", "rules")
 
 
+class ResumeRefused(ConfigError):
+    """A resume whose model, data stream, optimizer, replica groups or FP8 recipe differs from
+    its checkpoint's. `changes`: (config path, old, new) each; the message names the paths, and
+    `worded(name)` names them as `name` does (the CLI: by their flags, `--sync-every 8 -> 32`)."""
+
+    def __init__(self, run_dir: pathlib.Path, step: int, changes: list[tuple[str, Any, Any]]):
+        self.run_dir, self.step, self.changes = run_dir, step, changes
+        super().__init__(self.worded(lambda path: path))
+
+    def worded(self, name) -> str:
+        said = (f"{name(k)} {old!r} -> {new!r}" for k, old, new in self.changes)
+        changed = "; ".join(dict.fromkeys(said))  # two fields of one flag (--seed): once
+        return (
+            f"{self.run_dir} holds a checkpoint (step {self.step}) of another model, data "
+            f"stream, optimizer, replica groups or FP8 recipe: {changed}. These decide what the "
+            "model is, which batch each step reads and what the state holds and computes, so "
+            "the run cannot resume with them changed: use a new --run-dir for a new run, or "
+            "give the old values to resume this one"
+        )
+
+
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in tree.items():
@@ -98,16 +119,9 @@ def compare_with_checkpoint(run_dir: pathlib.Path, record: dict) -> list[str]:
     step, old_record = found
     old, new = _flat(old_record), _flat(record)
     keys = FIXED + (FIXED_DELAYED if old.get("step.fp8") == "delayed" else ())
-    fixed = [f"{k} {old[k]!r} -> {new.get(k)!r}" for k in keys if k in old and old[k] != new.get(k)]
+    fixed = [(k, old[k], new.get(k)) for k in keys if k in old and old[k] != new.get(k)]
     if fixed:
-        raise ConfigError(
-            f"{run_dir} holds a checkpoint (step {step}) of another model, data stream, "
-            f"optimizer, replica groups or FP8 recipe: {'; '.join(fixed)}. These decide what "
-            "the model is, which batch each step reads and what the state holds and computes, "
-            "so the run cannot resume "
-            "with them changed: use a new --run-dir for a new run, or give the old values to "
-            "resume this one"
-        )
+        raise ResumeRefused(run_dir, step, fixed)
     return [
         f"{k} {old.get(k)!r} -> {new.get(k)!r}"
         for k in sorted(set(old) | set(new))

@@ -1,6 +1,7 @@
 """`jaxdist eval RUN_DIR`: the held-out loss of a run's newest checkpoint, on any mesh, as one
-JSON object (loss, perplexity, tokens and how many are distinct, bits per byte); a warning line
-first when the held-out data is smaller than what the evaluation reads."""
+line (loss, perplexity, bits per byte, tokens and how many are distinct), or with --json one
+JSON object for scripts; a warning line first when the held-out data is smaller than what the
+evaluation reads."""
 
 import dataclasses
 import json
@@ -18,7 +19,8 @@ from jaxdist.errors import ConfigError
 class Eval:
     """Evaluate a run's newest checkpoint on held-out data."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="RUN_DIR")]
+    """a run directory (train's --run-dir); its newest good checkpoint is evaluated"""
     data: str | None = None
     """held-out data (a tokenized directory: its eval split, else all of it); default: the
     eval split of the data the run trained on"""
@@ -32,6 +34,24 @@ class Eval:
     """default: the run's"""
     compile_cache: str = DEFAULT_CACHE
     """persistent XLA compilation cache directory, or off"""
+    json: bool = False
+    """print one JSON object (run_dir, step, loss, perplexity, tokens, distinct_tokens,
+    bits_per_byte, batches, distinct_windows, mesh, data) instead of the line"""
+
+
+def said(out: dict) -> str:
+    """The evaluation as a person reads it, one line from the figures --json prints."""
+    bpb = out["bits_per_byte"]
+    distinct = out["distinct_tokens"]
+    repeats = "" if distinct == out["tokens"] else f" ({distinct:,} distinct)"
+    mesh = ",".join(f"{k}={v}" for k, v in out["mesh"].items() if v > 1) or "one device"
+    return (
+        f"eval {out['run_dir']} step {out['step']}: loss {out['loss']:.4f}  perplexity "
+        f"{out['perplexity']:.2f}"
+        + (f"  {bpb:.3f} bits/byte" if bpb is not None else "")
+        + f"  over {out['tokens']:,} tokens{repeats} of {out['data']}, {out['batches']} "
+        f"batches on {mesh}"
+    )
 
 
 def _held_out(args: Eval, record: dict, held, model, num_batches: int):
@@ -104,5 +124,5 @@ def evaluate(args: Eval) -> int:
     out |= report(loss, batches, num_batches)
     out |= {"mesh": dict(mesh.shape), "data": held.path or "embedded"}
     if jax.process_index() == 0:
-        print(json.dumps(out))
+        print(json.dumps(out) if args.json else said(out))
     return 0

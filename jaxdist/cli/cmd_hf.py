@@ -26,8 +26,10 @@ class ExportHF:
     """Write a run's checkpoint as a Hugging Face model directory (its source's architecture,
     else the one its options imply: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, GPT-2)."""
 
-    run_dir: tyro.conf.Positional[str]
-    out_dir: tyro.conf.Positional[str]
+    run_dir: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="RUN_DIR")]
+    """a run directory (train's --run-dir)"""
+    out_dir: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="OUT_DIR")]
+    """the Hugging Face model directory to write (it must not exist)"""
     step: int | None = None
     """the checkpoint to export; default: the newest good one"""
     dtype: Literal["float32", "bfloat16"] | None = None
@@ -45,7 +47,7 @@ class ExportHF:
 class Generate:
     """Generate text from a run's newest checkpoint or a local Hugging Face model (hf:PATH)."""
 
-    source: tyro.conf.Positional[str]
+    source: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="SOURCE")]
     """RUN_DIR, or hf:PATH (a directory with config.json, safetensors, tokenizer.json)"""
     prompt: str = ""
     """the text to continue, encoded with the model's tokenizer"""

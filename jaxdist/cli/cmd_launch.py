@@ -16,10 +16,13 @@ class Launch:
     jaxdist launch --processes 2 --devices-per-process 4 -- train --model tiny ..."""
 
     processes: int = 2
+    """processes started on this host, one run"""
     devices_per_process: int = 4
+    """devices each process drives (see --platform)"""
     platform: Literal["cpu", "gpu"] = "cpu"
     """cpu: fake CPU devices per process; gpu: that many local GPUs per process"""
     port: int | None = None
+    """the coordinator's port on loopback (default: a free one)"""
     max_restarts: int = 0
     """after a failure (an exit, a kill, a declared hang) start every process again, up to N
     times; each attempt resumes from the newest good checkpoint (needs --run-dir)"""
@@ -27,14 +30,17 @@ class Launch:
 
 @dataclasses.dataclass(frozen=True)
 class Slurm:
-    """Print an sbatch script for a run: jaxdist slurm --nodes 2 --gpus-per-node 8 -- train ..."""
+    """Print an sbatch script for a run, whose tasks activate the Python environment (venv or
+    conda) this command runs in: jaxdist slurm --nodes 2 --gpus-per-node 8 -- train ..."""
 
     nodes: int = 1
     """hosts in the allocation"""
     gpus_per_node: int = 8
     """0: CPU tasks with fake devices (one per node)"""
     time: str = "24:00:00"
+    """the job's wall-clock limit, as sbatch --time takes it"""
     job_name: str = "jaxdist"
+    """sbatch --job-name"""
     max_restarts: int = 0
     """after a failed srun (an exit, a kill, a declared hang) run it again, up to N times, in
     the same allocation; each attempt resumes from the newest good checkpoint"""
@@ -56,9 +62,11 @@ class K8s:
     """where the claim is mounted; the train command's --run-dir must lie under it (without
     one, it is --run-mount/--name: /runs/jaxdist by default)"""
     hosts: int = 2
+    """pods, one process each"""
     gpus_per_host: int = 8
     """GPUs each pod asks for (0: none); one process per pod, pod 0 coordinates"""
     name: str = "jaxdist"
+    """the JobSet's name (its pods' names start with it)"""
 
 
 def passthrough(argv: list[str]) -> int:

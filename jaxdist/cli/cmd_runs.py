@@ -15,7 +15,8 @@ from jaxdist.errors import ConfigError
 class Checkpoints:
     """List the checkpoints of a run: step, size, mesh, and whether each is valid."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="RUN_DIR")]
+    """a run directory (train's --run-dir)"""
     json: bool = False
     """print one JSON list of the checkpoints instead of a table"""
 
@@ -52,11 +53,11 @@ class Profile:
     """Attribute a JAX trace's step time to compute, communication (exposed and hidden), sync
     and idle, per step and device."""
 
-    path: tyro.conf.Positional[str]
+    path: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="PATH")]
     """a run directory (its profile/), a trace directory (jax.profiler's log dir) or one
     .xplane.pb"""
     json: str | None = None
-    """write breakdown.json here"""
+    """write breakdown.json here (-: to stdout, instead of the table)"""
     plot: str | None = None
     """write the PNG here"""
     hardware: Annotated[str, tyro.conf.arg(help=HARDWARE_HELP)] = "cpu"
@@ -81,10 +82,14 @@ def profile(args: Profile) -> int:
     if args.mesh:
         mesh_shape = parse_mesh(args.mesh).sizes()
     report = profile_report.profile(trace, hlo_text, mesh_shape, args.hardware)
-    profile_report.print_report(report)
+    to_stdout = args.json == "-"  # as plan's and train --compile-only's --json take it
+    if to_stdout:
+        print(json.dumps(report, indent=1))
+    else:
+        profile_report.print_report(report)
     profile_report.write(
         report,
-        pathlib.Path(args.json) if args.json else None,
+        pathlib.Path(args.json) if args.json and not to_stdout else None,
         pathlib.Path(args.plot) if args.plot else None,
     )
     return 0

@@ -106,17 +106,19 @@ def run(args: Train) -> int:
 
     if jax.process_index() == 0 and "already_finished" not in summary:
         # Commands, so the command line says them (fit's Python callers have their own).
-        print(_next_commands(summary, args.loop.steps))
+        print(_next_commands(summary, args))
     return 0
 
 
-def _next_commands(summary: dict, steps: int) -> str:
-    """What a user does after a run: train further, evaluate (a run with held-out data: it
-    evaluated), export."""
+def _next_commands(summary: dict, args: Train) -> str:
+    """What a user does after a run: train further (with the run's own flags), evaluate (a run
+    with held-out data: it evaluated), export."""
+    from jaxdist.cli.config_file import command_line
+
     where = shlex.quote(summary["run_dir"])
-    lines = [
-        f"next: train further  jaxdist train --run-dir {where} --steps {steps * 2}  (same flags)"
-    ]
+    own = shlex.join(command_line(args, skip=("loop.run_dir", "loop.steps")))
+    further = f"jaxdist train --run-dir {where} --steps {args.loop.steps * 2} {own}".strip()
+    lines = [f"next: train further  {further}"]
     if "eval_loss" in summary:
         lines.append(f"      evaluate       jaxdist eval {where}")
     lines.append(f"      export         jaxdist export-hf {where} {where}/hf")

@@ -22,6 +22,7 @@ the key, never silently dropped.
 
 import dataclasses
 import difflib
+import functools
 import json
 import pathlib
 import tomllib
@@ -140,3 +141,92 @@ def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
         else:
             rest.append(arg)
     return path, rest
+
+
+# A run's record (jaxdist.checkpoint.resume.run_record) holds the model and data as the library
+# built them; their flags, where the command's own config tree (`flags_of`) does not name them.
+_RECORD_FLAGS = {
+    "model.name": "--model",
+    "model.style": "--style",
+    "model.num_layers": "--layers",
+    "model.d_model": "--d-model",
+    "model.num_heads": "--heads",
+    "model.num_kv_heads": "--kv-heads",
+    "model.d_mlp": "--d-mlp",
+    "model.vocab_size": "--vocab",
+    "model.seq_len": "--seq-len",
+    "data.batch_size": "--batch-size",
+    "data.seed": "--seed",
+    "data.path": "--data",
+    "data_source.fingerprint": "--data",
+    "data_source.tokenizer": "--data",
+    "data_source.sources": "--data",
+    "mesh.replica": "--mesh (its replica axis)",
+}
+
+
+class Flag(typing.NamedTuple):
+    names: tuple[str, ...]  # the first is the one the help names: --lr, not --learning-rate
+    repeated: bool  # given once per value (--fault A --fault B), not all values at once
+
+
+@functools.cache
+def flags_of(kind: type) -> dict[str, Flag]:
+    """Each field of command `kind`'s config tree (`loop.run_dir`, `sync.sync_every`) and its
+    flag (`--run-dir`), as tyro's parser spells them: the one place a path meets its flag."""
+    import warnings
+
+    import tyro
+
+    # tyro.extras.get_parser is deprecated in tyro 1.0 (pinned) without a replacement that
+    # returns the parser; the flags are read from argparse's own actions.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        parser = tyro.extras.get_parser(kind)
+    return {
+        a.dest.replace("-", "_"): Flag(tuple(a.option_strings), type(a).__name__ == "_AppendAction")
+        for a in parser._actions
+        if a.option_strings and a.dest != "help"
+    }
+
+
+def flag_of(path: str, kind: type) -> str:
+    """The flag that sets config field `path` (of command `kind`'s tree, or of a run's record),
+    or the path itself where no flag sets it (a preset's own constant, rope_theta)."""
+    if path in _RECORD_FLAGS:
+        return _RECORD_FLAGS[path]
+    flag = flags_of(kind).get(path)
+    return flag.names[0] if flag else path
+
+
+def command_line(args, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that make command config `args` again, each field that differs from the
+    command's default (`--config`, when given, is spelled out: its values are among them);
+    the fields in `skip` left out, for the caller to give."""
+    flags = flags_of(type(args))
+    given = _leaves(dataclasses.asdict(args))
+    default = _leaves(dataclasses.asdict(type(args)()))
+    out = []
+    for path, value in given.items():
+        if path in skip or path == "config" or value == default.get(path):
+            continue
+        names, repeated = flags[path]
+        if isinstance(value, bool):
+            out.append(names[0] if value else next(n for n in names if n.startswith("--no-")))
+        elif isinstance(value, list | tuple) and repeated:
+            out += [part for v in value for part in (names[0], str(v))]
+        elif isinstance(value, list | tuple):
+            out += [names[0], *(str(v) for v in value)]
+        else:
+            out += [names[0], str(value)]
+    return out
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out |= _leaves(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -10,10 +10,17 @@ command line is parsed, tyro's help formatter is handed each argument under its 
 panel (`COMMANDS`: each command's panels), in the panels' order. A flag no panel names keeps
 tyro's own panel (a test holds every flag of these commands to one). The formatter is also
 handed each help text as one paragraph: tyro breaks a docstring's line wherever its source line
-is indented, mid-sentence."""
+is indented, mid-sentence.
+
+`one_line_errors`: tyro's parse errors (a 6-9-line box) as one line in jaxdist's own words,
+naming the command's help."""
 
 import contextlib
 import dataclasses
+import difflib
+import re
+import sys
+from collections.abc import Callable, Iterable
 
 # Flags several commands share, under the same concern in each.
 _MODEL = (
@@ -133,25 +140,51 @@ class _Panel:
         return getattr(self._parser, attr)
 
 
+# What a flag left unset (None) means, where its text cannot say it (a config outside cli/);
+# every other unset flag reads "(default: off)": the feature it turns on is off.
+_UNSET = {
+    "--config": "none, the flags alone",
+    "--coordinator": "detected (Slurm, MPI, Kubernetes), else one process",
+    "--num-processes": "detected, else 1",
+    "--process-id": "detected, else 0",
+}
+
+
 def _one_paragraph(arg_ctx):
-    """The argument with its help text in one paragraph (its cached lowering kept), and
-    without tyro's "(default: None)" where the text says what None stands for ("default:
-    --heads"): one default shown, not two."""
+    """The argument with its help text in one paragraph (its cached lowering kept), its
+    default read as a value: "(default: off)", not tyro's "(default: None)" and `{None}|INT`
+    (none where the text says what None stands for, "default: --heads": one default shown,
+    not two); True and False as on and off."""
     arg = arg_ctx.arg
     text = arg.field.helptext
     text = text() if callable(text) else text  # tyro reads docstrings lazily
     if not isinstance(text, str):
         return arg_ctx
-    says_default = arg.field.default is None and "default" in text
-    if "\n" not in text and not says_default:
-        return arg_ctx
     field = dataclasses.replace(arg.field, helptext=" ".join(text.split()))
-    if says_default and arg.field.argconf.help_behavior_hint is None:
-        argconf = dataclasses.replace(arg.field.argconf, help_behavior_hint="")
+    hint = _default_hint(arg, text)
+    if hint is not None and arg.field.argconf.help_behavior_hint is None:
+        argconf = dataclasses.replace(arg.field.argconf, help_behavior_hint=hint)
         field = dataclasses.replace(field, argconf=argconf)
     one = dataclasses.replace(arg, field=field)
-    one.__dict__["lowered"] = arg.lowered  # tyro's cached_property: not worked out again
+    lowered = arg.lowered
+    metavar = re.sub(r"^{None}\|", "", re.sub(r"^{None,", "{", str(lowered.metavar)))
+    if lowered.metavar is not None and metavar != lowered.metavar:
+        lowered = dataclasses.replace(lowered, metavar=metavar)
+    one.__dict__["lowered"] = lowered  # tyro's cached_property: not worked out again
     return dataclasses.replace(arg_ctx, arg=one)
+
+
+def _default_hint(arg, text: str) -> str | None:
+    """The help's "(default: ...)" for an unset, boolean or empty default; None: tyro's own."""
+    default = arg.field.default
+    flag = arg.lowered.name_or_flags[0] if arg.lowered.name_or_flags else ""
+    if default is None:
+        return "" if "default" in text else f"(default: {_UNSET.get(flag, 'off')})"
+    if isinstance(default, bool):
+        return f"(default: {'on' if default else 'off'})"
+    if default == () and arg.lowered.action != "append":  # a list flag given no values
+        return "(default: none)"
+    return None
 
 
 def regroup(prog: str, args: list) -> list:
@@ -204,3 +237,78 @@ def grouped():
         yield
     finally:
         formatting.format_help = original
+
+
+@contextlib.contextmanager
+def one_line_errors(words: Callable[[], Iterable[str]]):
+    """While parsing: a flag's bad value, an unknown flag or a missing argument ends in one line,
+    `jaxdist: error: CAUSE; see jaxdist CMD --help`, and exit code 2, as tyro's box did.
+    `words`: what an unknown word may be a misspelling of (the command's flags, or the
+    commands). Without tyro's parse-error hook (another tyro), tyro's own boxes."""
+    try:
+        from tyro import _errors
+    except ImportError:
+        yield
+        return
+
+    def hook(event) -> None:
+        cause = _cause(event, _errors, words)
+        if cause is None:  # an error this tyro added since: its own box
+            return
+        print(f"jaxdist: error: {cause}; see {event.prog} --help", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+    with _errors.on_parse_error(hook):
+        yield
+
+
+def _cause(event, errors, words: Callable[[], Iterable[str]]) -> str | None:
+    """What is wrong, for tyro's parse error `event` (tyro._errors' event types)."""
+    if isinstance(event, errors.InvalidChoice):
+        # In the order the help lists them, `{auto,preset,none}` (the event's come from a set).
+        metavar = str(event.argument.lowered.metavar)
+        listed = metavar[1:-1].split(",") if re.fullmatch(r"{[^}]*}", metavar) else event.choices
+        choices = ", ".join(str(c) for c in listed if str(c) != "None")
+        return f"{_name(event.argument)} {event.value!r} is not one of {choices}"
+    if isinstance(event, errors.InstantiationFailure):
+        if event.argument is None:
+            return event.message
+        return _bad_value(_name(event.argument), event.argument.lowered.metavar, event.message)
+    if isinstance(event, errors.BadValue) and event.reason == "too_few_values":
+        return f"{_name(event.argument)} needs a value"
+    if isinstance(event, errors.MissingArgs):
+        needed = " ".join(_name(a.arg) for a in event.missing_arguments)
+        return f"{event.prog} needs {needed}"
+    if isinstance(event, errors.MissingSubcommand):
+        return f"name a command: {', '.join(event.subcommand_spec.parser_from_name)}"
+    if isinstance(event, errors.UnrecognizedArgs):
+        flags = [t for t in event.tokens if t.startswith("-")]
+        if not flags:
+            kind = "command" if event.prog == "jaxdist" else "argument"
+            return _unknown(f"{kind} {' '.join(event.tokens)}", event.tokens[0], words)
+        return _unknown(f"option {' '.join(flags)}", flags[0].partition("=")[0], words)
+    return None
+
+
+def _name(arg) -> str:
+    """A flag's first name, or a positional argument's (RUN_DIR: its metavar, or its field's
+    name where the metavar is only its type)."""
+    if arg.is_positional():
+        metavar = str(arg.lowered.metavar)
+        return arg.field.intern_name.upper() if metavar in ("STR", "INT", "FLOAT") else metavar
+    return arg.lowered.name_or_flags[0]
+
+
+def _bad_value(flag: str, metavar, message: str) -> str:
+    """`--steps 'x' is not an integer`, from Python's "invalid literal for int() ...: 'x'"."""
+    given = re.search(r": ('.*')$", message)
+    kinds = {"INT": "an integer", "FLOAT": "a number"}
+    kind = next((v for k, v in kinds.items() if re.search(rf"\b{k}\b", str(metavar))), None)
+    if given and kind:
+        return f"{flag} {given.group(1)} is not {kind}"
+    return f"{flag}: {message}"
+
+
+def _unknown(what: str, word: str, words: Callable[[], Iterable[str]]) -> str:
+    close = difflib.get_close_matches(word, list(words()), n=1)
+    return f"unknown {what}" + (f" (did you mean {close[0]}?)" if close else "")

@@ -15,7 +15,7 @@ import tyro
 
 from jaxdist.cli import config_file
 from jaxdist.cli.cmd_launch import passthrough
-from jaxdist.cli.help_groups import grouped
+from jaxdist.cli.help_groups import grouped, one_line_errors
 from jaxdist.errors import ConfigError, TrainingStopped
 
 # Integer lists (--fault-nan-steps) as users type them, `5,9`, as well as tyro's own `5 9`.
@@ -55,6 +55,19 @@ COMMANDS = {
 }
 
 
+# The commands that carry a train command line after `--` (cmd_launch), by their flags' class.
+PASSTHROUGH = {"launch": "Launch", "slurm": "Slurm", "k8s": "K8s"}
+
+
+def _flags(kind: type | str) -> list[str]:
+    """Every spelling of every flag of a command (a class of cmd_launch's, by name)."""
+    if isinstance(kind, str):
+        from jaxdist.cli import cmd_launch
+
+        kind = getattr(cmd_launch, kind)
+    return [n for flag in config_file.flags_of(kind).values() for n in flag.names]
+
+
 def command(name: str) -> tuple[type, Callable]:
     """A command's flags (its dataclass) and the function that runs it, its module loaded."""
     module, kind, run = COMMANDS[name]
@@ -69,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"jaxdist {version('jaxdist')} (jax {version('jax')})")
         return 0
-    if argv and argv[0] in ("launch", "slurm", "k8s"):
+    if argv and argv[0] in PASSTHROUGH:
         try:
-            return passthrough(argv)
+            with grouped(), one_line_errors(lambda: _flags(PASSTHROUGH[argv[0]])):
+                return passthrough(argv)
         except ConfigError as e:
             print(f"jaxdist: error: {e}", file=sys.stderr)
             return 2
@@ -87,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"jaxdist: error: {e}", file=sys.stderr)
             return 2
-    with INT_LISTS, grouped():  # the help by concern (help_groups)
+    words = (lambda: _flags(command(name)[0])) if name else lambda: [*COMMANDS, *PASSTHROUGH]
+    # The help by concern, an error in one line (help_groups).
+    with INT_LISTS, grouped(), one_line_errors(words):
         if name is not None:
             kind, _ = command(name)
             args = tyro.cli(kind, default=defaults, args=argv[1:], prog=f"jaxdist {name}")
@@ -104,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         with _house_style_logging():
             return run(args)
     except ConfigError as e:
+        # A message that names config fields (a refused resume) names them by their flags.
+        if hasattr(e, "worded"):
+            e = e.worded(lambda path: config_file.flag_of(path, type(args)))
         print(f"jaxdist: error: {e}", file=sys.stderr)
         return 2
     except TrainingStopped as e:

@@ -15,7 +15,7 @@ import tyro
 from jaxdist import hardware
 from jaxdist.errors import ConfigError
 from jaxdist.hf.source import hf_dir
-from jaxdist.layout import StepConfig, SyncConfig
+from jaxdist.layout import MESH_AXES, StepConfig, SyncConfig
 from meshes.presets import PRESETS as MESH_PRESETS
 from models.presets import PRESETS as MODEL_PRESETS
 from models.transformer_config import RematPolicy
@@ -29,9 +29,22 @@ MODEL_HELP = (
     "--d-model, --heads, --d-mlp, --seq-len, --vocab; --kv-heads defaults to --heads), or "
     "hf:PATH (a local Hugging Face model directory's architecture, randomly initialized)"
 )
+# What each mesh axis splits (jaxdist.layout.MESH_AXES, outermost first).
+_AXES = {
+    "replica": "DiLoCo groups that meet every --sync-every steps",
+    "pipeline": "layer stages",
+    "data": "the batch",
+    "fsdp": "the batch, with weights and optimizer state sharded",
+    "context": "the sequence",
+    "expert": "MoE experts",
+    "tensor": "heads and MLP width",
+}
+assert tuple(_AXES) == MESH_AXES, "a mesh axis without its words in --mesh's help"
 MESH_HELP = (
-    f"mesh preset ({', '.join(MESH_PRESETS)}) or inline axis=size list (data=2,fsdp=4); "
-    "auto: cpu8 on 8 CPU devices, else fsdp over all devices"
+    f"mesh preset ({', '.join(MESH_PRESETS)}) or inline axis=size list (data=2,fsdp=4; -1: the "
+    "devices left) over the axes "
+    + ", ".join(f"{a} ({what})" for a, what in _AXES.items())
+    + "; auto: cpu8 on 8 CPU devices, else fsdp over all devices"
 )
 HARDWARE_HELP = f"hardware preset: {', '.join(hardware.PRESETS)}; a TPU slice size may follow"
 
@@ -41,21 +54,24 @@ class Common:
     model: Annotated[str, tyro.conf.arg(help=MODEL_HELP)] = "tiny"
     style: Literal["gpt2", "llama"] | None = None
     """model family: gpt2 (LayerNorm, GELU, learned positions) or llama (RMSNorm, SwiGLU,
-    RoPE); these size flags override a preset's, and define --model custom"""
+    RoPE); these size flags override a preset's, and define --model custom (default: the
+    preset's)"""
     layers: int | None = None
-    """transformer layers"""
+    """transformer layers (default: the preset's)"""
     d_model: int | None = None
-    """model width"""
+    """model width (default: the preset's)"""
     heads: int | None = None
-    """attention heads"""
+    """attention heads (default: the preset's)"""
     kv_heads: int | None = None
     """key and value heads (grouped-query attention; default: --heads)"""
     d_mlp: int | None = None
-    """the MLP's hidden width"""
+    """the MLP's hidden width (default: the preset's)"""
     seq_len: int | None = None
-    """tokens per row (the model's context; a Hugging Face model's may be shortened)"""
+    """tokens per row (the model's context; a Hugging Face model's may be shortened) (default:
+    the preset's)"""
     vocab: int | None = None
-    """vocabulary (tokenized data replaces it with its own, padded to a multiple of 128)"""
+    """vocabulary (tokenized data replaces it with its own, padded to a multiple of 128)
+    (default: the preset's)"""
     mesh: Annotated[str, tyro.conf.arg(help=MESH_HELP)] = "auto"
     devices: str = "auto"
     """cpu:N for N fake CPU devices; auto uses the accelerators present, else cpu:8"""
@@ -221,6 +237,7 @@ def setup(
     layout = dataclasses.replace(layout, batch_size=args.batch_size)
     if args.remat == "auto":
         model_cfg = _remat_auto(model_cfg, layout, mesh, target, platform)
+    _say_fp8(args.step, model_cfg)
     return mesh, dataclasses.replace(layout, remat=model_cfg.remat), model_cfg, args
 
 
@@ -267,6 +284,25 @@ def _remat_auto(model_cfg, layout, mesh, target: str | None, platform: str):
     if choice.said:
         print(choice.line(), file=sys.stderr)
     return dataclasses.replace(model_cfg, remat=choice.policy)
+
+
+def _say_fp8(step, model_cfg) -> None:
+    """With --fp8: one line on stderr, how many of the model's layer projections run in FP8,
+    and why the others do not (jaxdist.kernels.fp8.in_fp8), by the rule the model applies."""
+    if step.fp8 == "off":
+        return
+    from jaxdist.kernels import fp8
+    from models.transformer import PROJECTIONS
+    from models.transformer_config import _param_shapes, stacks
+
+    shapes = _param_shapes(model_cfg)
+    fans = [
+        fp8.fans(spec, shapes[prefix + name][1:])  # one layer's weight
+        for prefix, _ in stacks(model_cfg)
+        for name, spec in PROJECTIONS.items()
+        if prefix + name in shapes
+    ]
+    print(fp8.in_fp8(step, model_cfg.name, fans), file=sys.stderr)
 
 
 def _with_data(args: Common, model_cfg, data: str | None):

@@ -1,8 +1,10 @@
 """Launch files for real clusters: a Slurm batch script and a Kubernetes JobSet."""
 
+import pathlib
 import posixpath
 import re
 import shlex
+import sys
 
 import yaml
 
@@ -102,8 +104,13 @@ def sbatch(
     time_limit: str = "24:00:00",
     cpu_devices_per_task: int = 4,
     max_restarts: int = 0,
+    env: str | None = None,
 ) -> str:
     """One task per GPU (or, with no GPUs, one CPU task per node with fake devices).
+
+    `env`: the Python environment (a venv or conda prefix) the tasks activate before they run
+    jaxdist; default: the one this process runs in (`activation`), so the job runs the
+    jaxdist that printed it.
 
     Inside `srun`, JAX's Slurm detection finds the coordinator, the process count and id;
     SIGTERM 120 s before the time limit makes every task save and exit 0, and `--requeue` with
@@ -134,6 +141,7 @@ def sbatch(
         "#SBATCH --signal=TERM@120",
         "#SBATCH --requeue",
         "#SBATCH --output=%x-%j.out",
+        *activation(env),
         "set -euo pipefail",
         "",
     ]
@@ -151,6 +159,28 @@ def sbatch(
         cmd = _command(args) + (f" --run-dir {run_dir}" if given is None else "")
         lines.append(f"srun --kill-on-bad-exit=1 {cmd}")
     return "\n".join(lines) + "\n"
+
+
+def activation(env: str | None = None) -> list[str]:
+    """The script's lines that activate Python environment `env` (a venv's or a conda env's
+    prefix; default: this interpreter's), with a comment saying which; before `set -u`, which
+    conda's activation scripts do not survive. A system Python: a comment, nothing run."""
+    prefix = pathlib.Path(env or sys.prefix)
+    conda = (prefix / "conda-meta").is_dir()
+    venv = (prefix / "bin" / "activate").is_file() and (env or sys.prefix != sys.base_prefix)
+    if env is not None and not (conda or venv):
+        raise ConfigError(f"{env} holds no bin/activate; pass a venv's or a conda env's prefix")
+    if not (conda or venv):
+        return ["# No virtual environment: the tasks run the python on the nodes' PATH."]
+    said = "the environment `jaxdist slurm` ran in" if env is None else "this environment"
+    lines = [
+        f"# Each task runs jaxdist from {said} (its path must be the same on",
+        "# the nodes; edit the line below where they see it elsewhere).",
+    ]
+    if conda:
+        quoted = shlex.quote(str(prefix))
+        return [*lines, f'eval "$(conda shell.bash hook)" && conda activate {quoted}']
+    return [*lines, f"source {shlex.quote(str(prefix / 'bin' / 'activate'))}"]
 
 
 def _command(args: list[str]) -> str:

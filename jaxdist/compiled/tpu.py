@@ -76,7 +76,15 @@ def tpu_devices(topology: str) -> list:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.split(":")[0] + "-8")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    import jax
     from jax.experimental import topologies
+
+    # A topology's compile runs on no local device but the CPU's: not started, the other
+    # plugins (CUDA's, with jaxdist[gpu-aot] beside [tpu]) print no traceback on a host they
+    # cannot use ("Unable to load cuFFT"). A JAX_PLATFORMS of the user's own stands.
+    started = jax._src.xla_bridge.backends_are_initialized()  # noqa: SLF001 - no public query
+    if not os.environ.get("JAX_PLATFORMS") and not started:
+        jax.config.update("jax_platforms", "cpu")
 
     try:
         desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)

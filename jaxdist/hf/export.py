@@ -3,6 +3,10 @@
 Export gathers one tensor (one layer of it) at a time and streams it into the safetensors files
 of a temporary directory, renamed to OUT_DIR when complete: a failure leaves nothing half made.
 Every process takes part in every gather; process 0 writes.
+
+A run on bytes (no tokenizer.json: ids 0..255 are the UTF-8 bytes, EOS 256) is exported with a
+tokenizer.json that encodes text to those same ids (`byte_tokenizer`), so that the directory is
+a whole model for `jaxdist generate hf:OUT_DIR` and for transformers' AutoTokenizer alike.
 """
 
 import json
@@ -17,6 +21,28 @@ from jaxdist.hf.source import TOKENIZER, Source
 
 # Beside tokenizer.json in a model directory: what transformers' AutoTokenizer reads too.
 _TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def byte_tokenizer() -> str:
+    """A tokenizer.json whose ids are the UTF-8 bytes (0..255) and EOS 256 ("<|endoftext|>"):
+    the byte tokenizer (jaxdist.data.tokenizer) as the `tokenizers` library writes one. GPT-2's
+    byte-level pre-tokenizer maps each byte to a printable character; a BPE without merges over
+    those 256 characters, numbered by their byte, then gives each byte its own id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from jaxdist.data.tokenizer import BYTE_EOS, TRAIN_EOS
+
+    # GPT-2's bytes_to_unicode: printable bytes stand for themselves, the others from U+0100.
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    kept += range(ord("®"), ord("ÿ") + 1)
+    moved = [b for b in range(256) if b not in kept]
+    char = {b: chr(b) for b in kept} | {b: chr(256 + i) for i, b in enumerate(moved)}
+    tok = Tokenizer(models.BPE(vocab={char[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([TRAIN_EOS])
+    assert tok.token_to_id(TRAIN_EOS) == BYTE_EOS
+    return tok.to_str()
 
 
 def _gather(x) -> np.ndarray:
@@ -100,3 +126,9 @@ def _write_beside(src: Source, directory: pathlib.Path, dtype: str) -> None:
     for f in extras:
         if f.is_file():
             shutil.copyfile(f, directory / f.name)
+    if src.tokenizer is None:  # a run on bytes: their tokenizer, written out
+        from jaxdist.data.tokenizer import TRAIN_EOS
+
+        (directory / TOKENIZER).write_text(byte_tokenizer())
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": TRAIN_EOS}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

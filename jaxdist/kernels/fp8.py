@@ -54,8 +54,8 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 TENSORS = ("x", "w", "g")
 PREFIX = "fp8_"
 CPU_NOTE = (
-    "--fp8 {recipe} on cpu: XLA's CPU backend converts the f8 operands to f32 and multiplies "
-    "those (FP8's rounding, emulated; not its speed)"
+    "--fp8 {recipe} on cpu: the projections in FP8 are emulated, XLA's CPU backend converting "
+    "the f8 operands to f32 and multiplying those (FP8's rounding; not its speed)"
 )
 
 
@@ -104,6 +104,28 @@ def recipe(spec: str, w_shape: tuple[int, ...]) -> str:
     Outside a layout (a model built or called on its own): off."""
     step = getattr(current_layout(), "step", None)
     return "off" if step is None else projection_recipe(step, *fans(spec, w_shape))
+
+
+def in_fp8(step, model: str, fans: list[tuple[int, int]]) -> str | None:
+    """What --fp8 does to a model whose layers' projections go from d_in to d_out features
+    (`fans`, each stack's; the experts' and the head's stay in the compute dtype): how many run
+    in FP8 and, where some or all do not, why; None with --fp8 off."""
+    if step.fp8 == "off":
+        return None
+    kept = [f for f in fans if projection_recipe(step, *f) == "off"]
+    said = f"fp8: --fp8 {step.fp8} runs {len(fans) - len(kept)} of the {len(fans)} projections "
+    said += f"of each of {model}'s layers in FP8"
+    if not kept:
+        return said
+    shapes = ", ".join(f"{i}->{o}" for i, o in dict.fromkeys(kept))
+    unaligned = any(i % 16 or o % 16 for i, o in kept)
+    why = (
+        "not multiples of 16, as FP8 GEMMs need, or " if unaligned else ""
+    ) + "too small to gain (at most 1024 features in and 4096 out: the casts cost more)"
+    said += f"; {len(kept)} stay in the compute dtype, {why}: {shapes}"
+    if len(kept) == len(fans):
+        said += "; the step is the compute dtype's, unchanged (--fp8-filter none: FP8 anyway)"
+    return said
 
 
 # --- The delayed state ----------------------------------------------------------------------
