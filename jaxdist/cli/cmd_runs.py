@@ -61,7 +61,7 @@ class Profile:
     """write the PNG here"""
     hardware: Annotated[
         str | None,
-        tyro.conf.arg(help=f"{HARDWARE_HELP}; default: the run's (saved beside its trace), else cpu"),
+        tyro.conf.arg(help=f"{HARDWARE_HELP}; default: the run's (saved beside the trace), or cpu"),
     ] = None
     hlo: str | None = None
     """compiled HLO text of the traced program (default: hlo.txt in the trace's log dir)"""

@@ -7,7 +7,6 @@ the trace's step windows hold exactly their own device work.
 """
 
 import contextlib
-import json
 import pathlib
 
 import jax
