@@ -214,8 +214,8 @@ def plan(models: PlanModel | Sequence[PlanModel], rules: AxisRules, cfg: PlanCon
         more = math.ceil(cfg.devices * need / usable)
         raise ConfigError(
             f"{model.name} fits no layout of {cfg.devices} {hw.name} devices: the leanest, "
-            f"{best['layout']}, needs {need / 1e9:.1f} GB per device of "
-            f"{usable / 1e9:.1f} GB usable; try --remat full, a "
+            f"{best['layout']}, needs {fit.gib(need, 1)} per device of "
+            f"{fit.gib(usable, 1)} usable; try --remat full, a "
             f"smaller --batch-size, or about {more} devices"
         )
     fitting.sort(key=lambda r: r["to_loss_s"])  # the step, times replica groups' tokens
@@ -261,6 +261,7 @@ def _heading(model: PlanModel, cfg: PlanConfig, hw) -> dict:
         "seq_len": model.seq_len,
         "memory_per_device": hw.memory_bytes,
         "usable_per_device": fit.usable(hw.memory_bytes, hw.platform),
+        "fit_rule": fit.verdict(0.0, hw.memory_bytes, hw.platform).rule(),
     }
 
 
