@@ -6,6 +6,7 @@ import shlex
 
 from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from jaxdist.compiled.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
@@ -145,7 +146,7 @@ def print_plan(result: dict, console: Console, wide: bool = False) -> None:
         table.add_column(col, justify="left" if text else "right", overflow="fold")
     for name, r in rows:
         table.add_row(*_cells(name, r, wide, bubbles, outer, fp8))
-    console.print(table)
+    _print_whole(table, console)
     notes = ["mb: microbatches", "ms per step"]
     if not wide:
         notes.append("comm*: what compute does not hide (--wide: each apart)")
@@ -155,9 +156,24 @@ def print_plan(result: dict, console: Console, wide: bool = False) -> None:
         notes.append(_fp8_note(rows))
     if not all(r["fits"] for _, r in rows):
         notes.append("GiB!: over the usable memory")
-    console.print("; ".join(notes), highlight=False)
+    console.print("; ".join(notes), highlight=False, soft_wrap=True)
     _footer(result, rows, naive, console)
+    _grouped_line(result, console)
     _link_line(rows, console)
+
+
+def _print_whole(table: Table, console: Console) -> None:
+    """The table at its own width where the output is a file or a pipe (a script reads whole
+    names and figures, never one folded onto two lines); a terminal's width folds it."""
+    need = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    if console.is_terminal or need <= console.width:
+        console.print(table)
+        return
+    width, console.width = console.width, need
+    try:
+        console.print(table)
+    finally:
+        console.width = width
 
 
 def _columns(wide: bool, bubbles: bool, outer: bool, fp8: bool) -> list[str]:
@@ -215,6 +231,31 @@ def _fp8_note(rows) -> str:
     )
 
 
+def _grouped_line(result: dict, console: Console) -> None:
+    """Where replica groups were asked for and none is among the layouts shown: where the
+    best one ranks, and why (its step and the tokens its groups cost, against the first's)."""
+    g = result.get("best_grouped")
+    shown = len(result["layouts"])
+    if g is None or (g["rank"] is not None and g["rank"] <= shown):
+        return
+    if g["rank"] is None:
+        why = "too big for device memory" if g["priced"] else "none splits evenly"
+        console.print(f"no layout of replica groups fits: {why}", highlight=False, soft_wrap=True)
+        return
+    r, first = g["row"], g["first"]
+    pace = "faster" if r["step_s"] < first["step_s"] else "slower"
+    console.print(
+        f"best layout of replica groups, ranked {g['rank']} of {g['of']} that fit: "
+        f"{r['layout']} ({r['remat']}, {r['microbatches']} mb): a {pace} step than "
+        f"{first['layout']}'s ({_ms(r['step_s'])} ms against {_ms(first['step_s'])}), but its "
+        f"groups need {r['tokens_factor']:.3f}x the tokens to data parallelism's loss (xtok): "
+        f"{_ms(r['to_loss_s'])} ms of step per step's worth of progress against "
+        f"{_ms(first['to_loss_s'])}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 def _link_line(rows, console: Console) -> None:
     """The slow link each of the top layouts needs for 80% compute utilization."""
     needs = [(name, r["link_gbps_80"]) for name, r in rows if "link_gbps_80" in r]
@@ -226,28 +267,34 @@ def _link_line(rows, console: Console) -> None:
 
     parts = "; ".join(f"{name} {shown(g)}" for name, g in needs)
     console.print(
-        f"slow link for 80% compute utilization, Gbit/s per device: {parts}", highlight=False
+        f"slow link for 80% compute utilization, Gbit/s per device: {parts}",
+        highlight=False,
+        soft_wrap=True,
     )
 
 
 def _footer(result: dict, rows, naive, console: Console) -> None:
     if result["rejected"]:
         why = ", ".join(f"{k}: {n}" for k, n in result["rejected"].items())
-        console.print(f"rejected before pricing: {why}", highlight=False)
+        console.print(f"rejected before pricing: {why}", highlight=False, soft_wrap=True)
     if result["too_big"]:
         console.print(f"{result['too_big']} layouts priced but too big for device memory")
     best = result["layouts"][0]
     if naive and not naive["fits"]:
         console.print(
             f"naive data parallel ({naive['layout']}) does not fit: "
-            f"{fit.gib(naive['memory_bytes']['peak'], 1)} per device; best: {best['layout']}"
+            f"{fit.gib(naive['memory_bytes']['peak'], 1)} per device; best: {best['layout']}",
+            highlight=False,
+            soft_wrap=True,
         )
     elif naive and naive is not best:
         grouped = best["tokens_factor"] != 1
         per = "to data parallelism's loss" if grouped else "per step"
         console.print(
             f"best {best['layout']} vs naive data parallel {naive['layout']}: "
-            f"{naive['to_loss_s'] / best['to_loss_s']:.2f}x faster {per} (predicted)"
+            f"{naive['to_loss_s'] / best['to_loss_s']:.2f}x faster {per} (predicted)",
+            highlight=False,
+            soft_wrap=True,
         )
 
 
@@ -296,7 +343,7 @@ def print_verify(result: dict, console: Console, platform: str) -> None:
             f"{v['hlo_collective_bytes'] / 1e6:.1f}",
             f"{v['bytes_ratio']:.3f}" + ("" if v["bytes_ok"] else " FLAG"),
         )
-    console.print(table)
+    _print_whole(table, console)
     compiled = fit.verdict(0.0, result["memory_per_device"], platform, predicted=False)
     console.print(
         f"fits: XLA's peak within {compiled.rule()}; the plan's prediction kept "
