@@ -334,8 +334,8 @@ def test_the_readme_replica_plan_says_where_its_best_group_layout_ranks_and_why(
     assert xtok > 1 and to_loss == pytest.approx(step * xtok, abs=3) and to_loss > int(m[11])
     # The plan's memory rule, its margin stated, in GiB as the table's column.
     assert any(
-        ln.startswith("memory per device: a layout's predicted peak fits within 64.08 GiB usable "
-                      "(71.20 GiB less 10% for the memory model's error)")
+        ln == "memory: a predicted peak fits in 64.08 GiB usable (71.20 GiB less 10% for the "
+              "prediction's error)"
         for ln in out
     )  # fmt: skip
     assert "GiB" in out[head].split()

@@ -212,8 +212,8 @@ def test_one_rule_says_fits_before_and_after_compiling_with_its_margin():
     assert predicted.budget == compiled.budget == hw.memory_bytes  # a TPU's: all its HBM
     assert predicted.fits and compiled.fits
     assert predicted.line() == (
-        "fits: predicted peak 86.11 GiB of 86.16 GiB usable (95.73 GiB less 10% for the memory "
-        "model's error)"
+        "fits: predicted peak 86.11 GiB of 86.16 GiB usable (95.73 GiB less 10% for the "
+        "prediction's error)"
     )
     assert compiled.line() == (
         "fits: compiled peak 89.92 GiB of 95.73 GiB usable (no margin: XLA's own peak)"

@@ -106,19 +106,16 @@ def _heading(result: dict, console: Console) -> None:
             f"slow link: {result['slow_link']}, "
             f"{result['between_hosts_bytes_s'] * 8 / 1e9:g} Gbit/s per device (--link-gbps)",
             highlight=False,
-            soft_wrap=True,
         )
     console.print(
         f"{result['model']} on {result['devices']} x {result['hardware']}, batch "
         f"{result['batch_size']} rows of {result['seq_len']:,} tokens (--seq-len): "
         f"the {len(result['layouts'])} fastest of {result['considered']} layouts, predicted",
         highlight=False,
-        soft_wrap=True,
     )
     # The rule every "fits" of the plan applies, its margin stated (jaxdist.planning.fit).
     console.print(
-        f"memory per device: a layout's predicted peak fits within {result['fit_rule']}; "
-        "compiled, XLA's own peak may use all of it",
+        f"memory: a predicted peak fits in {result['fit_rule']}",
         highlight=False,
         soft_wrap=True,
     )
@@ -156,7 +153,7 @@ def print_plan(result: dict, console: Console, wide: bool = False) -> None:
         notes.append(_fp8_note(rows))
     if not all(r["fits"] for _, r in rows):
         notes.append("GiB!: over the usable memory")
-    console.print("; ".join(notes), highlight=False, soft_wrap=True)
+    console.print("; ".join(notes), highlight=False)
     _footer(result, rows, naive, console)
     _grouped_line(result, console)
     _link_line(rows, console)
@@ -267,34 +264,28 @@ def _link_line(rows, console: Console) -> None:
 
     parts = "; ".join(f"{name} {shown(g)}" for name, g in needs)
     console.print(
-        f"slow link for 80% compute utilization, Gbit/s per device: {parts}",
-        highlight=False,
-        soft_wrap=True,
+        f"slow link for 80% compute utilization, Gbit/s per device: {parts}", highlight=False
     )
 
 
 def _footer(result: dict, rows, naive, console: Console) -> None:
     if result["rejected"]:
         why = ", ".join(f"{k}: {n}" for k, n in result["rejected"].items())
-        console.print(f"rejected before pricing: {why}", highlight=False, soft_wrap=True)
+        console.print(f"rejected before pricing: {why}", highlight=False)
     if result["too_big"]:
         console.print(f"{result['too_big']} layouts priced but too big for device memory")
     best = result["layouts"][0]
     if naive and not naive["fits"]:
         console.print(
             f"naive data parallel ({naive['layout']}) does not fit: "
-            f"{fit.gib(naive['memory_bytes']['peak'], 1)} per device; best: {best['layout']}",
-            highlight=False,
-            soft_wrap=True,
+            f"{fit.gib(naive['memory_bytes']['peak'], 1)} per device; best: {best['layout']}"
         )
     elif naive and naive is not best:
         grouped = best["tokens_factor"] != 1
         per = "to data parallelism's loss" if grouped else "per step"
         console.print(
             f"best {best['layout']} vs naive data parallel {naive['layout']}: "
-            f"{naive['to_loss_s'] / best['to_loss_s']:.2f}x faster {per} (predicted)",
-            highlight=False,
-            soft_wrap=True,
+            f"{naive['to_loss_s'] / best['to_loss_s']:.2f}x faster {per} (predicted)"
         )
 
 

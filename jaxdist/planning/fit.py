@@ -69,7 +69,7 @@ class Verdict:
         if self.predicted:
             return (
                 f"{gib(self.usable)} usable ({gib(self.budget)} less {self.margin:.0%} for the "
-                "memory model's error)"
+                "prediction's error)"
             )
         return f"{gib(self.usable)} usable (no margin: XLA's own peak)"
 
