@@ -1,5 +1,7 @@
 """The collectives XLA compiles match the analytic expectation of each layout."""
 
+import json
+
 import pytest
 
 from jaxdist.compiled import comm_report, hlo
@@ -248,3 +250,23 @@ def test_comm_explains_every_collective_its_model_does_not_expect():
     assert (
         "* tensor all-reduce: not in the layout's model: `reduce_max` in the forward pass\n" in out
     )
+
+
+@pytest.mark.slow
+def test_comm_on_a_replica_mesh_matches_its_model_or_says_why(capsys):
+    """`jaxdist comm --mesh replica=2,fsdp=4`, as a script reads it: every collective beside
+    its expectation (the embedding gradient's reduce-scatter, compiled as an all-to-all inside
+    the groups, is that row) or explained in words; the title names the mesh as --mesh does."""
+    from jaxdist.cli.main import main
+
+    args = ["comm", "--devices", "cpu:8", "--mesh", "replica=2,fsdp=4", "--compile-cache", "off"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "collectives per step on mesh replica=2,fsdp=4 " in out and "{" not in out
+    assert "unexpected" not in out and "…" not in out
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for r in report["rows"] + report["outer_rows"]:
+        if r["bytes"] >= 1024:  # scalars' reductions aside, each as the model expects it
+            assert r["ratio"] == pytest.approx(1.0, abs=0.05), r
+        assert r["expected_bytes"] or "note" in r, r
