@@ -309,3 +309,53 @@ def test_the_readme_plan_compiles_as_printed_and_fits_by_the_plans_rule():
     compiled = fit.verdict(peak, report["device_memory_bytes"], report["platform"], False)
     assert compiled.fits and report["fits"]
     assert abs(row["memory_bytes"]["peak"] / peak - 1) <= 1 - fit.PREDICTION_MARGIN
+
+
+# XLA's GPU compiler (jax 0.11.2) compiling tiny-llama at batch 65,536, seq 2048, fsdp=8, remat
+# full for h100:8; its memory analysis: 88.44 GiB of buffers (0.06 of arguments, 88.38 of
+# temporaries).
+REMAT_LINE = (
+    "W1207 05:14:27.325077    4880 hlo_rematerialization.cc:3363] Can't reduce memory use below "
+    "60.06GiB (64492914014 bytes) by rematerialization; only reduced to 96.38GiB (103484115181 "
+    "bytes), down from 100.51GiB (107926374703 bytes) originally"
+)
+
+
+def test_xlas_rematerialization_line_is_set_beside_the_table(capfd):
+    """What XLA's C++ writes on file descriptor 2 while compiling is caught and passed on, and
+    its "only reduced to" is printed beside the compiled peak with what each one counts."""
+    import io
+    import os
+
+    from rich.console import Console
+
+    from jaxdist.cli.compile_report import print_report
+    from jaxdist.compiled.memory import remat_said, xla_said
+
+    with xla_said() as (said, live):
+        os.write(2, (REMAT_LINE + "\n").encode())  # as XLA's logging writes it
+        live.write("shown meanwhile\n")
+    assert said == [REMAT_LINE]
+    err = capfd.readouterr().err
+    assert err.index("shown meanwhile") < err.index(REMAT_LINE)  # passed on, in order
+    remat = remat_said(["other", REMAT_LINE])
+    assert remat == {
+        "limit_bytes": 64492914014,
+        "reached_bytes": 103484115181,
+        "before_bytes": 107926374703,
+    }
+    assert remat_said(["nothing"]) is None
+    report = {
+        "model": "tiny-llama", "device_kind": "H100", "platform": "gpu", "mesh": {"fsdp": 8},
+        "batch_size": 65536, "seq_len": 2048, "remat": "full",
+        "per_device_bytes": {"peak_estimate": 88.44 * 2**30}, "predicted_peak_bytes": 80 * 2**30,
+        "collectives": [], "xla_remat": remat,
+    }  # fmt: skip
+    console = Console(file=io.StringIO(), width=100)
+    print_report(report, console)
+    out = " ".join(console.file.getvalue().split())
+    assert (
+        'XLA\'s rematerialization said "only reduced to 96.38GiB" (its limit 60.06): its own '
+        "count of the program before fusion and buffer assignment; the compiled peak, 88.44 "
+        "GiB, is the buffers the finished program allocates, the figure the verdict reads"
+    ) in out

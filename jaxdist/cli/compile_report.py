@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxdist.compiled import aot, gemms
-from jaxdist.compiled.memory import device_memory, target_hardware
+from jaxdist.compiled.memory import device_memory, remat_said, target_hardware, xla_said
 from jaxdist.planning import fit
 from models.remat import ORDER
 
@@ -28,8 +28,10 @@ def compile_only(args, model_cfg, mesh, layout, vocab: tuple[int, int | None]) -
     def compile_at(policy: str) -> dict:
         cfg = dataclasses.replace(model_cfg, remat=policy)
         at = dataclasses.replace(layout, remat=policy)
-        with compiling(Console(stderr=True), args, mesh, at):
-            return _report(args, cfg, mesh, at, vocab, memory)
+        with xla_said() as (said, live), compiling(Console(file=live), args, mesh, at):
+            report = _report(args, cfg, mesh, at, vocab, memory)
+        remat = remat_said(said)
+        return report | ({"xla_remat": remat} if remat else {})
 
     report, tried = aot.compile_fitting(model_cfg.remat, ORDER if auto else (), compile_at)
     report["remat"] = {"policy": tried[-1], "tried": tried} if auto else model_cfg.remat
@@ -120,7 +122,9 @@ def print_report(report: dict, console: Console) -> None:
         table.caption, table.caption_justify = gemms.summary(report["gemms"]), "left"
     console.print(table)
     if verdict is not None:  # the rule, its margin stated: the plan's own (planning.fit)
-        console.print(verdict.line(), highlight=False, soft_wrap=True)
+        console.print(verdict.line(), highlight=False)
+    if "xla_remat" in report:
+        console.print(_remat_line(report["xla_remat"], mem["peak_estimate"]), highlight=False)
     comm = Table(title="collectives per step", title_justify="left")
     for col in ("axis", "kind", "count", "GB"):
         comm.add_column(col, justify="left" if col in ("axis", "kind") else "right")
@@ -131,6 +135,16 @@ def print_report(report: dict, console: Console) -> None:
     # the report, on stdout with it and in --json's "warnings"; the run's own go to stderr.
     for w in report.get("warnings", []):
         console.print(f"warning: {w}", markup=False, highlight=False)
+
+
+def _remat_line(remat: dict, peak: float) -> str:
+    """XLA's "only reduced to" beside the table's compiled peak: what each counts."""
+    return (
+        f'XLA\'s rematerialization said "only reduced to {remat["reached_bytes"] / 2**30:.2f}GiB" '
+        f"(its limit {remat['limit_bytes'] / 2**30:.2f}): its own count of the program before "
+        f"fusion and buffer assignment; the compiled peak, {peak / 2**30:.2f} GiB, is the "
+        "buffers the finished program allocates, the figure the verdict reads"
+    )
 
 
 def _verdict(report: dict):
