@@ -122,7 +122,7 @@ class RematChoice:
         tried = ", ".join(f"{p} {gib(b, 1)}" for p, b in self.predicted.items())
         return (
             f"remat auto: {self.policy} (predicted per device: "
-            f"{tried}; {gib(usable(self.memory_bytes, self.platform), 1)} usable)"
+            f"{tried}; fits in {verdict(0.0, self.memory_bytes, self.platform).rule()})"
         )
 
 
