@@ -1,5 +1,7 @@
 """The collectives XLA compiles match the analytic expectation of each layout."""
 
+import json
+
 import pytest
 
 from jaxdist.compiled import comm_report, hlo
@@ -192,3 +194,79 @@ def test_comm_and_bench_take_a_hugging_face_config_and_custom_sizes(tmp_path):
     assert (result["model"], result["seq_len"]) == ("custom", 16)
     r = cli("bench", "--model", "custom", "--style", "gpt2")
     assert r.returncode == 2 and "--model custom needs --layers" in r.stderr
+
+
+# The replica groups' step on XLA:CPU (jax 0.11.2): the embedding table's gradient, a
+# scatter-add XLA partitions itself, runs as an all-to-all over fsdp where the model expects
+# jaxdist.kernels.lookup's reduce-scatter of the same 128 floats; a scalar's all-reduce that no
+# model prices.
+GROUPED = """HloModule g
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[2,64], y: f32[]) -> f32[2,64] {
+  %x = f32[2,64] parameter(0)
+  %y = f32[] parameter(1)
+  %all-to-all.1 = (f32[1,64]{1,0}, f32[1,64]{1,0}) all-to-all(%x, %x), channel_id=1, \
+replica_groups=mesh['data'=2,'fsdp'=2,'tensor'=2] {'fsdp'}, \
+metadata={op_name="jit(traced_step)/vmap(transpose(vmap(jvp())))/scatter-add"}
+  %all-reduce.2 = f32[] all-reduce(%y), channel_id=2, \
+replica_groups=mesh['data'=2,'fsdp'=2,'tensor'=2] {'tensor'}, to_apply=%add, \
+metadata={op_name="jit(traced_step)/vmap()/reduce_max"}
+  ROOT %r = f32[2,64] copy(%x)
+}
+""".replace("\\\n", "")
+
+
+def test_comm_explains_every_collective_its_model_does_not_expect():
+    import io
+
+    from rich.console import Console
+
+    found = hlo.collectives(GROUPED, MESH)
+    expected = {("fsdp", "reduce-scatter"): 512.0, ("data", "all-reduce"): 1024.0}
+    rows = comm_report._rows(hlo.summarize(found), expected)
+    rows = comm_report._explained(rows, comm_report._sources(GROUPED, found))
+    by = {(r["axis"], r["kind"]): r for r in rows}
+    # The reduce-scatter compiled as an all-to-all of its bytes: one row, beside its expectation.
+    assert set(by) == {("fsdp", "all-to-all"), ("tensor", "all-reduce"), ("data", "all-reduce")}
+    a2a = by[("fsdp", "all-to-all")]
+    assert (a2a["bytes"], a2a["expected_bytes"], a2a["ratio"]) == (512, 512.0, 1.0)
+    assert a2a["expected_kind"] == "reduce-scatter" and "embedding table" in a2a["note"]
+    assert by[("tensor", "all-reduce")]["note"] == (
+        "not in the layout's model: `reduce_max` in the forward pass"
+    )
+    assert by[("data", "all-reduce")]["note"] == "the model expects it; the program runs none"
+    # As a script reads it: a readable title, names whole, each note on one line.
+    console = Console(file=io.StringIO(), width=80)
+    comm_report.print_table({"mesh": {"data": 2, "expert": 1, "fsdp": 2}, "rows": rows}, console)
+    out = console.file.getvalue()
+    assert "collectives per step on mesh data=2,fsdp=2 " in out and "{" not in out
+    assert "│ all-to-all* │" in out and "…" not in out
+    assert (
+        "* tensor all-reduce: not in the layout's model: `reduce_max` in the forward pass\n" in out
+    )
+
+
+@pytest.mark.slow
+def test_comm_on_a_replica_mesh_matches_its_model_or_says_why(capsys):
+    """`jaxdist comm --mesh replica=2,fsdp=4`, as a script reads it: every collective beside
+    its expectation (the embedding gradient's reduce-scatter, compiled as an all-to-all inside
+    the groups, is that row) or explained in words; the title names the mesh as --mesh does."""
+    from jaxdist.cli.main import main
+
+    args = ["comm", "--devices", "cpu:8", "--mesh", "replica=2,fsdp=4", "--compile-cache", "off"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "collectives per step on mesh replica=2,fsdp=4 " in out and "{" not in out
+    assert "unexpected" not in out and "…" not in out
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for r in report["rows"] + report["outer_rows"]:
+        if r["bytes"] >= 1024:  # scalars' reductions aside, each as the model expects it
+            assert r["ratio"] == pytest.approx(1.0, abs=0.05), r
+        assert r["expected_bytes"] or "note" in r, r

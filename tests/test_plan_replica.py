@@ -4,6 +4,7 @@ tokens it needs for data parallelism's loss, Charles et al.'s Tables 4 and 5 (lo
 (bandwidth, within 15%), and bad flags in one line."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -303,3 +304,38 @@ def test_bad_replica_flags_end_in_one_line(flags, message, capsys):
     assert main([*base, "--batch-size", "16", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxdist: error:") and message in err[0], err
+
+
+def test_the_readme_replica_plan_says_where_its_best_group_layout_ranks_and_why(capsys):
+    """The README's `plan --replicas 8` ranks no layout of groups in its top 10: a line says
+    which is best, where it ranks and why (its step and its groups' tokens against the
+    first choice's); every layout name whole on its own row, as a script reads it."""
+    argv = ["plan", "--model", "llama3-8b", "--hardware", "a3-highgpu-8g", "--devices", "64"]
+    assert main([*argv, "--batch-size", "256", "--seq-len", "8192", "--replicas", "8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(out) if line.startswith("layout "))
+    rows = [ln.split()[0] for ln in out[head + 2 : head + 12]]
+    assert not any(r.startswith("replica=") for r in rows)
+    # Names whole: one row per layout, none folded onto a second line (34 characters here).
+    assert "pipeline=2,data=2,fsdp=8,context=2" in rows and all(r.count("=") for r in rows)
+    line = next(ln for ln in out if ln.startswith("best layout of replica groups"))
+    m = re.match(
+        r"best layout of replica groups, ranked (\d+) of (\d+) that fit: (replica=8,\S+) "
+        r"\((\w+), (\d+) mb\): a (faster|slower) step than pipeline=2,fsdp=32's \((\d+) ms "
+        r"against (\d+)\), but its groups need (\d\.\d{3})x the tokens to data parallelism's "
+        r"loss \(xtok\): (\d+) ms of step per step's worth of progress against (\d+)$",
+        line,
+    )
+    assert m, line
+    rank, of = int(m[1]), int(m[2])
+    assert 10 < rank <= of
+    step, first, xtok, to_loss = int(m[7]), int(m[8]), float(m[9]), int(m[10])
+    assert (m[6] == "faster") == (step < first)
+    assert xtok > 1 and to_loss == pytest.approx(step * xtok, abs=3) and to_loss > int(m[11])
+    # The plan's memory rule, its margin stated, in GiB as the table's column.
+    assert any(
+        ln == "memory: a predicted peak fits in 64.08 GiB usable (71.20 GiB less 10% for the "
+              "prediction's error)"
+        for ln in out
+    )  # fmt: skip
+    assert "GiB" in out[head].split()

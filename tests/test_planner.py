@@ -196,3 +196,32 @@ def test_expert_layouts_for_a_moe_model():
     assert experts["comm_exposed_s"] > 0
     ranked = plan(model, STANDARD_RULES, cfg)["layouts"]
     assert any(r["mesh"]["expert"] > 1 for r in ranked)
+
+
+def test_one_rule_says_fits_before_and_after_compiling_with_its_margin():
+    """planning.fit.verdict: the README's TPU example, predicted 86.11 GiB and compiled 89.92
+    GiB on a v5p (95.73 GiB a program may hold): the prediction fits within 90% of it, the
+    compiled peak, XLA's own, within all of it; each line states the figures and the margin."""
+    from jaxdist.hardware import get_hardware
+    from jaxdist.planning import fit
+
+    hw = get_hardware("v5p-128")
+    gib = 2**30
+    predicted = fit.verdict(86.11 * gib, hw.memory_bytes, hw.platform)
+    compiled = fit.verdict(89.92 * gib, hw.memory_bytes, hw.platform, predicted=False)
+    assert predicted.budget == compiled.budget == hw.memory_bytes  # a TPU's: all its HBM
+    assert predicted.fits and compiled.fits
+    assert predicted.line() == (
+        "fits: predicted peak 86.11 GiB of 86.16 GiB usable (95.73 GiB less 10% for the "
+        "prediction's error)"
+    )
+    assert compiled.line() == (
+        "fits: compiled peak 89.92 GiB of 95.73 GiB usable (no margin: XLA's own peak)"
+    )
+    # Past the margin a prediction does not fit, where the same compiled peak would.
+    assert not fit.verdict(89.92 * gib, hw.memory_bytes, hw.platform).fits
+    assert fit.fits(89.92 * gib, hw.memory_bytes, hw.platform, predicted=False)
+    # A GPU keeps 10% of the device from XLA's allocator before the rule's margin.
+    h100 = get_hardware("h100")
+    assert fit.verdict(0, h100.memory_bytes, "gpu").budget == pytest.approx(0.9 * h100.memory_bytes)
+    assert fit.usable(h100.memory_bytes, "gpu") == pytest.approx(0.81 * h100.memory_bytes)

@@ -371,3 +371,24 @@ def test_watch_comm_warns_during_training(trained, tmp_path):
     again = json.loads((tmp_path / "again.json").read_text())
     assert again == json.loads((window / "breakdown.json").read_text())
     assert again["model"]["per_axis"] and again["model"]["projection"]
+
+
+@pytest.mark.slow
+def test_replica_run_report_and_jaxdist_profile_print_the_same_rows(tmp_path, capsys):
+    """A run of replica groups meeting every 2 steps, traced over steps 1..3 (step 1 and 3 run
+    the outer step): `jaxdist profile RUN` prints the report the run printed, row for row,
+    the outer step's row and the `replica` collective with them."""
+    run_dir = tmp_path / "run"
+    _train(run_dir, "replica=2,fsdp=4", 4, "--sync-every", "2")
+    out, err = capsys.readouterr()
+    ran = (out + err).splitlines()
+    ran = ran[ran.index(next(ln for ln in ran if ln.startswith("trace: "))) :]
+    assert main(["profile", str(run_dir), "--json", str(tmp_path / "p.json")]) == 0
+    again = capsys.readouterr().out.splitlines()
+    assert ran[: len(again)] == again
+    assert json.loads((tmp_path / "p.json").read_text()) == json.loads(
+        (run_dir / "profile" / "breakdown.json").read_text()
+    )
+    text = "\n".join(again)
+    assert "communication of the outer step (replica groups)" in text
+    assert any(ln.split("│")[1:3] == [" replica ", " all-to-all "] for ln in again), text

@@ -2,6 +2,7 @@
 beside the alpha-beta model and its fleet-law projection, worked out on paper, and the one
 answer it gives whichever path of a run it is pointed at."""
 
+import io
 import json
 import os
 
@@ -119,3 +120,35 @@ def test_no_projection_without_the_compiled_hlo(tmp_path, capsys):
     capsys.readouterr()
     assert main(["profile", str(trace), "--hlo", str(tmp_path / "missing.txt")]) == 2
     assert "--hlo" in capsys.readouterr().err
+
+
+def test_profile_of_a_folder_attributes_each_step_by_the_program_the_run_saved(tmp_path, capsys):
+    """A step that ran another program (replica groups' outer step) is attributed by that
+    program's HLO, which the trainer saves beside the trace (report.save); `jaxdist profile`
+    of the folder reads it back and prints what the run printed, row for row."""
+    from rich.console import Console
+
+    from jaxdist.profiling import report
+
+    logdir = tmp_path / "profile"
+    cpu_trace.write_trace(logdir / "plugins" / "profile" / "2026_01_01_00_00_00")
+    # Step 11's program gathers [128,128] floats where the main program gathers [64,128].
+    outer = cpu_trace.HLO.replace("f32[64,128]", "f32[128,128]")
+    report.save(logdir, cpu_trace.HLO, cpu_trace.MESH, "h100", {11: outer})
+    rep = report.profile_saved(logdir)
+    console = Console(file=io.StringIO(), width=80)
+    report.print_report(rep, console, console)  # as the trainer prints it
+    ran = console.file.getvalue()
+    assert main(["profile", str(tmp_path / "profile"), "--json", str(tmp_path / "p.json")]) == 0
+    again = capsys.readouterr().out
+    assert json.loads((tmp_path / "p.json").read_text()) == json.loads(json.dumps(rep))
+    gathered = {
+        (r["step"], r["device"]): r["by_axis"]["data"].get("all-gather", {}).get("bytes")
+        for r in rep["steps"]
+    }
+    # Step 10 gathers nothing; step 11 the bytes of its own program, not the main one's.
+    assert gathered == {(10, 0): None, (10, 1): None, (11, 0): 65536, (11, 1): 65536}
+    assert rep["hardware"] == "h100"  # the run's hardware, not the command's default
+    # Every row and figure the run printed, the command prints (its warnings go to stderr).
+    assert [ln for ln in ran.splitlines() if not ln.startswith("warning")] == again.splitlines()
+    assert "0.033" in again and "all-gather" in again

@@ -245,7 +245,7 @@ def run(args: Plan) -> int:
         return 0 if best else 1
     print_plan(result, console, args.wide)
     if args.verify:
-        print_verify(result, console)
+        print_verify(result, console, hw.platform)
     print_command(result, console, result["check_target"])
     if args.json:
         with open(args.json, "w") as f:

@@ -60,7 +60,10 @@ class Profile:
     """write breakdown.json here (-: to stdout, instead of the table)"""
     plot: str | None = None
     """write the PNG here"""
-    hardware: Annotated[str, tyro.conf.arg(help=HARDWARE_HELP)] = "cpu"
+    hardware: Annotated[
+        str | None,
+        tyro.conf.arg(help=f"{HARDWARE_HELP}; default: the run's (saved beside the trace), or cpu"),
+    ] = None
     hlo: str | None = None
     """compiled HLO text of the traced program (default: hlo.txt in the trace's log dir)"""
     mesh: str | None = None
@@ -71,7 +74,7 @@ def profile(args: Profile) -> int:
     from jaxdist.mesh import parse_mesh
     from jaxdist.profiling import report as profile_report
 
-    trace, hlo_text, mesh_shape = profile_report.beside(args.path)
+    hlo_text = None
     if args.hlo:
         if not pathlib.Path(args.hlo).is_file():
             raise ConfigError(
@@ -79,9 +82,8 @@ def profile(args: Profile) -> int:
                 "(a run's profile/hlo.txt)"
             )
         hlo_text = pathlib.Path(args.hlo).read_text()
-    if args.mesh:
-        mesh_shape = parse_mesh(args.mesh).sizes()
-    report = profile_report.profile(trace, hlo_text, mesh_shape, args.hardware)
+    mesh_shape = parse_mesh(args.mesh).sizes() if args.mesh else None
+    report = profile_report.profile_saved(args.path, args.hardware, hlo_text, mesh_shape)
     to_stdout = args.json == "-"  # as plan's and train --compile-only's --json take it
     if to_stdout:
         print(json.dumps(report, indent=1))

@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxdist.compiled import aot, gemms
-from jaxdist.compiled.memory import device_memory, target_hardware
+from jaxdist.compiled.memory import device_memory, remat_said, target_hardware, xla_said
+from jaxdist.planning import fit
 from models.remat import ORDER
 
 
@@ -27,8 +28,10 @@ def compile_only(args, model_cfg, mesh, layout, vocab: tuple[int, int | None]) -
     def compile_at(policy: str) -> dict:
         cfg = dataclasses.replace(model_cfg, remat=policy)
         at = dataclasses.replace(layout, remat=policy)
-        with compiling(Console(stderr=True), args, mesh, at):
-            return _report(args, cfg, mesh, at, vocab, memory)
+        with xla_said() as (said, live), compiling(Console(file=live), args, mesh, at):
+            report = _report(args, cfg, mesh, at, vocab, memory)
+        remat = remat_said(said)
+        return report | ({"xla_remat": remat} if remat else {})
 
     report, tried = aot.compile_fitting(model_cfg.remat, ORDER if auto else (), compile_at)
     report["remat"] = {"policy": tried[-1], "tried": tried} if auto else model_cfg.remat
@@ -62,8 +65,7 @@ def finish(report: dict, json_path: str | None) -> int:
     if report.get("fits", True):
         return 0
     print(
-        f"jaxdist: the step does not fit: {report['peak_gib']} GiB per device against "
-        f"{report['usable_gib']} GiB usable of {report['device_gib']}; use a smaller "
+        f"jaxdist: the step {_verdict(report).line()}; use a smaller "
         "--batch-size, --remat full (or auto), more --microbatches, or a mesh that shards more",
         file=sys.stderr,
     )
@@ -112,13 +114,17 @@ def print_report(report: dict, console: Console) -> None:
     table.add_row(
         "predicted (the plan's memory model)", f"{report['predicted_peak_bytes'] / gib:.2f}"
     )
-    if "device_memory_bytes" in report:
-        table.add_row("a program may hold on the device", f"{report['usable_gib']:.2f}")
-        verdict = "fits" if report["fits"] else "DOES NOT FIT"
-        table.add_row("verdict", verdict)
+    verdict = _verdict(report)
+    if verdict is not None:
+        table.add_row("a program may hold on the device", f"{verdict.budget / gib:.2f}")
+        table.add_row("verdict", "fits" if verdict.fits else "DOES NOT FIT")
     if "gemms" in report:  # what the step's GEMMs read, beside its memory
         table.caption, table.caption_justify = gemms.summary(report["gemms"]), "left"
     console.print(table)
+    if verdict is not None:  # the rule, its margin stated: the plan's own (planning.fit)
+        console.print(verdict.line(), highlight=False)
+    if "xla_remat" in report:
+        console.print(_remat_line(report["xla_remat"], mem["peak_estimate"]), highlight=False)
     comm = Table(title="collectives per step", title_justify="left")
     for col in ("axis", "kind", "count", "GB"):
         comm.add_column(col, justify="left" if col in ("axis", "kind") else "right")
@@ -129,6 +135,25 @@ def print_report(report: dict, console: Console) -> None:
     # the report, on stdout with it and in --json's "warnings"; the run's own go to stderr.
     for w in report.get("warnings", []):
         console.print(f"warning: {w}", markup=False, highlight=False)
+
+
+def _remat_line(remat: dict, peak: float) -> str:
+    """XLA's "only reduced to" beside the table's compiled peak: what each counts."""
+    return (
+        f'XLA\'s rematerialization said "only reduced to {remat["reached_bytes"] / 2**30:.2f}GiB" '
+        f"(its limit {remat['limit_bytes'] / 2**30:.2f}): its own count of the program before "
+        f"fusion and buffer assignment; the compiled peak, {peak / 2**30:.2f} GiB, is the "
+        "buffers the finished program allocates, the figure the verdict reads"
+    )
+
+
+def _verdict(report: dict):
+    """The compiled peak by the plan's rule (jaxdist.planning.fit.verdict), where the device's
+    memory is known."""
+    if "device_memory_bytes" not in report:
+        return None
+    peak = report["per_device_bytes"]["peak_estimate"]
+    return fit.verdict(peak, report["device_memory_bytes"], report["platform"], predicted=False)
 
 
 def _devices(report: dict) -> int:

@@ -6,11 +6,12 @@ import shlex
 
 from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from jaxdist.compiled.aot import BYTES_TOLERANCE, MEMORY_TOLERANCE
 from jaxdist.layout import StepConfig, SyncConfig
-from jaxdist.planning import quality
+from jaxdist.planning import fit, quality
 
 # Common's model-size flags (jaxdist.cli.options), as the command line spells them.
 _SIZE_FLAGS = ("style", "layers", "d_model", "heads", "kv_heads", "d_mlp", "vocab")
@@ -108,16 +109,21 @@ def _heading(result: dict, console: Console) -> None:
         )
     console.print(
         f"{result['model']} on {result['devices']} x {result['hardware']}, batch "
-        f"{result['batch_size']} rows of {result['seq_len']:,} tokens (--seq-len), "
-        f"{result['usable_per_device'] / 1e9:.1f} GB usable per device: "
+        f"{result['batch_size']} rows of {result['seq_len']:,} tokens (--seq-len): "
         f"the {len(result['layouts'])} fastest of {result['considered']} layouts, predicted",
         highlight=False,
+    )
+    # The rule every "fits" of the plan applies, its margin stated (jaxdist.planning.fit).
+    console.print(
+        f"memory: a predicted peak fits in {result['fit_rule']}",
+        highlight=False,
+        soft_wrap=True,
     )
 
 
 def print_plan(result: dict, console: Console, wide: bool = False) -> None:
     """The ranked layouts, soonest to data parallelism's loss first, and the naive data=N beside
-    them: per device, the remat policy, microbatches, GB, then the fleet law's terms in ms
+    them: per device, the remat policy, microbatches, GiB, then the fleet law's terms in ms
     (compute over N, the pipeline's bubble where any, exposed communication, the straggler's
     sync, the step), with replica groups the tokens factor and the time to data parallelism's
     loss, and MFU. Without --wide, within 80 columns for layouts of up to 23 characters."""
@@ -137,7 +143,7 @@ def print_plan(result: dict, console: Console, wide: bool = False) -> None:
         table.add_column(col, justify="left" if text else "right", overflow="fold")
     for name, r in rows:
         table.add_row(*_cells(name, r, wide, bubbles, outer, fp8))
-    console.print(table)
+    _print_whole(table, console)
     notes = ["mb: microbatches", "ms per step"]
     if not wide:
         notes.append("comm*: what compute does not hide (--wide: each apart)")
@@ -146,14 +152,29 @@ def print_plan(result: dict, console: Console, wide: bool = False) -> None:
     if fp8:
         notes.append(_fp8_note(rows))
     if not all(r["fits"] for _, r in rows):
-        notes.append("GB!: too big for the device")
+        notes.append("GiB!: over the usable memory")
     console.print("; ".join(notes), highlight=False)
     _footer(result, rows, naive, console)
+    _grouped_line(result, console)
     _link_line(rows, console)
 
 
+def _print_whole(table: Table, console: Console) -> None:
+    """The table at its own width where the output is a file or a pipe (a script reads whole
+    names and figures, never one folded onto two lines); a terminal's width folds it."""
+    need = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    if console.is_terminal or need <= console.width:
+        console.print(table)
+        return
+    width, console.width = console.width, need
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
 def _columns(wide: bool, bubbles: bool, outer: bool, fp8: bool) -> list[str]:
-    columns = ["layout", "remat", "mb", "GB", "comp"] + (["bubl"] if bubbles else [])
+    columns = ["layout", "remat", "mb", "GiB", "comp"] + (["bubl"] if bubbles else [])
     columns += ["comm", "-ovl"] + (["outer"] if outer else []) if wide else ["comm*"]
     columns += ["sync", "step"] + (["xtok", "to DP"] if outer else []) + ["MFU"]
     return columns + (["tok/s"] if wide else []) + (["vs bf16"] if fp8 else [])
@@ -162,7 +183,7 @@ def _columns(wide: bool, bubbles: bool, outer: bool, fp8: bool) -> list[str]:
 def _cells(name: str, r: dict, wide: bool, bubbles: bool, outer: bool, fp8: bool) -> list[str]:
     """One row's cells, in _columns' order."""
     cells = [name, r["remat"], str(r["microbatches"])]
-    cells += [f"{r['memory_bytes']['peak'] / 1e9:.3g}" + ("" if r["fits"] else "!")]
+    cells += [f"{r['memory_bytes']['peak'] / fit.GIB:.3g}" + ("" if r["fits"] else "!")]
     cells += [_ms(r["compute_s"])] + ([_ms(r["bubble_s"])] if bubbles else [])
     if wide:
         cells += [_ms(r["comm_s"]), _ms(r["overlap_s"])]
@@ -207,6 +228,31 @@ def _fp8_note(rows) -> str:
     )
 
 
+def _grouped_line(result: dict, console: Console) -> None:
+    """Where replica groups were asked for and none is among the layouts shown: where the
+    best one ranks, and why (its step and the tokens its groups cost, against the first's)."""
+    g = result.get("best_grouped")
+    shown = len(result["layouts"])
+    if g is None or (g["rank"] is not None and g["rank"] <= shown):
+        return
+    if g["rank"] is None:
+        why = "too big for device memory" if g["priced"] else "none splits evenly"
+        console.print(f"no layout of replica groups fits: {why}", highlight=False, soft_wrap=True)
+        return
+    r, first = g["row"], g["first"]
+    pace = "faster" if r["step_s"] < first["step_s"] else "slower"
+    console.print(
+        f"best layout of replica groups, ranked {g['rank']} of {g['of']} that fit: "
+        f"{r['layout']} ({r['remat']}, {r['microbatches']} mb): a {pace} step than "
+        f"{first['layout']}'s ({_ms(r['step_s'])} ms against {_ms(first['step_s'])}), but its "
+        f"groups need {r['tokens_factor']:.3f}x the tokens to data parallelism's loss (xtok): "
+        f"{_ms(r['to_loss_s'])} ms of step per step's worth of progress against "
+        f"{_ms(first['to_loss_s'])}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 def _link_line(rows, console: Console) -> None:
     """The slow link each of the top layouts needs for 80% compute utilization."""
     needs = [(name, r["link_gbps_80"]) for name, r in rows if "link_gbps_80" in r]
@@ -232,7 +278,7 @@ def _footer(result: dict, rows, naive, console: Console) -> None:
     if naive and not naive["fits"]:
         console.print(
             f"naive data parallel ({naive['layout']}) does not fit: "
-            f"{naive['memory_bytes']['peak'] / 1e9:.1f} GB per device; best: {best['layout']}"
+            f"{fit.gib(naive['memory_bytes']['peak'], 1)} per device; best: {best['layout']}"
         )
     elif naive and naive is not best:
         grouped = best["tokens_factor"] != 1
@@ -264,7 +310,7 @@ def print_command(result: dict, console: Console, target: str | None) -> None:
         )
 
 
-def print_verify(result: dict, console: Console) -> None:
+def print_verify(result: dict, console: Console, platform: str) -> None:
     rows = [r for r in result["layouts"] if "verify" in r]
     table = Table(
         title="verify: predicted vs compiled (XLA memory analysis, HLO collectives)",
@@ -272,7 +318,7 @@ def print_verify(result: dict, console: Console) -> None:
         pad_edge=False,
         collapse_padding=True,
     )
-    for col in ("layout", "remat", "GB pred", "GB XLA", "ratio", "fits", "MB pred", "MB HLO"):
+    for col in ("layout", "remat", "GiB pred", "GiB XLA", "ratio", "fits", "MB pred", "MB HLO"):
         table.add_column(col, justify="left" if col in ("layout", "remat") else "right")
     table.add_column("ratio", justify="right")
     for r in rows:
@@ -280,15 +326,22 @@ def print_verify(result: dict, console: Console) -> None:
         table.add_row(
             r["layout"],
             r["remat"],
-            f"{v['predicted_peak_bytes'] / 1e9:.2f}",
-            f"{v['xla_peak_bytes'] / 1e9:.2f}",
+            f"{v['predicted_peak_bytes'] / fit.GIB:.2f}",
+            f"{v['xla_peak_bytes'] / fit.GIB:.2f}",
             f"{v['memory_ratio']:.3f}" + ("" if v["memory_ok"] else " FLAG"),
             "yes" if v["fits"] else "NO",
             f"{v['predicted_collective_bytes'] / 1e6:.1f}",
             f"{v['hlo_collective_bytes'] / 1e6:.1f}",
             f"{v['bytes_ratio']:.3f}" + ("" if v["bytes_ok"] else " FLAG"),
         )
-    console.print(table)
+    _print_whole(table, console)
+    compiled = fit.verdict(0.0, result["memory_per_device"], platform, predicted=False)
+    console.print(
+        f"fits: XLA's peak within {compiled.rule()}; the plan's prediction kept "
+        f"{1 - fit.PREDICTION_MARGIN:.0%} back for its error",
+        highlight=False,
+        soft_wrap=True,
+    )
     for r in rows:
         if "refused" in r["verify"]:
             console.print(f"{r['layout']}: XLA refused to compile it: {r['verify']['refused']}")

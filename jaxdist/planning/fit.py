@@ -29,17 +29,72 @@ from jaxdist.planning.memory import device_peak
 # The memory model is held within 10% of the compilers (tests/test_plan_compiled.py): a predicted
 # peak leaves that room, a compiled one (XLA's own figure) needs none.
 PREDICTION_MARGIN = 0.9
+# Device memory is shown in GiB everywhere (plan, --compile-only, --verify, remat auto): the
+# unit the compilers' own messages use ("exceeds available HBM", "only reduced to 70.21GiB").
+GIB = 2**30
+
+
+def gib(nbytes: float, digits: int = 2) -> str:
+    """Bytes of device memory as every printed line shows them."""
+    return f"{nbytes / GIB:.{digits}f} GiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Whether a per-device peak fits, by the one rule: what one program may hold on the
+    device (jaxdist.hardware.budget), less the margin of error of the figure (a prediction's
+    10%; a compiled peak, XLA's own, none). "Fits" means the same before and after compiling:
+    the compiled step fits what a program may hold; a prediction says so only with room for
+    its error."""
+
+    peak: float
+    budget: float  # bytes one program may hold on the device
+    predicted: bool
+
+    @property
+    def margin(self) -> float:
+        """The share of the budget kept back for the figure's error."""
+        return 1.0 - PREDICTION_MARGIN if self.predicted else 0.0
+
+    @property
+    def usable(self) -> float:
+        return self.budget * (1.0 - self.margin)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.usable
+
+    def rule(self) -> str:
+        """The threshold and its margin, in words."""
+        if self.predicted:
+            return (
+                f"{gib(self.usable)} usable ({gib(self.budget)} less {self.margin:.0%} for the "
+                "prediction's error)"
+            )
+        return f"{gib(self.usable)} usable (no margin: XLA's own peak)"
+
+    def line(self) -> str:
+        """The verdict with its figures and margin: one line, the same wherever it is shown."""
+        said = "fits" if self.fits else "does not fit"
+        what = "predicted" if self.predicted else "compiled"
+        return f"{said}: {what} peak {gib(self.peak)} of {self.rule()}"
+
+
+def verdict(peak_bytes: float, memory_bytes: float, platform: str, predicted: bool = True):
+    """The one rule (`Verdict`) for a step of this per-device peak on a device of
+    `memory_bytes` on `platform`; `predicted`: the peak is the memory model's, not XLA's."""
+    return Verdict(peak_bytes, budget(memory_bytes, platform), predicted)
 
 
 def usable(memory_bytes: float, platform: str, predicted: bool = True) -> float:
     """The most a step's peak may be to fit: the device's budget, less the prediction's margin
     where the peak is predicted rather than compiled."""
-    return budget(memory_bytes, platform) * (PREDICTION_MARGIN if predicted else 1.0)
+    return verdict(0.0, memory_bytes, platform, predicted).usable
 
 
 def fits(peak_bytes: float, memory_bytes: float, platform: str, predicted: bool = True) -> bool:
-    """The one rule: whether a step of this per-device peak fits the device."""
-    return peak_bytes <= usable(memory_bytes, platform, predicted)
+    """The one rule: whether a step of this per-device peak fits the device (`Verdict`)."""
+    return verdict(peak_bytes, memory_bytes, platform, predicted).fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +119,10 @@ class RematChoice:
 
     def line(self) -> str:
         """One line for the run's output: what was chosen and why."""
-        gb = 1e9
-        tried = ", ".join(f"{p} {b / gb:.1f} GB" for p, b in self.predicted.items())
+        tried = ", ".join(f"{p} {gib(b, 1)}" for p, b in self.predicted.items())
         return (
             f"remat auto: {self.policy} (predicted per device: "
-            f"{tried}; {usable(self.memory_bytes, self.platform) / gb:.1f} GB usable)"
+            f"{tried}; fits in {verdict(0.0, self.memory_bytes, self.platform).rule()})"
         )
 
 
@@ -106,8 +160,8 @@ def resolve(
         raise ConfigError(
             f"{plan_at(choice.policy).name} at batch {layout.batch_size} on "
             f"{layout.describe()} does not fit at any rematerialization policy: the leanest "
-            f"({choice.policy}) needs about {leanest / 1e9:.1f} GB per device, the device has "
-            f"{memory_bytes / 1e9:.1f} GB; use a smaller --batch-size, more devices, or a mesh "
+            f"({choice.policy}) needs about {gib(leanest, 1)} per device, the device has "
+            f"{gib(memory_bytes, 1)}; use a smaller --batch-size, more devices, or a mesh "
             "that shards more of the model (fsdp, tensor, pipeline)"
         )
     return choice

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from jaxdist.errors import ConfigError
 from jaxdist.hardware import Hardware, get_hardware, with_slow_link
-from jaxdist.layout import MESH_AXES, AxisRules, Layout, ways
+from jaxdist.layout import MESH_AXES, REPLICA, AxisRules, Layout, ways
 from jaxdist.parallel import schedules
 from jaxdist.planning import compute, costmodel, fit, fp8, layouts, memory, quality, sync, traffic
 from jaxdist.planning.inputs import PlanConfig, PlanModel
@@ -214,8 +214,8 @@ def plan(models: PlanModel | Sequence[PlanModel], rules: AxisRules, cfg: PlanCon
         more = math.ceil(cfg.devices * need / usable)
         raise ConfigError(
             f"{model.name} fits no layout of {cfg.devices} {hw.name} devices: the leanest, "
-            f"{best['layout']}, needs {need / 1e9:.1f} GB per device of "
-            f"{usable / 1e9:.1f} GB usable; try --remat full, a "
+            f"{best['layout']}, needs {fit.gib(need, 1)} per device of "
+            f"{fit.gib(usable, 1)} usable; try --remat full, a "
             f"smaller --batch-size, or about {more} devices"
         )
     fitting.sort(key=lambda r: r["to_loss_s"])  # the step, times replica groups' tokens
@@ -228,7 +228,19 @@ def plan(models: PlanModel | Sequence[PlanModel], rules: AxisRules, cfg: PlanCon
         "too_big": len(rows) - len(fitting),
         "naive": naive,
         "layouts": fitting[: cfg.max_layouts],
+        "best_grouped": _best_grouped(fitting, rows) if REPLICA in cfg.axes else None,
     }
+
+
+def _best_grouped(fitting: list[dict], rows: list[dict]) -> dict:
+    """Where replica groups were asked for: the fastest layout of groups to data parallelism's
+    loss, its rank among those that fit, and the first choice it is beside (the printer says
+    why it ranks there), or why none is in the ranking."""
+    grouped = [r for r in rows if r["mesh"].get(REPLICA, 1) > 1]
+    for rank, row in enumerate(fitting, 1):
+        if row["mesh"].get(REPLICA, 1) > 1:
+            return {"rank": rank, "of": len(fitting), "row": row, "first": fitting[0]}
+    return {"rank": None, "of": len(fitting), "priced": len(grouped)}
 
 
 # The top layouts whose slow-link need for 80% compute utilization the plan solves for.
@@ -261,6 +273,7 @@ def _heading(model: PlanModel, cfg: PlanConfig, hw) -> dict:
         "seq_len": model.seq_len,
         "memory_per_device": hw.memory_bytes,
         "usable_per_device": fit.usable(hw.memory_bytes, hw.platform),
+        "fit_rule": fit.verdict(0.0, hw.memory_bytes, hw.platform).rule(),
     }
 
 

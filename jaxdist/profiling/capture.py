@@ -7,7 +7,6 @@ the trace's step windows hold exactly their own device work.
 """
 
 import contextlib
-import json
 import pathlib
 
 import jax
@@ -110,11 +109,11 @@ class Capture:
         out = self._dir(window)
         if self._hlo is None:
             self._hlo = self.jitted.compile_abstract(self.global_shape).as_text()
-        (out / "hlo.txt").write_text(self._hlo)
-        (out / "mesh.json").write_text(json.dumps(dict(self.mesh.shape)))
         mesh_shape = dict(self.mesh.shape)
         step_hlo = self._outer_programs(window)
-        report = profile_report.profile(out, self._hlo, mesh_shape, self.hardware, step_hlo)
+        profile_report.save(out, self._hlo, mesh_shape, self.hardware, step_hlo)
+        # Read back as `jaxdist profile RUN` reads it: one path, one report.
+        report = profile_report.profile_saved(out)
         profile_report.write(
             report,
             out / "breakdown.json",

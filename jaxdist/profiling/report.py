@@ -1,5 +1,6 @@
 """`jaxdist profile`: a trace's breakdown beside the cost model, as a table, JSON and a PNG."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -37,12 +38,78 @@ def locate(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     return trace, here
 
 
-def beside(path: str | pathlib.Path) -> tuple[pathlib.Path, str | None, dict[str, int] | None]:
-    """The trace of `path` (see `locate`) with the compiled HLO and mesh saved beside it."""
+# Beside a trace, what the trainer knew when it took it: the programs of steps that ran another
+# one (replica groups' outer step: step -> file) and the hardware it was attributed against.
+PROGRAMS = "programs.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """A trace and what was saved beside it (see `locate`): the compiled HLO of the traced
+    program, the mesh, the programs of steps that ran another one, and the hardware."""
+
+    trace: pathlib.Path
+    hlo_text: str | None
+    mesh: dict[str, int] | None
+    step_hlo: dict[int, str]
+    hardware: str | None
+
+
+def save(
+    here: pathlib.Path,
+    hlo_text: str,
+    mesh_shape: dict[str, int],
+    hardware: str,
+    step_hlo: dict[int, str] | None = None,
+) -> None:
+    """What `beside` reads, written by the trainer next to its trace (so that `jaxdist
+    profile` of the folder attributes the trace exactly as the run did). Programs shared by
+    several steps are written once."""
+    (here / "hlo.txt").write_text(hlo_text)
+    (here / "mesh.json").write_text(json.dumps(mesh_shape))
+    files: dict[str, str] = {}
+    steps = {}
+    for step, text in sorted((step_hlo or {}).items()):
+        if text not in files:
+            files[text] = f"hlo_step_{step}.txt"
+            (here / files[text]).write_text(text)
+        steps[str(step)] = files[text]
+    (here / PROGRAMS).write_text(json.dumps({"hardware": hardware, "steps": steps}))
+
+
+def beside(path: str | pathlib.Path) -> Saved:
+    """The trace of `path` (see `locate`) with what the trainer saved beside it (`save`)."""
     trace, here = locate(path)
     hlo_text = (here / "hlo.txt").read_text() if (here / "hlo.txt").exists() else None
     mesh = here / "mesh.json"
-    return trace, hlo_text, json.loads(mesh.read_text()) if mesh.exists() else None
+    saved = json.loads((here / PROGRAMS).read_text()) if (here / PROGRAMS).exists() else {}
+    step_hlo = {int(s): (here / f).read_text() for s, f in saved.get("steps", {}).items()}
+    return Saved(
+        trace,
+        hlo_text,
+        json.loads(mesh.read_text()) if mesh.exists() else None,
+        step_hlo,
+        saved.get("hardware"),
+    )
+
+
+def profile_saved(
+    path: str | pathlib.Path,
+    hardware: str | None = None,
+    hlo_text: str | None = None,
+    mesh_shape: dict[str, int] | None = None,
+) -> dict:
+    """The report of the trace at `path` from what was saved beside it: the one function both
+    the trainer's report and `jaxdist profile` call, so both print the same rows. `hardware`,
+    `hlo_text`, `mesh_shape`: stand-ins for what is missing (or overrides)."""
+    saved = beside(path)
+    return profile(
+        saved.trace,
+        hlo_text or saved.hlo_text,
+        mesh_shape or saved.mesh,
+        hardware or saved.hardware or "cpu",
+        saved.step_hlo if hlo_text is None else None,  # another program: not its steps'
+    )
 
 
 def profile(
@@ -193,7 +260,9 @@ def print_report(report: dict, console: Console | None = None, warn: Console | N
     console = console or Console()
     warn = warn or Console(stderr=True)
     s = report["summary"]
-    t = Table(title=f"step time per device, mean of {s['steps']} steps ({report['source']})")
+    # The trace's path on a line of its own, never wrapped: a title would break it mid-name.
+    console.print(f"trace: {report['source']}", highlight=False, soft_wrap=True)
+    t = Table(title=f"step time per device, mean of {s['steps']} steps")
     for c in ("", "ms", "share"):
         t.add_column(c, justify="right" if c else "left")
     mean, frac = s["mean_per_device"], s["fraction_of_step"]
@@ -217,17 +286,11 @@ def print_report(report: dict, console: Console | None = None, warn: Console | N
             title=f"collectives per mesh axis and step, beside the alpha-beta model "
             f"({report['hardware']})"
         )
-        for c in (
-            "axis",
-            "kind",
-            "group",
-            "MB",
-            "measured ms",
-            "exposed ms",
-            "model ms",
-            "bus GB/s",
-        ):
-            a.add_column(c)
+        # Names whole (no_wrap: a narrow console narrows the figures' headers first).
+        for c in ("axis", "kind"):
+            a.add_column(c, no_wrap=True)
+        for c in ("group", "MB", "measured\nms", "exposed\nms", "model\nms", "bus\nGB/s"):
+            a.add_column(c, justify="right")
         for r in report["model"]["per_axis"]:
             bw = f"{r['bus_gbytes_per_s']:.2f}" if r["bus_gbytes_per_s"] else "-"
             a.add_row(
@@ -254,11 +317,15 @@ def print_report(report: dict, console: Console | None = None, warn: Console | N
             for r in proj
             if r["devices"] in (1, 8, 64, 512, 4096)
         )
-        console.print(f"projected scaling efficiency ({report['hardware']}): {line}")
+        console.print(
+            f"projected scaling efficiency ({report['hardware']}): {line}",
+            highlight=False,
+            soft_wrap=True,
+        )
     else:
         console.print(report["model"]["projection_missing"], highlight=False)
     for w in warnings(report):
-        warn.print(f"[yellow]warning:[/] {w}")
+        warn.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
 
 
 def write(report: dict, json_path: pathlib.Path | None, png_path: pathlib.Path | None) -> None:
