@@ -35,7 +35,8 @@ from jaxdist.evaluation import coverage, evaluate
 from jaxdist.layout import AxisRules, spec
 from jaxdist.metrics import wandb_log
 from jaxdist.metrics.goodput import Ledger, read_report, totals
-from jaxdist.metrics.progress import step_of
+from jaxdist.metrics.outer import Rounds
+from jaxdist.metrics.progress import console_for, step_of
 from jaxdist.metrics.records import MetricsLog, print_summary, read_metrics
 from jaxdist.metrics.steptimer import StepTimer, summarize
 from jaxdist.metrics.tensorboard import TensorBoardLog
@@ -100,7 +101,8 @@ class Attempt:
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         run = self.run
-        with self.ledger.part("eval"):
+        # An evaluation is no step: the watchdog's slow-step alarm waits (a hang still ends it).
+        with self.ledger.part("eval"), self.watchdog.between_steps():
             loss = evaluate(
                 run.jitted,
                 run.jitted.weights(state),
@@ -185,10 +187,13 @@ def open_attempt(run: Run, extra: dict | None = None, init_state=None) -> tuple[
     hw = loop.hardware if loop.hardware != "auto" else hardware.preset_name(jax.devices()[0])
     capture = Capture(run_dir, loop, jitted, batches.global_shape, mesh, hw, console, log)
     watchdog = Watchdog(
-        Console(stderr=True), loop.slow_step_factor, hang_timeout=loop.hang_timeout,
+        console_for(stderr=True), loop.slow_step_factor, hang_timeout=loop.hang_timeout,
         on_hang=log.close if log else None,
     )  # fmt: skip
-    timer = StepTimer(model, config.data, loop, start, capture, watchdog, log, console, ledger)
+    rounds = Rounds(jitted, past, start) if jitted.layout.grouped else None
+    timer = StepTimer(
+        model, config.data, loop, start, capture, watchdog, log, console, ledger, rounds
+    )
     ckpt_meta = {
         "config": record,
         "param_shapes": shapes,
@@ -315,6 +320,6 @@ def close_attempt(a: Attempt, preempted: tuple[int, str] | None) -> dict:
         summary["goodput"] = totals(read_report(run.run_dir))  # over every attempt of the run
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         # The result on stdout (`jaxdist train > log` keeps it); progress stays on stderr.
-        out = Console(quiet=run.console.quiet)
+        out = console_for(stderr=False, quiet=run.console.quiet)
         print_summary(out, summary)
     return summary
