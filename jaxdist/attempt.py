@@ -34,6 +34,7 @@ from jaxdist.errors import TrainingStopped
 from jaxdist.evaluation import coverage, evaluate
 from jaxdist.layout import AxisRules, spec
 from jaxdist.metrics import wandb_log
+from jaxdist.metrics.compiles import Clock
 from jaxdist.metrics.goodput import Ledger, read_report, totals
 from jaxdist.metrics.outer import Rounds
 from jaxdist.metrics.progress import console_for, step_of
@@ -99,7 +100,8 @@ class Attempt:
         # The loop waits for it: its time is the run's, not the step's (excluded from it).
         # Step s itself must finish first: that wait is step time, as before a save.
         jax.block_until_ready(state)
-        t0 = time.perf_counter()
+        t0, compiles = time.perf_counter(), Clock()
+        compiled0 = compiles.seconds()
         run = self.run
         # An evaluation is no step: the watchdog's slow-step alarm waits (a hang still ends it).
         with self.ledger.part("eval"), self.watchdog.between_steps():
@@ -110,6 +112,7 @@ class Attempt:
                 range(run.config.eval.eval_batches),
             )
         seconds = time.perf_counter() - t0
+        compiled = compiles.seconds() - compiled0  # the first evaluation compiles
         self.timer.exclude(seconds)
         tokens, distinct = self.eval_coverage["tokens"], self.eval_coverage["distinct_tokens"]
         if self.log:
@@ -123,9 +126,12 @@ class Attempt:
                 }
             )
         repeat = f" (batches repeat: {distinct:,} distinct)" if distinct < tokens else ""
+        took = f"{seconds:.1f} s" + (
+            f", {compiled:.1f} s of it compiling" if compiled >= 0.05 else ""
+        )
         run.console.print(
             f"{step_of(s, run.config.loop.steps)}  eval_loss {loss:.4f} over {tokens:,} "
-            f"tokens{repeat} ({seconds:.1f} s)",
+            f"tokens{repeat} ({took})",
             highlight=False,
             soft_wrap=True,
         )

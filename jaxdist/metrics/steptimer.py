@@ -86,10 +86,12 @@ class StepTimer:
         values = {k: metric_value(k, v) for k, v in metrics.items()}
         dt, unforeseen = self._interval(s)
         self.ledger.step(s)
-        # The first step compiles, the second's interval holds warm-up, traced steps run
-        # synchronously, an interval a compile fell in was shared: none is a steady step time.
+        # The first step compiles, the second's interval holds warm-up, as does a new
+        # program's first run; traced steps run synchronously; an interval a compile fell in
+        # was shared: none is a steady step time.
         traced = self.capture.traced(s) or self.capture.traced(s - 1)
-        steady = s >= self.start + 2 and not traced and not unforeseen
+        fresh = s in self._compile_before
+        steady = s >= self.start + 2 and not traced and not unforeseen and not fresh
         if steady:
             self.step_times.append(dt)
         compiled = self._compile_before.pop(s, 0.0) + unforeseen
@@ -113,7 +115,8 @@ class StepTimer:
         # A step that ran an outer round always has its line, marked, and its round's record.
         if self.log and (s % self.loop.log_every == 0 or last or not rec["finite"] or rnd):
             self.log.write(rec)
-            mark = outer.mark(rnd) if rnd else ""
+            first = "| compile included (the attempt's first step)" if s == self.start else ""
+            mark = "  ".join(m for m in (first, outer.mark(rnd) if rnd else "") if m)
             self.console.print(step_line(rec, self.loop.steps, left, mark), highlight=False)
         if self.log and rnd:
             self.log.write(rnd)
