@@ -34,8 +34,10 @@ from jaxdist.errors import TrainingStopped
 from jaxdist.evaluation import coverage, evaluate
 from jaxdist.layout import AxisRules, spec
 from jaxdist.metrics import wandb_log
+from jaxdist.metrics.compiles import Clock
 from jaxdist.metrics.goodput import Ledger, read_report, totals
-from jaxdist.metrics.progress import step_of
+from jaxdist.metrics.outer import Rounds
+from jaxdist.metrics.progress import console_for, step_of
 from jaxdist.metrics.records import MetricsLog, print_summary, read_metrics
 from jaxdist.metrics.steptimer import StepTimer, summarize
 from jaxdist.metrics.tensorboard import TensorBoardLog
@@ -98,9 +100,11 @@ class Attempt:
         # The loop waits for it: its time is the run's, not the step's (excluded from it).
         # Step s itself must finish first: that wait is step time, as before a save.
         jax.block_until_ready(state)
-        t0 = time.perf_counter()
+        t0, compiles = time.perf_counter(), Clock()
+        compiled0 = compiles.seconds()
         run = self.run
-        with self.ledger.part("eval"):
+        # An evaluation is no step: the watchdog's slow-step alarm waits (a hang still ends it).
+        with self.ledger.part("eval"), self.watchdog.between_steps():
             loss = evaluate(
                 run.jitted,
                 run.jitted.weights(state),
@@ -108,6 +112,7 @@ class Attempt:
                 range(run.config.eval.eval_batches),
             )
         seconds = time.perf_counter() - t0
+        compiled = compiles.seconds() - compiled0  # the first evaluation compiles
         self.timer.exclude(seconds)
         tokens, distinct = self.eval_coverage["tokens"], self.eval_coverage["distinct_tokens"]
         if self.log:
@@ -121,9 +126,12 @@ class Attempt:
                 }
             )
         repeat = f" (batches repeat: {distinct:,} distinct)" if distinct < tokens else ""
+        took = f"{seconds:.1f} s" + (
+            f", {compiled:.1f} s of it compiling" if compiled >= 0.05 else ""
+        )
         run.console.print(
             f"{step_of(s, run.config.loop.steps)}  eval_loss {loss:.4f} over {tokens:,} "
-            f"tokens{repeat} ({seconds:.1f} s)",
+            f"tokens{repeat} ({took})",
             highlight=False,
             soft_wrap=True,
         )
@@ -185,10 +193,13 @@ def open_attempt(run: Run, extra: dict | None = None, init_state=None) -> tuple[
     hw = loop.hardware if loop.hardware != "auto" else hardware.preset_name(jax.devices()[0])
     capture = Capture(run_dir, loop, jitted, batches.global_shape, mesh, hw, console, log)
     watchdog = Watchdog(
-        Console(stderr=True), loop.slow_step_factor, hang_timeout=loop.hang_timeout,
+        console_for(stderr=True), loop.slow_step_factor, hang_timeout=loop.hang_timeout,
         on_hang=log.close if log else None,
     )  # fmt: skip
-    timer = StepTimer(model, config.data, loop, start, capture, watchdog, log, console, ledger)
+    rounds = Rounds(jitted, past, start) if jitted.layout.grouped else None
+    timer = StepTimer(
+        model, config.data, loop, start, capture, watchdog, log, console, ledger, rounds
+    )
     ckpt_meta = {
         "config": record,
         "param_shapes": shapes,
@@ -315,6 +326,6 @@ def close_attempt(a: Attempt, preempted: tuple[int, str] | None) -> dict:
         summary["goodput"] = totals(read_report(run.run_dir))  # over every attempt of the run
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         # The result on stdout (`jaxdist train > log` keeps it); progress stays on stderr.
-        out = Console(quiet=run.console.quiet)
+        out = console_for(stderr=False, quiet=run.console.quiet)
         print_summary(out, summary)
     return summary

@@ -31,6 +31,8 @@ from jaxdist.errors import ConfigError
 from jaxdist.evaluation import eval_batches, small_data_warning
 from jaxdist.kernels import fp8
 from jaxdist.layout import AxisRules, Layout
+from jaxdist.metrics.outer import never_meet
+from jaxdist.metrics.progress import console_for
 from jaxdist.model import ModelSpec
 from jaxdist.optim import make_optimizer
 from jaxdist.parallel import replica
@@ -77,12 +79,13 @@ def fit(
     state of a new run (e.g. pretrained weights) instead of the model's random init."""
     # Bad input ends here, before the run directory is created or anything compiles.
     jitted, batches = prepare(model, mesh, rules, config)
-    console = console or Console(stderr=True)
+    console = console or console_for(stderr=True)
     if jax.process_index() != 0:
         console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
     note = fp8.platform_note(jitted.layout, mesh)  # on the CPU, FP8 is emulated: said once
     if note:
         console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    _warn_rounds(jitted, config, console)
     held_out = _held_out(model, config, jitted, batches, console)
     run_dir = _run_dir(config.loop.run_dir)
     # One trainer per run directory: a second is refused here, before anything compiles.
@@ -109,6 +112,21 @@ def fit(
                 # the sinks have queued still reaches their files; closing twice is a no-op.
                 if attempt.log:
                     attempt.log.close()
+
+
+def _warn_rounds(jitted: JittedStep, config: RunConfig, console: Console) -> None:
+    """One line, before anything compiles, where replica groups would never meet."""
+    layout = jitted.layout
+    sync = layout.sync if layout.grouped else None
+    warning = never_meet(sync, layout.replicas, config.loop.steps)
+    if warning:
+        console.print(
+            f"jaxdist: warning: {warning}",
+            style="yellow",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _held_out(model, config: RunConfig, jitted, batches, console) -> TokenBatches | None:
@@ -192,10 +210,13 @@ def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] |
         while s < loop.steps:
             a.faults.before_step(s)
             a.watchdog.enter(s)
+            # With replica groups, the part of their outer step due (each compiles once: the
+            # timer waits out the step in flight first, so that the compile is no step's time).
+            act = jitted.outer_part(s)
+            a.timer.before(s, act, state)
             # Stages 2-4: forward/backward, the collectives, the update; dispatched, not awaited.
             with a.capture.step(s, state):
-                # With replica groups, the part of their outer step due (each compiles once).
-                state, metrics = jitted.step_fn(state, a.place(s), jitted.outer_part(s))
+                state, metrics = jitted.step_fn(state, a.place(s), act)
             a.capture.after(s, metrics)
             # Step s-1's scalars: s is already queued, so the device never idles for logging.
             if pending is not None:

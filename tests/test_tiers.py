@@ -3,6 +3,7 @@ that record what they are given stand in for Orbax and the local disk, so each c
 milliseconds; the real stores are checked against the `Tier` protocol they share."""
 
 import io
+import types
 
 import jax.numpy as jnp
 import pytest
@@ -34,8 +35,9 @@ class Store:
 
 
 class Timer:
-    def __init__(self):
+    def __init__(self, steps: int = 1000):
         self.step_time_s, self.excluded = None, []
+        self.loop = types.SimpleNamespace(steps=steps)  # the run's steps, as LoopConfig's
 
     def p50(self):
         return self.step_time_s
@@ -55,9 +57,9 @@ class Log:
         return iter(self.records)
 
 
-def _tiers(config: CheckpointConfig, local: bool = True):
+def _tiers(config: CheckpointConfig, local: bool = True, steps: int = 1000):
     persistent, near = Store(0.5), Store(0.25) if local else None
-    timer, log = Timer(), Log()
+    timer, log = Timer(steps), Log()
     meta = {"param_shapes": {}}
     console = Console(file=io.StringIO())
     tiers = Tiers(Stores(persistent, near), config, meta, timer, Ledger(), log, console)
@@ -131,6 +133,18 @@ def test_auto_saves_first_on_the_cap_once_the_step_time_is_known_and_prints_once
     chosen = [r for r in log if r["event"] == "checkpoint_interval"]
     assert chosen[-1]["interval_s"] == pytest.approx(2.55) and chosen[-1]["interval_steps"] == 26
     assert _printed(tiers) == 2
+
+
+def test_an_interval_longer_than_what_is_left_of_the_run_is_logged_not_printed():
+    # Every 3 steps (the cap, 0.3 s): said in a run of 1000 steps, not in one of 5, whose
+    # only save is its last step's.
+    for steps, printed in ((1000, 1), (5, 0)):
+        config = CheckpointConfig(every="auto", auto_cap_minutes=0.005)
+        tiers, persistent, _, timer, log = _tiers(config, local=False, steps=steps)
+        persistent.blocked_s, timer.step_time_s = 0.001, 0.1
+        _run(tiers, min(steps, 5))
+        assert any(r["event"] == "checkpoint_interval" for r in log)
+        assert _printed(tiers) == printed, steps
 
 
 def test_a_resumed_attempt_takes_the_logged_costs_and_does_not_save_at_once():

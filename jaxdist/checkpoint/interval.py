@@ -189,6 +189,13 @@ class Interval:
         }
 
 
+def worth_saying(chosen: dict, step: int, steps: int) -> bool:
+    """Whether an interval chosen after `step` (Interval.choose's) changes what the run does:
+    a save it makes falls before the run's last step (which is always saved). One longer than
+    what is left of the run is logged (metrics.jsonl), not printed."""
+    return step + chosen["interval_steps"] < steps - 1
+
+
 def _agreed(cost_s: float, step_time_s: float) -> tuple[float, float]:
     """Process 0's measurements, in every process: each measures its own, and a save is a
     collective that all must start at the same step, so all must choose the same interval.

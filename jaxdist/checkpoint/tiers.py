@@ -15,7 +15,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import jax
 from rich.console import Console
 
-from jaxdist.checkpoint.interval import CheckpointConfig, Interval
+from jaxdist.checkpoint.interval import CheckpointConfig, Interval, worth_saying
 from jaxdist.checkpoint.local import LocalTier
 from jaxdist.checkpoint.resume import rerun_hint
 from jaxdist.checkpoint.store import Checkpointer, compile_fingerprint
@@ -174,12 +174,14 @@ class Tiers:
         return blocked
 
     def _log_interval(self, tier: str, step: int, chosen: dict | None) -> None:
-        """Logs every interval chosen; prints the first, and then only one more than 2x off the
-        last printed (the interval is chosen again after every save)."""
+        """Logs every interval chosen; prints the first that saves before the run ends, then
+        only one more than 2x off the last printed (it is chosen again after every save)."""
         if not chosen or not self.log:
             return
         self.log.write({"event": "checkpoint_interval", "tier": tier, "step": step, **chosen})
         shown = self._shown.get(tier)
+        if not worth_saying(chosen, step, self.timer.loop.steps):
+            return
         if shown is not None and 0.5 <= chosen["interval_s"] / shown <= 2:
             return
         self._shown[tier] = chosen["interval_s"]

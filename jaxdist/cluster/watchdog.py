@@ -18,8 +18,13 @@ runtime, so it covers device-side stalls on every platform (CPU, GPU, TPU) as we
 not cover the time before the first step finishes (compilation), nor a process whose Python
 threads are all frozen (SIGSTOP: the coordination service's heartbeat ends the others, and the
 restart policy the run).
+
+A compile is not a slow step: the seconds the loop's thread spends compiling (a new outer-step
+program, the first evaluation; jaxdist.metrics.compiles) are not counted as waiting, and while
+the loop evaluates (`between_steps`) no step is slow (the hang timeout still runs).
 """
 
+import contextlib
 import faulthandler
 import os
 import socket
@@ -32,6 +37,7 @@ from rich.console import Console
 
 from jaxdist.cluster.join import ENDED, client
 from jaxdist.cluster.restarts import HANG_EXIT
+from jaxdist.metrics.compiles import Clock
 
 _PREFIX = "jaxdist/progress/"
 _HOSTS = "jaxdist/host/"
@@ -70,6 +76,9 @@ class Watchdog:
         self.last_step, self.last_time = -1, time.monotonic()
         self.entered = -1
         self.p50: float | None = None
+        self._compiles = Clock()  # the loop's thread's (it makes the watchdog)
+        self._compiled_at = self._compiles.total()  # when the last step finished
+        self._between = False  # the loop is between steps (an evaluation)
         self._stop = threading.Event()
         self._reported_for = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="jaxdist-watchdog")
@@ -87,6 +96,7 @@ class Watchdog:
 
     def finished(self, step: int, p50: float | None) -> None:
         self.last_step, self.last_time, self.p50 = step, time.monotonic(), p50
+        self._compiled_at = self._compiles.total()
         if self.multi:
             client().key_value_set(
                 f"{_PREFIX}{jax.process_index()}", f"{step}:{self.entered}", allow_overwrite=True
@@ -99,6 +109,23 @@ class Watchdog:
     def alive(self) -> None:
         """Work between steps (a save, an evaluation) finished: not a stall."""
         self.last_time = time.monotonic()
+        self._compiled_at = self._compiles.total()
+
+    @contextlib.contextmanager
+    def between_steps(self):
+        """The loop works between steps (an evaluation): no step is slow meanwhile."""
+        self._between = True
+        try:
+            yield
+        finally:
+            self._between = False
+            self.alive()
+
+    def waited(self) -> float:
+        """Seconds since the last finished step (or work between steps), compiles not
+        counted."""
+        compiling = self._compiles.total() - self._compiled_at
+        return max(0.0, time.monotonic() - self.last_time - compiling)
 
     def progress(self) -> dict[int, tuple[int, int]]:
         """Every process's (last finished, entered) step, as posted; (-1, -1) if none yet."""
@@ -120,23 +147,35 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            waited = time.monotonic() - self.last_time
+            waited = self.waited()
             hang = hang_limit(self.hang_timeout, self.p50)
             self._follow(self._told(), waited, hang)  # another process ended the run: go too
             if self.last_step < 0:  # compiling: no step finished yet in this attempt
                 continue
             if hang is not None and waited > hang:
                 self._declare_hang(waited, hang)
-            if self.p50 is None or self._reported_for == self.last_step:
+            if self.p50 is None or self._reported_for == self.last_step or self._between:
                 continue
             limit = max(self.factor * self.p50, self.min_seconds)
             if waited > limit:
                 self._reported_for = self.last_step
                 self.console.print(
-                    f"[yellow]slow step {self.last_step + 1}: {waited:.1f} s so far, over "
-                    f"{self.factor:g} x p50 ({limit:.1f} s); not yet arrived: "
-                    f"{_names(self._behind_or_none())}[/]"
+                    self._slow_line(waited, hang), style="yellow", markup=False, highlight=False
                 )
+
+    def _slow_line(self, waited: float, hang: float | None) -> str:
+        """The slow-step warning, as a person reads it: how long, against what, what the
+        threshold is and which flag sets it, who is behind (several processes), what next."""
+        line = (
+            f"slow step {self.last_step + 1}: {waited:.1f} s so far, against a median step of "
+            f"{self.p50:.3g} s (warned past {self.factor:g} x the median and at least "
+            f"{self.min_seconds:g} s, --slow-step-factor; compile time is not counted)"
+        )
+        if self.multi:
+            line += f"; not yet arrived: {_names(self._behind_or_none())}"
+        if hang is not None:
+            line += f"; no step finished in {hang:.0f} s is a hang (--hang-timeout)"
+        return line
 
     def _behind_or_none(self) -> dict[int, int] | None:
         try:
@@ -239,5 +278,5 @@ def _names(behind: dict[int, int] | None) -> str:
         return "unknown (the coordination service does not answer)"
     return (
         ", ".join(f"process {p} (at step {s})" for p, s in sorted(behind.items()))
-        or "none behind: all processes are inside the same step"
+        or "none, every process is inside this step (waiting on the devices or a collective)"
     )

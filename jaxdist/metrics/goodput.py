@@ -3,10 +3,14 @@ to the last record.
 
 The loop feeds a `Ledger` (one per attempt, i.e. per process). Every second from the process's
 start goes to exactly one part: `mark(part)` gives the time since the previous mark to `part`,
-so an attempt's parts add up to its span by construction. The running totals are stamped into
+so an attempt's parts add up to its span by construction; the seconds JAX spent compiling
+within it (jaxdist.metrics.compiles: a new outer-step program, the first evaluation) go to
+"compile" whatever part they fell in. The running totals are stamped into
 every record metrics.jsonl gets, so a killed attempt's accounting survives up to its last
 record. `report` rebuilds the parts from metrics.jsonl and adds the time between attempts: from
 an attempt's last record to the next process's start, which holds a killed attempt's lost tail.
+The gap after an attempt that finished its run is left out of the wall-clock (`idle`): the next
+attempt is a deliberate "train further", started whenever its user chose.
 Goodput = productive seconds / wall-clock.
 """
 
@@ -17,13 +21,14 @@ import time
 
 from jaxdist.cluster import restarts
 from jaxdist.errors import ConfigError
+from jaxdist.metrics.compiles import Clock
 from jaxdist.metrics.records import read_metrics
 
 # In the order of an attempt's life; "between" is the reader's, after each attempt.
 PARTS = (
     "startup",  # process start to the loop: imports, devices, mesh, data checks, the step built
     "restore",  # restoring the newest checkpoint (or initialising, on a fresh start)
-    "compile",  # the attempt's first step, which compiles (or loads from the compile cache)
+    "compile",  # the attempt's first step, and every other compile (or compile-cache load)
     "productive",  # steps no earlier attempt had run
     "recomputed",  # steps an earlier attempt ran past its last checkpoint, run again
     "data",  # building and placing each batch
@@ -61,18 +66,24 @@ class Ledger:
         self.seconds["startup"] = max(0.0, time.time() - self.process_start)
         self.steps = {"productive": 0, "recomputed": 0}
         self._t = time.perf_counter()
+        self._compiles = Clock()  # this thread's: the loop's
+        self._compiled = self._compiles.seconds()
         self._held = 0.0  # step time since the last finished step
         self.start, self.redo_until, self._next = 0, -1, 0
         self._announce: dict | None = None
 
     def mark(self, part: str) -> None:
-        """The time since the previous mark goes to `part` ("step": held for the next step)."""
-        now = time.perf_counter()
+        """The time since the previous mark goes to `part` ("step": held for the next step),
+        but for the seconds JAX spent compiling meanwhile, which go to compile."""
+        now, compiled = time.perf_counter(), self._compiles.seconds()
+        spent = now - self._t
+        moved = min(max(0.0, compiled - self._compiled), spent)
+        self.seconds["compile"] += moved
         if part == "step":
-            self._held += now - self._t
+            self._held += spent - moved
         else:
-            self.seconds[part] += now - self._t
-        self._t = now
+            self.seconds[part] += spent - moved
+        self._t, self._compiled = now, compiled
 
     @contextlib.contextmanager
     def part(self, name: str):
@@ -153,7 +164,9 @@ def attempts(records: list[dict]) -> list[dict]:
             }
         )
     for a, b in zip(rows, rows[1:], strict=False):
-        a["parts_s"]["between"] = b["process_start"] - a["end"]
+        gap = b["process_start"] - a["end"]
+        # After a finished run, the next attempt trains further when its user asks: not lost.
+        a["idle_s"], a["parts_s"]["between"] = (gap, 0.0) if a["finished"] else (0.0, gap)
     return rows
 
 
@@ -163,7 +176,10 @@ def report(records: list[dict], restarted: list[dict] = ()) -> dict:
     end of the attempt before it (the last attempt whose last record precedes it)."""
     rows = attempts(records)
     if not rows:
-        return {"goodput": None, "wall_s": 0.0, "parts_s": {}, "attempts": [], "restarts": 0}
+        return {
+            "goodput": None, "wall_s": 0.0, "idle_s": 0.0, "parts_s": {}, "attempts": [],
+            "restarts": 0,
+        }  # fmt: skip
     for r in restarted:
         # An attempt that failed before its first step (a restore error) left no record: its
         # time is in the gap after the one before, and its cause joins that one's.
@@ -172,10 +188,12 @@ def report(records: list[dict], restarted: list[dict] = ()) -> dict:
             had = before[-1].get("restart_cause")
             before[-1]["restart_cause"] = f"{had}; then {r['cause']}" if had else r["cause"]
     total = {p: sum(r["parts_s"][p] for r in rows) for p in ALL_PARTS}
-    wall = rows[-1]["end"] - rows[0]["process_start"]
+    idle = sum(r.get("idle_s", 0.0) for r in rows)
+    wall = rows[-1]["end"] - rows[0]["process_start"] - idle
     return {
         "goodput": total["productive"] / wall if wall > 0 else None,
         "wall_s": wall,
+        "idle_s": idle,  # between a finished run and training it further: not in wall_s
         "parts_s": total,
         "recomputed_steps": sum(r["steps"]["recomputed"] for r in rows),
         "restarts": len(restarted),
@@ -209,10 +227,11 @@ def totals(rep: dict) -> dict:
 
 def print_report(rep: dict, console=None) -> None:
     """Parts as rows, attempts as columns (a run has few), then the run's total and share."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from jaxdist.metrics.progress import console_for
+
+    console = console or console_for(stderr=False)
     rows, wall = rep["attempts"], rep["wall_s"]
     table = Table(title=f"goodput {rep['goodput']:.1%} of {wall:.1f} s wall-clock")
     table.add_column("seconds")
@@ -235,6 +254,11 @@ def print_report(rep: dict, console=None) -> None:
     table.add_row("total", *[f"{t:.2f}" for t in ends], f"{wall:.2f}", "100%", end_section=True)
     status = [_ended(r, "killed") for r in rows[:-1]] + [_ended(rows[-1], "running or killed")]
     table.add_row("ended", *status, "", "")
+    if rep.get("idle_s"):
+        table.caption = (
+            f"not counted: {rep['idle_s']:.2f} s idle between a finished run and the attempt "
+            "that trained it further"
+        )
     console.print(table)
 
 

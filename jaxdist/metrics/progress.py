@@ -2,13 +2,29 @@
 tokens/s, time left) and, when stderr is a terminal, a bar under those lines carrying the same.
 
 Not a terminal (a file, a pipe, a CI log): the plain lines only, no bar and no control
-characters. Time left is the recent median step time times the steps remaining (evaluations
-and checkpoint saves are not counted: the --log-every help says so); it is left out until a
-steady step exists (the first steps compile and warm up)."""
+characters, and no line broken at 80 columns (`console_for`: rich wraps to 80 when it cannot
+ask a terminal its width, cutting a step line or a table's cell mid-field). Time left is the
+recent median step time times the steps remaining (evaluations and checkpoint saves are not
+counted: the --log-every help says so); it is left out until a steady step exists (the first
+steps compile and warm up)."""
 
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
+
+# The width a console takes when its output is no terminal: a table's natural width, never
+# its cells wrapped (a wider table than this is cut; none of a run's comes near it).
+FILE_WIDTH = 1000
+
+
+def console_for(stderr: bool = True, quiet: bool = False) -> Console:
+    """The console of a run's output: a terminal's as rich makes it; a file's or a pipe's
+    (Slurm, nohup, CI) never wraps a line and draws tables at their natural width, so that
+    each line a log holds is the line as printed."""
+    console = Console(stderr=stderr, quiet=quiet)
+    if console.is_terminal:
+        return console
+    return Console(stderr=stderr, quiet=quiet, width=FILE_WIDTH, soft_wrap=True)
 
 
 def duration(seconds: float) -> str:
@@ -41,14 +57,15 @@ def step_of(s: int, total: int) -> str:
     return f"step {s:>{len(str(total))}}/{total}"
 
 
-def step_line(rec: dict, total: int, left: float | None) -> str:
-    """`step 10/30  loss 4.0741  grad_norm 2.753    235.4 ms  8,701 tok/s  4.9 s left`."""
+def step_line(rec: dict, total: int, left: float | None, mark: str = "") -> str:
+    """`step 10/30  loss 4.0741  grad_norm 2.753    235.4 ms  8,701 tok/s  4.9 s left`, then
+    `mark` (what else the step did: an outer round of replica groups, a compile)."""
     mfu = f" mfu {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
     eta = f"  {duration(left)} left" if left is not None else ""
     return (
         f"{step_of(rec['step'], total)}  loss {rec['loss']:.4f}  "
         f"grad_norm {rec['grad_norm']:.3f}  {rec['step_time_s'] * 1e3:7.1f} ms  "
-        f"{rec['tokens_per_s']:,.0f} tok/s{mfu}{eta}"
+        f"{rec['tokens_per_s']:,.0f} tok/s{mfu}{eta}{'  ' + mark if mark else ''}"
     )
 
 

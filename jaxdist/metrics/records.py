@@ -119,6 +119,7 @@ def print_summary(console: Console, s: dict) -> None:
         ("checkpoint share of wall", f"{s['checkpoint_fraction_of_wall']:.2%}"),
         ("skipped (non-finite) steps", str(len(s["skipped_steps"]))),
         ("wall", f"{s['wall_s']:.1f} s"),
+        *_rounds_row(s.get("rounds")),
         *_goodput_row(s.get("goodput")),
         ("run dir", s["run_dir"]),
     ]
@@ -137,3 +138,23 @@ def _goodput_row(g: dict | None) -> list[tuple[str, str]]:
     n = g["attempts"]
     text = f"{g['goodput']:.1%} of {g['wall_s']:.1f} s, {n} attempt{'s' if n > 1 else ''}"
     return [("goodput (productive / all attempts' wall)", text)]
+
+
+def _rounds_row(r: dict | None) -> list[tuple[str, str]]:
+    """The replica groups' outer rounds (jaxdist.metrics.outer's summary)."""
+    if not r:
+        return []
+    F = r["fragments"]
+    every = f"every {r['every_steps']} steps" + (f", {F} fragments" if F > 1 else "")
+    if not r["count"]:
+        return [("replica rounds (groups met)", f"none ({every}; the run ended first)")]
+    share = f"{r['outer_share']:.1%}" if r["outer_share"] is not None else "n/a (too few steps)"
+    rows = [
+        ("replica rounds (groups met)", f"{r['count']} ({every})"),
+        ("sent per round, per device", f"{r['bytes_per_round'] / 1e6:.3f} MB"),
+        ("outer step share of step time", share),
+    ]
+    if r["steps_after_last"]:
+        after = f"{r['steps_after_last']} (not in the outer weights: eval and export miss them)"
+        rows.append(("steps since the last round", after))
+    return rows

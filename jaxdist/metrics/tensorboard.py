@@ -20,7 +20,8 @@ from jaxdist.metrics.sink import BackgroundSink
 log = logging.getLogger("jaxdist.tensorboard")
 
 # Record field -> scalar tag, for TensorBoard and W&B alike (jaxdist.metrics.wandb_log logs
-# `scalars` too). Skipped steps: train/skipped, 1 where the record's finite is false.
+# `scalars` too). Skipped steps: train/skipped, 1 where the record's finite is false; saves and
+# the replica groups' outer rounds, scalars of their own (checkpoint/..., outer/...).
 TAGS = {
     "loss": "train/loss",
     "lr": "train/lr",
@@ -39,6 +40,12 @@ def scalars(record: dict) -> dict[str, float]:
         out["train/skipped"] = 0.0 if record["finite"] else 1.0
     if record.get("event") == "save":
         out["checkpoint/blocked_s"] = float(record["blocked_s"])
+    if record.get("event") == "round":  # replica groups' outer round (jaxdist.metrics.outer)
+        out["outer/round"] = float(record["round"])
+        out["outer/bytes"] = float(record["bytes"])
+        out["outer/step_time_s"] = float(record["step_time_s"])
+        if record["seconds"] is not None:
+            out["outer/seconds"] = float(record["seconds"])
     return out
 
 
