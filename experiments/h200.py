@@ -4,6 +4,8 @@ Parts, in the order they run (the first ones are the issue's targets; a part who
 time no longer fits the budget is skipped and named in the file):
   1. the device's own GPU target config (XLA dumps it beside a compile), against the
      committed jaxdist/compiled/gpu_targets/h200.txtpb;
+  1b. the experts' Pallas grouped GEMMs against XLA's ragged dot (experiments/grouped_gemm_gpu.py:
+     values, gradients, time; issue 55), which no CPU host can run;
   2. `jaxdist bench` beside the torch.compile peer: gpt2-124m batch 32, 1b batch 8 (remat dots,
      the presets' own, which the deviceless compile puts under the peer's memory);
   3. `jaxdist bench --model moe-1b` (MFU on active parameters);
@@ -106,7 +108,10 @@ SMOKE = Plan(
 # plus a minute, so that one hang cannot take the whole call.
 # Measured in the 2026-12-04 call (h200.json, each part's wall_s), rounded up: benches 35 to
 # 60 s (FP8's compile is the longest), torch 49 to 63, jax 22, checkpoint 73, profile 30, plan 7.
-ESTIMATE_S = {"bench": 60, "torch": 65, "jax": 30, "checkpoint": 80, "profile": 40, "plan": 10}
+ESTIMATE_S = {
+    **{"bench": 60, "torch": 65, "jax": 30, "checkpoint": 80, "profile": 40, "plan": 10},
+    "grouped": 60,
+}
 FP8_RECIPES = ("delayed", "current")
 
 
@@ -241,6 +246,7 @@ def main() -> None:
         [(m, b, plan.remat) for m, b in plan.measured] + fp8_compiles, estimates, args.smoke
     )
     run.part("target config", "config", checks.target_config, out)
+    run.part("grouped GEMM", "grouped", checks.grouped_gemm)
 
     rows = compare(run, plan, args.torch_python, "", args.peers, plan.core, plan.remat)
     rows += compare(run, plan, "", "", args.peers, [plan.moe], plan.remat)

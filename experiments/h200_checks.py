@@ -93,6 +93,14 @@ def target_config(out: pathlib.Path, timeout: float) -> dict:
     return {"file": "h200_target.pbtxt", "differs_from_committed": diff[2:]}
 
 
+def grouped_gemm(timeout: float) -> dict:
+    """experiments/grouped_gemm_gpu.py: the experts' Pallas grouped GEMMs against XLA's ragged
+    dot on this GPU (values, gradients, time); the CPU host cannot run the kernels."""
+    from gpu_vs_peers import run_json
+
+    return run_json([sys.executable, str(ROOT / "experiments" / "grouped_gemm_gpu.py")], timeout)
+
+
 def checkpoint(model: str, devices: str, timeout: float) -> dict:
     """experiments/checkpoint_blocking.py on the model's whole training state, written under
     the repository (the machine's disk, not /tmp); a run cut short keeps its synchronous

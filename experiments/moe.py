@@ -200,6 +200,11 @@ def compiled_row(args, cfg: dict, report: dict) -> dict:
         "routed_dispatch_gb": need["dispatch_bytes"] / 1e9,
         "dispatch_ratio": exchange / need["dispatch_bytes"] if need["dispatch_bytes"] else None,
         "compile_s": report["compile_s"],
+        # The exchange's asynchronous collectives and the matmuls the schedule runs under them
+        # (jaxdist.compiled.overlap): the overlap the compiled program promises.
+        "exchange_overlap": {
+            k: v for k, v in report.get("scheduled_under", {}).items() if "expert" in k
+        },
     } | said
 
 
@@ -226,7 +231,8 @@ def compiled_main(argv: list[str]) -> None:
             )
     print(
         f"{'target':>8s} {'mesh':>16s} {'peak GB':>8s} {'sent GB':>8s} {'TFLOP/dev':>9s} "
-        f"{'expert':>7s} {'routed':>7s} {'x':>5s} {'a2a GB':>7s} {'routed':>7s} {'x':>5s}"
+        f"{'expert':>7s} {'routed':>7s} {'x':>5s} {'a2a GB':>7s} {'routed':>7s} {'x':>5s} "
+        f"{'overlap':>13s}"
     )
     for r in rows:
         if "error" in r:
@@ -238,8 +244,18 @@ def compiled_main(argv: list[str]) -> None:
             f"{r['target']:>8s} {mesh:>16s} {r['peak_gb']:8.2f} {sum(r['sent_gb'].values()):8.1f} "
             f"{r['matmul_tflop_per_device']:9.1f} {r['expert_tflop']:7.1f} "
             f"{r['routed_expert_tflop']:7.1f} {r['expert_flops_ratio']:5.2f} "
-            f"{r['exchange_gb']:7.2f} {r['routed_dispatch_gb']:7.2f} {ratio}"
+            f"{r['exchange_gb']:7.2f} {r['routed_dispatch_gb']:7.2f} {ratio} {_overlap(r)}"
         )
+
+
+def _overlap(row: dict) -> str:
+    """`k/n T TF`: k of the exchange's n asynchronous collectives a step have matmuls scheduled
+    under them, T TFLOP in all; `-` where the exchange has none that are asynchronous."""
+    found = [v for k, v in row["exchange_overlap"].items() if "all-to-all" in k]
+    if not found:
+        return "            -"
+    n, k = sum(v["count"] for v in found), sum(v["with_compute"] for v in found)
+    return f"{k:>4d}/{n:<4d}{sum(v['flops_under'] for v in found) / 1e12:4.1f}TF"
 
 
 if __name__ == "__main__":

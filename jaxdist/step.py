@@ -34,7 +34,15 @@ from jaxdist.kernels import documents, fp8
 from jaxdist.kernels.loss import Vocab, model_loss, stage_loss
 from jaxdist.layout import AxisRules, Layout, StepConfig
 from jaxdist.model import param_count
-from jaxdist.parallel import collective_matmul, context, pipeline, replica, rounds, schedules
+from jaxdist.parallel import (
+    collective_matmul,
+    context,
+    dropless,
+    pipeline,
+    replica,
+    rounds,
+    schedules,
+)
 from jaxdist.rules import activation_rules, batch_sharding, state_shardings
 
 
@@ -367,7 +375,8 @@ def build(
         static_argnums=2,
         compiler_options=collective_matmul.compiler_options(
             mesh.devices.flat[0].platform, config.collective_matmul
-        ),
+        )
+        | dropless.compiler_options(mesh.devices.flat[0].platform),
     )
     abstract_state = _abstract_state(jax.eval_shape(init), state_sharding)
     num_params = param_count(x.shape for x in jax.tree.leaves(abstract_params))

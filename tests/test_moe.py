@@ -17,6 +17,7 @@ from jaxdist.checkpoint.store import Checkpointer, param_shapes
 from jaxdist.config import DataConfig
 from jaxdist.data import TokenBatches
 from jaxdist.layout import Layout
+from jaxdist.parallel import dropless
 from jaxdist.parallel.experts import capacity, dispatch_rows, moe_ffn
 from jaxdist.rules import activation_rules
 from meshes.presets import STANDARD_RULES
@@ -99,44 +100,49 @@ def test_dropless_equals_dense_reference(layout):
 
 def test_dropless_overflow_is_counted_exactly():
     # Skewed routing onto 4 devices of 2 experts each, with a receive buffer of 1.25 x the
-    # balanced share: the devices of the low experts overflow. Independently: each device keeps
-    # the first R rows of its buffer in (local expert, source device) order.
+    # balanced share: the devices of the low experts overflow. Independently: each device's
+    # tokens go in chunks (dropless.chunks: here its two rows), and for each chunk each device
+    # keeps the first R / chunks rows of its buffer in (local expert, source device) order.
     args = _inputs(skewed=True)
     y, stats, _ = _moe_on("expert=4,data=2", args)
     expert = args[1]
     n_dev, n_ep, e = 8, 4, E // 4
     rows = B // n_dev * T  # tokens per device
+    h = dropless.chunks(rows, n_ep)
+    assert h == 2
     R = dispatch_rows(rows, E, K, n_ep, None)
-    assert R == int(1.25 * rows * K)
+    assert R == h * int(1.25 * rows // h * K)
     # Devices d = 4 * data + expert: each expert group of 4 devices exchanges among itself.
-    counts = np.stack(
-        [np.bincount(expert[d * 2 : d * 2 + 2].reshape(-1), minlength=E) for d in range(n_dev)]
-    )
-    dropped, kept = 0, np.zeros((n_dev, E), int)  # kept[source, expert]
-    for group in range(n_dev // n_ep):
-        sources = range(group * n_ep, (group + 1) * n_ep)
-        for peer in range(n_ep):
-            room = R
-            for j in range(e):
-                for s in sources:
-                    c = counts[s, peer * e + j]
-                    kept[s, peer * e + j] = min(c, room)
-                    dropped += c - kept[s, peer * e + j]
-                    room -= kept[s, peer * e + j]
+    assign = expert.reshape(n_dev, h, rows // h * K)  # device, chunk, token-major assignments
+    counts = np.stack([[np.bincount(a, minlength=E) for a in d] for d in assign])
+    dropped, kept = 0, np.zeros((n_dev, h, E), int)  # kept[source, chunk, expert]
+    for chunk in range(h):
+        for group in range(n_dev // n_ep):
+            sources = range(group * n_ep, (group + 1) * n_ep)
+            for peer in range(n_ep):
+                room = R // h
+                for j in range(e):
+                    for s in sources:
+                        c = counts[s, chunk, peer * e + j]
+                        kept[s, chunk, peer * e + j] = min(c, room)
+                        dropped += c - kept[s, chunk, peer * e + j]
+                        room -= kept[s, chunk, peer * e + j]
     assert dropped > 0  # the case is meant to overflow
     assert float(stats["dropped"]) == dropped
-    np.testing.assert_array_equal(stats["load_E"], counts.sum(0))
+    np.testing.assert_array_equal(stats["load_E"], counts.sum((0, 1)))
     # A token's choice whose row was dropped contributes nothing: the dense reference with those
-    # choices' weights zeroed. Rows of one (source, expert) slice are kept in token order.
+    # choices' weights zeroed. Rows of one (source, chunk, expert) slice are kept in token order.
     x, expert, weight, *w = args
     weight = weight.copy()
+    per_chunk = rows // h * K
     for s in range(n_dev):
-        rows_s = expert[s * 2 : s * 2 + 2].reshape(-1)  # assignments, token-major
-        seen = np.zeros(E, int)
-        for a, ex in enumerate(rows_s):
-            if seen[ex] >= kept[s, ex]:
-                weight[s * 2 + a // (T * K), a // K % T, a % K] = 0
-            seen[ex] += 1
+        for chunk in range(h):
+            seen = np.zeros(E, int)
+            for i, ex in enumerate(assign[s, chunk]):
+                if seen[ex] >= kept[s, chunk, ex]:
+                    a = chunk * per_chunk + i  # the device's assignment: token * K + choice
+                    weight[s * 2 + a // (T * K), a // K % T, a % K] = 0
+                seen[ex] += 1
     np.testing.assert_allclose(y, _dense(x, expert, weight, *w), rtol=1e-5, atol=1e-5)
 
 
@@ -408,7 +414,8 @@ def test_dropless_compiles_for_tpu_with_ragged_all_to_all():
 
     text = jax.jit(jax.grad(loss, argnums=(0, 3, 4, 5))).lower(*args).compile().as_text()
     ragged = [c for c in hlo.collectives(text, dict(mesh.shape)) if c.kind == "ragged-all-to-all"]
-    A = B // 8 * T * K
-    R = dispatch_rows(B // 8 * T, E, K, 4, None)
-    assert sorted(c.bytes for c in ragged) == sorted([R * D * 4, A * D * 4] * 2)
+    # Each chunk's exchange out and back, forward and transposed (dropless.chunks: 2).
+    A = B // 8 * T * K // 2
+    R = dispatch_rows(B // 8 * T, E, K, 4, None) // 2
+    assert sorted(c.bytes for c in ragged) == sorted([R * D * 4, A * D * 4] * 2 * 2)
     assert all(c.axes == ("expert",) for c in ragged)

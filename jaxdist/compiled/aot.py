@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxdist.compiled import gemms, hlo
+from jaxdist.compiled import gemms, hlo, overlap
 from jaxdist.compiled.memory import xla_peak
 from jaxdist.config import OptimConfig
 from jaxdist.errors import ConfigError
@@ -87,6 +87,8 @@ def compile_only(jitted: JittedStep) -> dict:
         "collectives": [
             {"axis": axis, "kind": kind, **v} for (axis, kind), v in sorted(collectives.items())
         ],
+        # The asynchronous collectives and the matmul FLOPs scheduled under them, per step.
+        "scheduled_under": overlap.summary(overlap.scheduled(text, dict(mesh.shape))),
         **accelerator,
     }
 

@@ -321,7 +321,7 @@ def dot_flops(ins: Instruction, shapes: dict[str, list]) -> int:
     return 2 * _prod(lhs) * _prod(n for d, n in enumerate(rhs) if d not in bound)
 
 
-_COST_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
+_COST_FLOPS = re.compile(r'"cost_estimate":\{[^}]*?"flops":"(\d+)"')
 
 
 def _kernel_flops(ins: Instruction) -> tuple[int, str] | None:
@@ -416,25 +416,9 @@ def matmul_flops(hlo_text: str) -> dict:
 
     comps, entry = _computations(hlo_text)
     runs = _multiplicities(comps, entry, None)
-    shapes: dict[str, list] = {}
-    computation = None
     out = {"total": 0, "by_op": {}, "by_label": {}, "ragged_dots": 0}
-    for ins in instructions(hlo_text):
-        if ins.computation != computation:
-            computation, shapes = ins.computation, {}
-        shapes[ins.name] = [
-            [int(d) for d in dims.split(",") if d] for _, dims in _SHAPES.findall(ins.result)
-        ]
+    for ins, flops, label in each_matmul(hlo_text):
         if not runs.get(ins.computation):
-            continue
-        kernel = _kernel_flops(ins)
-        if kernel:
-            flops, label = kernel
-        elif ins.op in _DOT_OPS:
-            flops = dot_flops(ins, shapes)
-            ragged = ins.op == "ragged-dot" or "ragged_dot" in _op_name(ins.line)
-            label = "ragged_dot" if ragged else _label(ins.line)[0]
-        else:
             continue
         flops *= runs[ins.computation]
         out["total"] += flops
@@ -443,3 +427,22 @@ def matmul_flops(hlo_text: str) -> dict:
         if label == "ragged_dot":
             out["ragged_dots"] += flops
     return out
+
+
+def each_matmul(hlo_text: str):
+    """Each matmul instruction of the program (a dot, convolution, ragged dot, or a kernel whose
+    FLOPs are known: _kernel_flops) with its FLOPs for one execution and its label."""
+    shapes: dict[str, list] = {}
+    computation = None
+    for ins in instructions(hlo_text):
+        if ins.computation != computation:
+            computation, shapes = ins.computation, {}
+        shapes[ins.name] = [
+            [int(d) for d in dims.split(",") if d] for _, dims in _SHAPES.findall(ins.result)
+        ]
+        kernel = _kernel_flops(ins)
+        if kernel:
+            yield ins, *kernel
+        elif ins.op in _DOT_OPS:
+            ragged = ins.op == "ragged-dot" or "ragged_dot" in _op_name(ins.line)
+            yield ins, dot_flops(ins, shapes), "ragged_dot" if ragged else _label(ins.line)[0]

@@ -35,34 +35,54 @@ import jax.numpy as jnp
 from jaxdist.kernels import grouped_gemm
 
 RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
+# With experts split over devices, a device's tokens go through in CHUNKS equal chunks, each its
+# own exchange and grouped GEMMs, so that one chunk's exchange can run under the other's GEMMs
+# (where the ragged all-to-all is asynchronous: TPU, `compiler_options`). What it pays: twice
+# the exchange's messages (each half the rows: latency), and a receive bound per chunk (a chunk
+# averages fewer tokens' choices, so at the same factor it may drop a few more).
+CHUNKS = 2
+
+
+def chunks(tokens: int, n_ep: int) -> int:
+    """The chunks a device's `tokens` go through in: CHUNKS with expert parallelism where they
+    divide, else 1."""
+    return CHUNKS if n_ep > 1 and tokens % CHUNKS == 0 else 1
 
 
 def receive_rows(tokens: int, top_k: int, n_ep: int, buffer_factor: float) -> int:
-    """Rows of one device's expert buffer: all its assignments without expert parallelism, else
-    buffer_factor x the balanced share (never more than every peer's assignments)."""
-    A = tokens * top_k
+    """Rows of one device's expert buffers, all its chunks': all its assignments without expert
+    parallelism, else per chunk buffer_factor x the chunk's balanced share (never more than
+    every peer's assignments)."""
     if n_ep == 1:
-        return A
-    return min(A * n_ep, math.ceil(buffer_factor * A))
+        return tokens * top_k
+    c = chunks(tokens, n_ep)
+    A = tokens // c * top_k
+    return c * min(A * n_ep, math.ceil(buffer_factor * A))
+
+
+def compiler_options(platform: str) -> dict[str, bool]:
+    """The XLA options of the exchange, for jit on `platform`: on TPU, asynchronous ragged
+    all-to-alls (libtpu's default is a synchronous one, under which nothing else runs)."""
+    return {"xla_tpu_enable_async_ragged_all_to_all": True} if platform == "tpu" else {}
 
 
 def exchanges(
     tokens: int, top_k: int, n_ep: int, buffer_factor: float, ragged: bool
 ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """What one layer's exchange moves over the expert axes, (forward, backward), as (kind,
-    rows per device of the collective's result): out to the experts and back, and the
-    transposes of those. Besides: two int32 [n_ep, 2, E / n_ep] routing tables each forward."""
+    rows per device of the collective's result), for each chunk: out to the experts and back,
+    and the transposes of those. Besides: two int32 [n_ep, 2, E / n_ep] routing tables each
+    forward and chunk."""
     if n_ep == 1:
         return [], []
-    A, R = tokens * top_k, receive_rows(tokens, top_k, n_ep, buffer_factor)
+    c = chunks(tokens, n_ep)
+    A, R = tokens // c * top_k, receive_rows(tokens, top_k, n_ep, buffer_factor) // c
     if ragged:
-        both = [("ragged-all-to-all", R), ("ragged-all-to-all", A)]
+        both = [("ragged-all-to-all", R), ("ragged-all-to-all", A)] * c
         return both, both
     out = n_ep * R  # a block of R rows per peer
-    return [("all-to-all", out), ("all-gather", out)], [
-        ("all-to-all", out),
-        ("reduce-scatter", out),
-    ]
+    forward = [("all-to-all", out), ("all-gather", out)] * c
+    return forward, [("all-to-all", out), ("reduce-scatter", out)] * c
 
 
 def swiglu(x_RD, sizes_e, up_eDF, gate_eDF, down_eFD, gemm: str = "xla"):
@@ -133,9 +153,24 @@ def _exchange_blocks(x_AD, in_off_E, out_off_E, keep_E, e_A, n_ep, R, expert, ru
 
 
 def local(x_nD, e_nK, g_nK, weights, *, n_ep, R, expert, mlp, ragged, gemm="xla"):
-    """One device's tokens through their experts. `weights`: this device's experts' (up, gate,
-    down), whole over D; `mlp`: axes their width is split over (partial sums summed here).
-    Returns (y_nD, dropped, counts_E)."""
+    """One device's tokens through their experts, chunk by chunk (`chunks`; R: all chunks'
+    receive rows). `weights`: this device's experts' (up, gate, down), whole over D; `mlp`:
+    axes their width is split over (partial sums summed here). Returns (y_nD, dropped,
+    counts_E)."""
+    c = chunks(x_nD.shape[0], n_ep)
+    if c == 1:
+        return _chunk(x_nD, e_nK, g_nK, weights, n_ep, R, expert, mlp, ragged, gemm)
+    # A Python loop, not a scan: the chunks are independent ops the scheduler may interleave.
+    parts = [
+        _chunk(x, e, g, weights, n_ep, R // c, expert, mlp, ragged, gemm)
+        for x, e, g in zip(*(jnp.split(a, c) for a in (x_nD, e_nK, g_nK)), strict=True)
+    ]
+    y_nD = jnp.concatenate([p[0] for p in parts])
+    return y_nD, sum(p[1] for p in parts), sum(p[2] for p in parts)
+
+
+def _chunk(x_nD, e_nK, g_nK, weights, n_ep, R, expert, mlp, ragged, gemm):
+    """`local` for one chunk of tokens, R its receive rows."""
     n, D = x_nD.shape
     K = e_nK.shape[1]
     up_eDF = weights[0]
