@@ -29,7 +29,6 @@ from jaxdist.config import RunConfig
 from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.evaluation import eval_batches, small_data_warning
-from jaxdist.kernels import fp8
 from jaxdist.layout import AxisRules, Layout
 from jaxdist.metrics.outer import never_meet
 from jaxdist.metrics.progress import console_for
@@ -82,9 +81,6 @@ def fit(
     console = console or console_for(stderr=True)
     if jax.process_index() != 0:
         console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
-    note = fp8.platform_note(jitted.layout, mesh)  # on the CPU, FP8 is emulated: said once
-    if note:
-        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     _warn_rounds(jitted, config, console)
     held_out = _held_out(model, config, jitted, batches, console)
     run_dir = _run_dir(config.loop.run_dir)

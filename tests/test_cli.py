@@ -402,9 +402,10 @@ def test_a_refused_resume_names_the_flags_that_changed(tmp_path, capsys):
     meta.mkdir(parents=True)
     record = {"sync": {"sync_every": 8}, "step": {"fp8": "off"}, "model": {"num_layers": 2}}
     (meta / "metadata").write_text(json.dumps({"config": record}))
+    # 40 steps: the groups meet (no warning that they never do), the refusal the only line.
     rc, _, err = jaxdist(
         capsys, "train", "--mesh", "replica=2,data=4", "--devices", "cpu:8", "--sync-every", "32",
-        "--steps", "4", "--run-dir", str(tmp_path),
+        "--steps", "40", "--run-dir", str(tmp_path),
     )  # fmt: skip
     assert rc == 2
     (line,) = err.splitlines()

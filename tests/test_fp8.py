@@ -272,8 +272,11 @@ def test_the_run_says_how_many_projections_run_in_fp8_and_why_not_the_others(cap
     args = dataclasses.replace(args, step=StepConfig(fp8="current"), compile_cache="off")
     capsys.readouterr()
     mesh, layout, mc, _ = setup(args)
-    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("fp8:")]
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("fp8:")]
     assert f"runs {runs} of the 5 projections of each of tiny-llama's layers in FP8" in line
+    # The CPU's emulation note only where something runs in FP8 (it spoke with none).
+    assert ("note: --fp8 current on cpu: the projections in FP8 are emulated" in err) == (runs > 0)
 
     def forward(tokens_BT):
         with activation_rules(layout, mesh):

@@ -35,6 +35,16 @@ def test_every_flag_of_every_command_is_described(command):
     assert _undescribed(parser) == []
 
 
+@pytest.mark.filterwarnings("ignore:get_parser\\(\\) is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_positional_is_named_for_what_it_is_not_its_type(command):
+    # `jaxdist goodput --help` showed `[-h] STR`: a positional named by its field (RUN_DIR).
+    with INT_LISTS:
+        parser = tyro.extras.get_parser(load_command(command)[0])
+    shown = [a.metavar or a.dest for a in parser._actions if not a.option_strings]
+    assert not [m for m in shown if m in ("STR", "INT", "FLOAT", "PATH|STR")], shown
+
+
 def _help(capsys, monkeypatch, columns: int, *argv: str) -> str:
     """`jaxdist *argv --help` as printed at `columns` wide."""
     from jaxdist.cli.main import main

@@ -278,6 +278,9 @@ def test_plan_names_the_tokens_factor_within_80_columns(capsys):
     assert grouped[-3] == "1.028"
     text = " ".join(out)
     assert "xtok: tokens to data parallelism's loss" in text and "arXiv:2503.09799" in text
+    # To a pipe or file (as here) no line is wrapped: the notes are one line, as printed.
+    (notes,) = [line for line in out if line.startswith("mb: ")]
+    assert "xtok: tokens to" in notes and notes.endswith("the ranking"), notes
 
 
 def test_a_delay_hides_the_exchange_behind_the_next_steps():

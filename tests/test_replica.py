@@ -249,8 +249,8 @@ def test_a_run_killed_mid_round_resumes_bitwise_and_onto_another_group_layout(tm
     assert losses(tmp_path / "killed") == losses(tmp_path / "whole")
     # Another number of groups, or of steps between syncs, is refused, naming the field ...
     for flags, field in (
-        (["--mesh", "replica=4,fsdp=2", "--sync-every", "4"], "mesh.replica"),
-        (mesh + ["--sync-every", "2"], "sync.sync_every"),
+        (["--mesh", "replica=4,fsdp=2", "--sync-every", "4"], "--mesh (its replica axis) 2 -> 4"),
+        (mesh + ["--sync-every", "2"], "--sync-every 4 -> 2"),
     ):
         changed = [a for a in args if a not in ("--sync-every", "4")]
         rc, err = here(*changed, *flags, "--steps", "12", *run)

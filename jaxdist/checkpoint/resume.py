@@ -2,6 +2,8 @@
 against its checkpoint's record (the same model, data stream, optimizer, replica groups and FP8
 recipe). Restoring the state itself is the loop's: jaxdist.attempt.restore_or_init."""
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import pathlib
@@ -51,6 +53,21 @@ FIXED = (
 FIXED_DELAYED = ("step.fp8_history", "step.fp8_filter")
 # Bookkeeping, not configuration: never reported as changed.
 _UNREPORTED = ("versions", "cli", "loop.run_dir", "data_source.eos_id", "rules")
+
+
+# How the "changed on resume" line names a field: by its config path, or by `name(path)` inside
+# `fields_named(name)`: the CLI names its flags there (the library does not know them).
+_FIELD_NAME: contextvars.ContextVar = contextvars.ContextVar("field_name", default=None)
+
+
+@contextlib.contextmanager
+def fields_named(name):
+    """Within: the "changed on resume" line names each field `name(path)` (a flag)."""
+    token = _FIELD_NAME.set(name)
+    try:
+        yield
+    finally:
+        _FIELD_NAME.reset(token)
 
 
 class ResumeRefused(ConfigError):
@@ -129,6 +146,15 @@ def compare_with_checkpoint(run_dir: pathlib.Path, record: dict) -> list[str]:
     ]
 
 
+def _worded(changed: list[str]) -> str:
+    """The changed fields ("path old -> new" each), named as `fields_named` says: a flag two
+    fields share (--seed: data.seed, loop.seed) once."""
+    name = _FIELD_NAME.get()
+    if name is not None:
+        changed = [" ".join((name(c.split(" ", 1)[0]), c.split(" ", 1)[1])) for c in changed]
+    return "; ".join(dict.fromkeys(changed))
+
+
 def run_record(model, mesh, rules, config, data: dict | None = None, extra: dict | None = None):
     """Everything that decides what a run computes, and where; `extra` joins it (the command
     line's config tree, under `cli`)."""
@@ -165,7 +191,7 @@ def write_record(
     record = run_record(model, mesh, rules, config, data, extra)
     changed = compare_with_checkpoint(run_dir, record)
     if changed and console is not None:
-        console.print(f"changed on resume: {'; '.join(changed)}", highlight=False)
+        console.print(f"changed on resume: {_worded(changed)}", highlight=False)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         if jax.process_index() == 0:

@@ -4,6 +4,7 @@
 import dataclasses
 import json
 import pathlib
+from typing import Annotated
 
 import tyro
 
@@ -14,10 +15,10 @@ class Goodput:
     compile, restore, checkpoints, recomputed steps, data, eval, startup, time between
     attempts; goodput = productive / wall-clock."""
 
-    run_dir: tyro.conf.Positional[str]
+    run_dir: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="RUN_DIR")]
     json: bool = False
     """print the accounting as JSON instead of a table"""
-    plot: str | None = None
+    plot: Annotated[str | None, tyro.conf.arg(metavar="PNG")] = None
     """write a stacked bar per attempt to this PNG"""
 
 

@@ -5,7 +5,6 @@ import json
 from typing import Annotated
 
 import tyro
-from rich.console import Console
 
 from jaxdist import hardware as hardware_table
 from jaxdist.cli.options import MODEL_HELP, Common, model_config
@@ -18,6 +17,7 @@ from jaxdist.cli.plan_print import (
 )
 from jaxdist.errors import ConfigError
 from jaxdist.layout import REPLICA, SEARCHED_AXES
+from jaxdist.metrics.progress import console_for
 
 PLAN_HARDWARE_HELP = (
     f"hardware preset ({', '.join(hardware_table.PRESETS)}), or a Google Cloud TPU slice as "
@@ -233,7 +233,7 @@ def run(args: Plan) -> int:
     cfg = _plan_config(args, devices)
     _check_sync(args, cfg, models[0].num_layers)
     result = plan(models, STANDARD_RULES, cfg)
-    console = Console(width=None if Console().is_terminal else 100)
+    console = console_for(stderr=False)  # to a file or pipe: no line wrapped
     result["best"] = 0
     if args.verify:
         _verify(args, model_cfg, result, _targets(generation, gpu_target, devices))

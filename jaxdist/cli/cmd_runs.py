@@ -72,6 +72,7 @@ class Profile:
 
 def profile(args: Profile) -> int:
     from jaxdist.mesh import parse_mesh
+    from jaxdist.metrics.progress import console_for
     from jaxdist.profiling import report as profile_report
 
     hlo_text = None
@@ -88,7 +89,8 @@ def profile(args: Profile) -> int:
     if to_stdout:
         print(json.dumps(report, indent=1))
     else:
-        profile_report.print_report(report)
+        # The consoles a run's own report prints on: to a file or pipe, nothing wrapped or cut.
+        profile_report.print_report(report, console_for(stderr=False), console_for(stderr=True))
     profile_report.write(
         report,
         pathlib.Path(args.json) if args.json and not to_stdout else None,

@@ -101,7 +101,12 @@ def run(args: Train) -> int:
 
         record["init_from"] = {**init.record(), "dtype": SafetensorsDir(init.path).dtype()}
         first = initial_state(ADAPTER, init)
-    summary = loop.fit(model, mesh, layout.rules, config, record=record, init_state=first)
+    from jaxdist.checkpoint.resume import fields_named
+    from jaxdist.cli.config_file import flag_of
+
+    # What changed on a resume is said by the flags that changed it, as a refusal is.
+    with fields_named(lambda path: flag_of(path, type(args))):
+        summary = loop.fit(model, mesh, layout.rules, config, record=record, init_state=first)
     import jax
 
     if jax.process_index() == 0 and "already_finished" not in summary:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 # Flags several commands share, under the same concern in each.
 _MODEL = (
     "--model", "--style", "--layers", "--d-model", "--heads", "--kv-heads", "--d-mlp", "--seq-len",
-    "--vocab", "--capacity-factor", "--moe-buffer-factor",
+    "--vocab", "--capacity-factor", "--moe-buffer-factor", "--moe-gemm",
 )  # fmt: skip
 _LAYOUT = (
     "--microbatches", "--pipeline-schedule", "--virtual-stages", "--context-strategy",
@@ -50,6 +50,7 @@ PANELS = (
         (
             "--model", "--style", "--layers", "--d-model", "--heads", "--kv-heads", "--d-mlp",
             "--seq-len", "--vocab", "--init-from", "--capacity-factor", "--moe-buffer-factor",
+            "--moe-gemm",
         ),
     ),
     ("data", ("--data", "--batch-size", "--document-mask")),

@@ -237,7 +237,7 @@ def setup(
     layout = dataclasses.replace(layout, batch_size=args.batch_size)
     if args.remat == "auto":
         model_cfg = _remat_auto(model_cfg, layout, mesh, target, platform)
-    _say_fp8(args.step, model_cfg)
+    _say_fp8(layout, mesh, model_cfg)
     return mesh, dataclasses.replace(layout, remat=model_cfg.remat), model_cfg, args
 
 
@@ -286,9 +286,11 @@ def _remat_auto(model_cfg, layout, mesh, target: str | None, platform: str):
     return dataclasses.replace(model_cfg, remat=choice.policy)
 
 
-def _say_fp8(step, model_cfg) -> None:
+def _say_fp8(layout, mesh, model_cfg) -> None:
     """With --fp8: one line on stderr, how many of the model's layer projections run in FP8,
-    and why the others do not (jaxdist.kernels.fp8.in_fp8), by the rule the model applies."""
+    and why the others do not (jaxdist.kernels.fp8.in_fp8), by the rule the model applies;
+    then, where some do on the CPU, that they are emulated there (fp8.platform_note)."""
+    step = layout.step
     if step.fp8 == "off":
         return
     from jaxdist.kernels import fp8
@@ -303,6 +305,9 @@ def _say_fp8(step, model_cfg) -> None:
         if prefix + name in shapes
     ]
     print(fp8.in_fp8(step, model_cfg.name, fans), file=sys.stderr)
+    note = fp8.platform_note(layout, mesh)
+    if note and any(fp8.projection_recipe(step, *f) != "off" for f in fans):
+        print(f"note: {note}", file=sys.stderr)
 
 
 def _with_data(args: Common, model_cfg, data: str | None):
