@@ -62,7 +62,8 @@ def prepare(
     rows = process_rows(jitted.batch_sharding, (data.batch_size, model.seq_len + 1))
     group = fleet_member.settings()  # a group of `launch --groups`: its block of the fleet's
     if group is not None:
-        return jitted, fleet_member.batches(group, data, model.seq_len, model.vocab_size, rows)
+        fleet = (group.group, group.groups, group.batch_size)
+        return jitted, fleet_member.batches(*fleet, data, model.seq_len, model.vocab_size, rows)
     return jitted, batches.for_rows(rows)
 
 

@@ -132,7 +132,8 @@ def check_sidecar(python: str) -> None:
 class Lighthouse:
     """The lighthouse, started again on the same address whenever it dies."""
 
-    def __init__(self, python: str, fc: FleetConfig, min_groups: int):
+    def __init__(self, python: str, fc: FleetConfig, min_groups: int, run: pathlib.Path):
+        self.run = run
         self.port = free_port()
         self.address = f"http://{fc.host}:{self.port}"
         self.cmd = [
@@ -146,6 +147,8 @@ class Lighthouse:
     def _start(self) -> subprocess.Popen:
         env = {**os.environ, "RUST_LOG": "warn"}
         proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL)
+        line = {"group": "lighthouse", "process": 0, "pid": proc.pid, "start": time.time()}
+        _append(self.run / "launch.jsonl", line)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:
             try:
@@ -197,9 +200,9 @@ def launch_groups(
     min_groups = fc.min_groups or M // 2 + 1
     if fc.lighthouse:
         check_lighthouse(fc.lighthouse)
-    lighthouse = None if fc.lighthouse else Lighthouse(python, fc, min_groups)
-    address = fc.lighthouse or lighthouse.address
     run = pathlib.Path(run_dir)
+    lighthouse = None if fc.lighthouse else Lighthouse(python, fc, min_groups, run)
+    address = fc.lighthouse or lighthouse.address
     child_env = {"GLOO_SOCKET_IFNAME": "lo"} if fc.host.startswith("127.") else {}
     base = Settings(
         group=0, groups=M, run_dir=str(run), batch_size=batch_size,

@@ -68,12 +68,14 @@ def settings() -> Settings | None:
     return Settings(**json.loads(raw)) if raw else None
 
 
-def batches(s: Settings, data, seq_len: int, vocab_size: int, rows: range) -> TokenBatches:
-    """Group G's rows of the fleet's batch (block G of s.batch_size rows, as the `replica`
-    axis splits it in one program); `rows`: this process's rows within its group's block."""
-    full = TokenBatches(dataclasses.replace(data, batch_size=s.batch_size), seq_len, vocab_size)
-    block = s.batch_size // s.groups
-    out = full.for_rows(range(s.group * block + rows.start, s.group * block + rows.stop))
+def batches(
+    group: int, groups: int, batch_size: int, data, seq_len: int, vocab_size: int, rows: range
+) -> TokenBatches:
+    """Group `group`'s rows of the fleet's batch (its block of `batch_size` rows, as the
+    `replica` axis splits it in one program); `rows`: this process's rows within the block."""
+    full = TokenBatches(dataclasses.replace(data, batch_size=batch_size), seq_len, vocab_size)
+    block = batch_size // groups
+    out = full.for_rows(range(group * block + rows.start, group * block + rows.stop))
     out.global_shape = (block, seq_len + 1)
     return out
 
