@@ -137,10 +137,12 @@ def test_a_killed_group_restarts_alone_heals_and_the_fleet_ends_equal(tmp_path):
     after = [r for r in rounds if r["time"] > killed_at]
     assert after[0]["groups"] == [0, 1]
     assert after[0]["time"] - killed_at <= HEARTBEAT_S + 2 + 1.0, after[0]  # + the round's steps
-    # Group 2 healed from a live peer and takes part again within two rounds.
-    assert len(heals) == 1 and heals[0]["group"] == 2 and heals[0]["from"] in (0, 1), heals
-    back = [r["round"] for r in rounds if 2 in r["groups"] and r["round"] > heals[0]["round"]]
-    assert back and back[0] <= heals[0]["round"] + 2, (heals, rounds)
+    # Group 2 healed from a live peer and takes part again within two rounds. (A group whose
+    # first compile ran past the join timeout heals at the first rounds too: the others'.)
+    healed = [h for h in heals if h["round"] > 2]
+    assert len(healed) == 1 and healed[0]["group"] == 2 and healed[0]["from"] in (0, 1), heals
+    back = [r["round"] for r in rounds if 2 in r["groups"] and r["round"] > healed[0]["round"]]
+    assert back and back[0] <= healed[0]["round"] + 2, (heals, rounds)
     # Bitwise equal at the end, and what the records replayed in one process compute.
     finals = [json.loads((run_dir / "groups" / str(g) / "final.json").read_text()) for g in range(3)]
     assert len({f["sha256"] for f in finals}) == 1 and {f["round"] for f in finals} == {len(rounds)}

@@ -40,7 +40,7 @@ class Launch:
     """with --groups: the fewest groups a round commits with (default: a majority)"""
     heartbeat_timeout: float = 3.0
     """with --groups: seconds without a group's heartbeat before the quorum drops it"""
-    join_timeout: float = 3.0
+    join_timeout: float = 10.0
     """with --groups: seconds a round's quorum waits for a live group that has not joined it"""
     collective_timeout: float = 10.0
     """with --groups: seconds an all-reduce or a heal's transfer may take before the round fails"""

@@ -42,7 +42,7 @@ class FleetConfig:
     lighthouse: str | None = None  # HOST:PORT of a running lighthouse; None: launch starts one
     min_groups: int | None = None  # None: a majority of the groups
     heartbeat_timeout: float = 3.0
-    join_timeout: float = 3.0
+    join_timeout: float = 10.0
     collective_timeout: float = 10.0
 
 
