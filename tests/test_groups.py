@@ -95,15 +95,22 @@ jitted, _ = prepare(model, mesh, layout.rules, config)
 rows = range(0, args.batch_size)
 of = lambda g: member.batches(g, 3, {batch}, data, model.seq_len, model.vocab_size, rows)
 rounds, heals = replay.read({str(run_dir)!r})
-outer = replay.replay(jitted, of, rounds, heals, SyncConfig(sync_every={H}))
+trace = []
+outer = replay.replay(jitted, of, rounds, heals, SyncConfig(sync_every={H}), trace)
+print(trace)
 np.savez({str(run_dir / "replayed.npz")!r}, *outer.params)
 """
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=CLI_ENV, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    print(done.stdout)
     with np.load(run_dir / "replayed.npz") as z:
         return np.concatenate([z[k].ravel() for k in sorted(z.files, key=lambda k: int(k[4:]))])
+
+
+def _finals(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads((run_dir / "groups" / str(g) / "final.json").read_text()) for g in range(3)]
 
 
 def _outer(run_dir: pathlib.Path, group: int) -> np.ndarray:
@@ -144,7 +151,7 @@ def test_a_killed_group_restarts_alone_heals_and_the_fleet_ends_equal(tmp_path):
     back = [r["round"] for r in rounds if 2 in r["groups"] and r["round"] > healed[0]["round"]]
     assert back and back[0] <= healed[0]["round"] + 2, (heals, rounds)
     # Bitwise equal at the end, and what the records replayed in one process compute.
-    finals = [json.loads((run_dir / "groups" / str(g) / "final.json").read_text()) for g in range(3)]
+    finals = _finals(run_dir)
     assert len({f["sha256"] for f in finals}) == 1 and {f["round"] for f in finals} == {len(rounds)}
     ends = [_outer(run_dir, g) for g in range(3)]
     assert all(np.array_equal(ends[0], e) for e in ends[1:])
@@ -182,7 +189,7 @@ def test_a_stopped_group_and_a_killed_lighthouse_cost_no_progress(tmp_path):
     after = [r for r in rounds if r["time"] > killed_at]
     steps_after = [r["step"] for r in after]
     assert steps_after == list(range(steps_after[0], steps, H)), after
-    finals = [json.loads((run_dir / "groups" / str(g) / "final.json").read_text()) for g in range(3)]
+    finals = _finals(run_dir)
     assert len({f["sha256"] for f in finals}) == 1
 
 

@@ -43,7 +43,7 @@ class Reply(NamedTuple):
     committed: bool
     participants: list[int]
     quorum: int
-    summed: np.ndarray  # the participants' changes, summed (float32, joined)
+    summed: np.ndarray  # the participants' changes, summed (float64, joined)
     healed: tuple[dict, list] | None  # the peer's state (header, arrays) this group took
     quorum_s: float
     round_s: float
@@ -85,7 +85,7 @@ class Bridge:
         self.group = group
 
     def round(self, delta: np.ndarray, participating: bool, snapshot) -> Reply:
-        """One round: this process's change (float32, joined), whether it counts (a group that
+        """One round: this process's change (float64, joined), whether it counts (a group that
         joins to heal sends zeros that do not), and the state a healing peer would get."""
         head, data = wire.raw(*snapshot)
         header = {"op": "round", "participating": participating, "snapshot_head": head.decode()}

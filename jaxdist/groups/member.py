@@ -184,6 +184,7 @@ class Member:
                 "round": outer.round, "step": s, "groups": reply.participants,
                 "quorum": reply.quorum, "quorum_s": round(reply.quorum_s, 3),
                 "round_s": round(reply.round_s, 3), "time": time.time(),
+                "outer_mean": outer.mean(),  # rank 0's pieces: a replay's check, round by round
             }  # fmt: skip
             _append(self.fleet / "rounds.jsonl", line)
 

@@ -51,8 +51,13 @@ def placed(like, host: list[np.ndarray]):
 
 
 def joined(parts: list[np.ndarray]) -> np.ndarray:
-    """The pieces as one float32 vector (one all-reduce for all of them)."""
-    return np.concatenate([p.astype(np.float32).ravel() for p in parts]) if parts else np.zeros(0)
+    """The pieces as one float64 vector (one all-reduce for all of them). In float64 the sum of
+    a few groups' float32 changes is exact whatever order Gloo adds them in (short of a 2^29
+    spread in magnitude), so every group, and a replay, get the same bits: in float32 the last
+    bit depends on the order, and training amplifies it (by about 10x a round here)."""
+    if not parts:
+        return np.zeros(0)
+    return np.concatenate([p.astype(np.float64).ravel() for p in parts])
 
 
 def split(vec: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
@@ -81,13 +86,19 @@ class OuterState(NamedTuple):
 
     def stepped(self, summed: np.ndarray, groups: int, sync: SyncConfig) -> "OuterState":
         """After a committed round: the mean of `groups` groups' changes as the gradient."""
-        mean = split(summed / np.float32(groups), self.params)
+        mean = split((summed / groups).astype(np.float32), self.params)
         params, momentum = [], []
         for o, d, m in zip(self.params, mean, self.momentum, strict=True):
             step, m = nesterov(d, m, sync)
             params.append((o - step).astype(np.float32))
             momentum.append(np.asarray(m, np.float32))
         return OuterState(params, momentum, self.round + 1)
+
+    def mean(self) -> float:
+        """The mean of this process's outer weights (float64): a round's check in its record."""
+        return float(sum(p.astype(np.float64).sum() for p in self.params)) / max(
+            1, sum(p.size for p in self.params)
+        )
 
     def sha256(self) -> str:
         h = hashlib.sha256()

@@ -23,8 +23,11 @@ def read(run_dir) -> tuple[list[dict], list[dict]]:
     return lines("rounds.jsonl"), lines("heals.jsonl")
 
 
-def replay(jitted, batches_of, rounds: list[dict], heals: list[dict], sync) -> host.OuterState:
-    """The outer state after `rounds` (`batches_of(g)`: group g's TokenBatches)."""
+def replay(
+    jitted, batches_of, rounds: list[dict], heals: list[dict], sync, trace: list | None = None
+) -> host.OuterState:
+    """The outer state after `rounds` (`batches_of(g)`: group g's TokenBatches). `trace`
+    collects (round, the record's mean outer weight, the replay's)."""
     H, first = sync.sync_every, jitted.init_fn()
     outer = host.OuterState.first(host.pieces(first.params))
     states: dict[int, object] = {}
@@ -44,6 +47,8 @@ def replay(jitted, batches_of, rounds: list[dict], heals: list[dict], sync) -> h
             summed = change if summed is None else summed + change
             states[g] = state
         outer = outer.stepped(summed, len(line["groups"]), sync)
+        if trace is not None:
+            trace.append((line["round"], line.get("outer_mean"), outer.mean()))
         for heal in heals:
             if heal["round"] == line["round"]:
                 states[heal["group"]] = jax.tree.map(jnp.copy, states[heal["from"]])

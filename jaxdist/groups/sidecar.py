@@ -2,7 +2,7 @@
 3.11 with torch==2.13.0 and torchft==0.2.0; see jaxdist.groups): it imports no JAX and is run
 as a script, `python sidecar.py --socket PATH ...`, by its JAX process (jaxdist.groups.bridge).
 
-Each round the JAX process sends, over a Unix socket, one float32 vector (its pieces of the
+Each round the JAX process sends, over a Unix socket, one float64 vector (its pieces of the
 groups' change, joined) and the state a healing peer would need (outer weights, momentum, its
 inner state, round and step). The sidecar runs torchft's Manager: a quorum from the lighthouse
 (healing this group from a peer if it is behind), one all-reduce (a sum) among the same-rank
@@ -80,6 +80,32 @@ class ArrayTransport(CheckpointTransport):
         pass
 
 
+class _Gloo(ProcessGroupGloo):
+    """Gloo whose rendezvous keys name the quorum's newest committed round beside its id: a
+    lighthouse started again numbers its quorums from the start, and Gloo would meet the old
+    quorum's stale addresses under a reused id."""
+
+    epoch = 0
+
+    def configure(self, store_addr, *args, **kwargs):
+        return super().configure(f"{store_addr}/round{self.epoch}", *args, **kwargs)
+
+
+class _Quorums:
+    """torchft's manager client, passing each quorum's newest round to the process group."""
+
+    def __init__(self, client, pg: _Gloo):
+        self._client, self._pg = client, pg
+
+    def _quorum(self, *args, **kwargs):
+        found = self._client._quorum(*args, **kwargs)
+        self._pg.epoch = found.max_step
+        return found
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
 def _bind_named(host: str) -> None:
     """torchft 0.2.0's Manager starts its server on [::] (every interface): on `host` instead."""
     server = ft_manager.ManagerServer
@@ -115,7 +141,7 @@ class Sidecar:
             self.store = TCPStore(
                 args.host, args.store_port, is_master=True, wait_for_workers=False
             )
-        pg = ProcessGroupGloo(timeout=timeout)
+        pg = _Gloo(timeout=timeout)
         _bind_named(args.host)
         self.manager = ft_manager.Manager(
             pg=pg,
@@ -137,6 +163,7 @@ class Sidecar:
             init_sync=False,  # every group starts from the same seed's weights
             quorum_retries=args.quorum_retries,
         )
+        self.manager._client = _Quorums(self.manager._client, pg)
 
     def _load(self, snap) -> None:
         self.healed = snap
@@ -150,7 +177,7 @@ class Sidecar:
         self.manager.start_quorum()
         quorum_s = time.monotonic() - t0
         joined = header["participating"] and self.healed is None
-        vec = np.zeros(arrays[0].size + M, np.float32)
+        vec = np.zeros(arrays[0].size + M, np.float64)
         vec[: arrays[0].size] = arrays[0] if joined else 0.0
         vec[arrays[0].size + G] = 1.0 if joined else 0.0
         summed = torch.from_numpy(vec)
@@ -201,7 +228,14 @@ def main(argv=None) -> int:
             break
         if header.get("op") == "close":
             break
-        reply, out = side.round(header, arrays)
+        try:
+            reply, out = side.round(header, arrays)
+        except Exception as e:  # noqa: BLE001 - a lost round, said; the next one tries again
+            reply = {"committed": False, "participants": [], "quorum": -1, "healed": False,
+                     "quorum_s": 0.0, "round_s": 0.0,
+                     "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}  # fmt: skip
+            out = [np.zeros_like(arrays[0])]
+            side.healed = None
         send(sock, reply, out)
         if side.healed is not None:  # the peer's state, as it sent it (never decoded here)
             from wire import _LENGTHS
