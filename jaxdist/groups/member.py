@@ -38,6 +38,13 @@ from jaxdist.groups.bridge import Bridge
 from jaxdist.layout import SyncConfig
 
 ENV = "JAXDIST_GROUP"
+KEEP = 64
+"""Rounds whose outer state stays on disk (RUN/outer): a whole fleet restarts from its groups'
+checkpoints, which the newest of these must reach back to."""
+
+
+def _step_of(path: pathlib.Path) -> int:
+    return int(path.name.split("-")[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,9 +183,11 @@ class Member:
             return
         outer, where = self.outer, self.fleet / "outer"
         where.mkdir(parents=True, exist_ok=True)
-        tmp = where / f"rank-{self.rank}.tmp.npz"
+        tmp = where / f"step-{s + 1}-rank-{self.rank}.tmp.npz"
         np.savez(tmp, *outer.params, *outer.momentum, round=outer.round, step=s + 1)
-        os.replace(tmp, where / f"rank-{self.rank}.npz")  # whole, or the older one
+        os.replace(tmp, where / f"step-{s + 1}-rank-{self.rank}.npz")  # whole, or absent
+        for old in sorted(where.glob(f"step-*-rank-{self.rank}.npz"), key=_step_of)[:-KEEP]:
+            old.unlink(missing_ok=True)
         if self.rank == 0:
             line = {
                 "round": outer.round, "step": s, "groups": reply.participants,
@@ -189,13 +198,18 @@ class Member:
             _append(self.fleet / "rounds.jsonl", line)
 
     def _saved(self, s: int) -> host.OuterState | None:
-        """The fleet's saved outer state, where it is of step s (a whole fleet's restart)."""
-        path = self.fleet / "outer" / f"rank-{self.rank}.npz"
-        if s == 0 or not path.is_file():
+        """A whole fleet restarted at step s (each group from its own checkpoint): the outer
+        state of the last round that ended by then, as the lowest live group saved it."""
+        if s == 0:
+            return None
+        path = self.fleet / "outer" / f"step-{s // self.H * self.H}-rank-{self.rank}.npz"
+        if not path.is_file():
+            self._say(
+                f"no saved outer state of step {s // self.H * self.H} (the newest {KEEP} rounds "
+                "are kept): the outer weights start from this group's own"
+            )
             return None
         with np.load(path, allow_pickle=False) as z:
-            if int(z["step"]) != s:
-                return None
             arrays = [z[f"arr_{i}"] for i in range(len(z.files) - 2)]
             half = len(arrays) // 2
             return host.OuterState(arrays[:half], arrays[half:], int(z["round"]))

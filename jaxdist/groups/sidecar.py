@@ -17,6 +17,7 @@ server binds every interface in 0.2.0: `_bind_named` makes it bind the run's hos
 
 import argparse
 import json
+import logging
 import os
 import socket
 import sys
@@ -212,6 +213,9 @@ def main(argv=None) -> int:
     p.add_argument("--quorum-timeout", type=float, default=120.0)
     p.add_argument("--quorum-retries", type=int, default=20)
     args = p.parse_args(argv)
+    # torchft's info and warnings (e.g. about NCCL's flight recorder, on a Gloo-only host) are
+    # noise in the run's log; its errors and the exceptions it logs stay.
+    logging.getLogger("torchft").setLevel(logging.ERROR)
     _watch_parent()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.socket)
