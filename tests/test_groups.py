@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxdist.groups import fleet
+from jaxdist.groups import accounting, fleet
 from tests.extras import FT_PYTHON_VAR, needs_ft
 from tests.helpers import CLI_ENV, JAXDIST, cli
 
@@ -150,6 +150,14 @@ def test_a_killed_group_restarts_alone_heals_and_the_fleet_ends_equal(tmp_path):
     assert len(healed) == 1 and healed[0]["group"] == 2 and healed[0]["from"] in (0, 1), heals
     back = [r["round"] for r in rounds if 2 in r["groups"] and r["round"] > healed[0]["round"]]
     assert back and back[0] <= healed[0]["round"] + 2, (heals, rounds)
+    # `jaxdist goodput` names the fault and what it cost: the rounds group 2 missed, their rows.
+    rep = accounting.fleet_report(run_dir)
+    (fault,) = rep["faults"]
+    assert fault["cause"] == "group 2: process 0 killed by SIGKILL"
+    assert fault["healed_from"] in (0, 1)
+    missed = [r for r in rounds if r["time"] > killed_at and 2 not in r["groups"]]
+    assert fault["rounds_missed"] == len(missed) >= 1
+    assert fault["tokens_lost"] == len(missed) * H * 4 * 128 <= rep["tokens_lost"]
     # Bitwise equal at the end, and what the records replayed in one process compute.
     finals = _finals(run_dir)
     assert len({f["sha256"] for f in finals}) == 1 and {f["round"] for f in finals} == {len(rounds)}

@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from typing import NamedTuple
 
 import numpy as np
@@ -105,4 +104,3 @@ class Bridge:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
-        time.sleep(0)

@@ -6,6 +6,7 @@ costs no round.
 """
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -32,7 +33,10 @@ def main(argv=None) -> int:
     done = threading.Event()
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda *_: done.set())
-    done.wait()
+    parent = os.getppid()
+    while not done.wait(0.5):
+        if os.getppid() != parent:  # the launcher is gone (even by kill -9): so is the fleet
+            break
     server.shutdown()
     return 0
 
