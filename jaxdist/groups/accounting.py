@@ -59,6 +59,8 @@ def fleet_report(run_dir) -> dict:
             ]
             fault["stall_s"] = round(max(0.0, max(near, default=0.0) - typical), 1)
         faults.append(fault)
+    faults += _absences(rounds, groups, faults, start, H * tokens_per_group_step)
+    faults.sort(key=lambda f: f["time_s"])
     return {
         "groups": M,
         "sync_every": H,
@@ -72,6 +74,40 @@ def fleet_report(run_dir) -> dict:
         "round_s_p50": round(typical, 3),
         "faults": faults,
     }
+
+
+def _absences(rounds, groups, faults, start: float, tokens_per_round: int) -> list[dict]:
+    """Spans of rounds a live group missed with no restart behind them (stopped, stalled, or
+    late to its first quorum): the rounds and tokens no restart accounts for."""
+    out = []
+    for g in groups:
+        owed = sum(
+            f.get("rounds_missed", 0) for f in faults if f["cause"].startswith(f"group {g}:")
+        )
+        span: list[dict] = []
+        spans = []
+        for r in rounds:
+            if g in r["groups"]:
+                if span:
+                    spans.append(span)
+                span = []
+            else:
+                span.append(r)
+        spans += [span] if span else []
+        spans.sort(key=len)
+        while spans and owed >= len(spans[-1]):  # the longest: the restarts' (counted above)
+            owed -= len(spans.pop())
+        for s in sorted(spans, key=lambda s: s[0]["round"]):
+            out.append(
+                {
+                    "cause": f"group {g} absent, not restarted (stopped, stalled or late)",
+                    "time_s": round(s[0]["time"] - start, 1),
+                    "away_s": round(s[-1]["time"] - s[0]["time"], 1),
+                    "rounds_missed": len(s),
+                    "tokens_lost": len(s) * tokens_per_round,
+                }
+            )
+    return out
 
 
 def print_fleet(rep: dict, console: Console | None = None) -> None:
