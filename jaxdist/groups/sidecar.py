@@ -11,8 +11,10 @@ groups that took part (a one-hot slot per group, summed along), whether the roun
 and the state it healed from, if it did.
 
 Healing moves arrays only (`ArrayTransport`: lengths, a JSON header and raw bytes over the
-quorum's Gloo group); torchft's own transports unpickle what a peer sends. torchft's manager
-server binds every interface in 0.2.0: `_bind_named` makes it bind the run's host.
+quorum's Gloo group); torchft's own transports unpickle what a peer sends. What listens binds
+the run's host: torchft's manager server (every interface in 0.2.0: `_bind_named`), the
+group's store (on a socket bound here), Gloo (GLOO_SOCKET_IFNAME, set by the launcher for
+loopback).
 """
 
 import argparse
@@ -139,9 +141,12 @@ class Sidecar:
         timeout = timedelta(seconds=args.timeout)
         self.store = None
         if args.rank == 0:  # the group's store (the Manager only ever connects to one)
+            # On a socket bound here: TCPStore's own listens on every interface.
+            self.listener = socket.create_server((args.host, args.store_port), backlog=128)
             self.store = TCPStore(
-                args.host, args.store_port, is_master=True, wait_for_workers=False
-            )
+                args.host, args.store_port, is_master=True, wait_for_workers=False,
+                master_listen_fd=self.listener.fileno(), use_libuv=False,
+            )  # fmt: skip
         pg = _Gloo(timeout=timeout)
         _bind_named(args.host)
         self.manager = ft_manager.Manager(
