@@ -18,9 +18,11 @@ the batch of a step is fixed by the step) and that peer's inner optimizer state,
 round's outer step as every group takes it.
 
 Records (the fleet's run directory RUN): rounds.jsonl, one line per committed round (written by
-the lowest participating group); heals.jsonl, one line per heal; outer/rank-P.npz, the outer
-state of the newest committed round (the lowest participating group saves it: a whole fleet
-restarted resumes from it and each group's own checkpoint); groups/G/final.json.
+the lowest participating group); heals.jsonl, one line per heal; outer/step-S-rank-P.npz, the
+outer state after the round that ended at step S (the lowest participating group saves it, the
+newest KEEP rounds kept: a whole fleet restarted takes the one its groups' checkpoints reach,
+each group its own checkpoint; groups that resume at different steps are not reconciled);
+groups/G/final.json and outer.npz (its last outer weights).
 """
 
 import dataclasses
