@@ -7,6 +7,8 @@ groups of one process and two fake CPU devices each, on loopback, tiny-llama, H 
   a one-process replay of rounds.jsonl and heals.jsonl;
 - a stopped group (SIGSTOP) and a killed lighthouse: the others go on, no round lost to the
   lighthouse;
+- a whole fleet launched again from its groups' checkpoints resumes exactly (-m experiment: three
+  fleets);
 - bad settings end in one line (these need no sidecar).
 
 The fleet tests need the [ft] extra's sidecar (JAXDIST_FT_PYTHON); without it they skip, naming
@@ -235,3 +237,22 @@ def test_an_unreachable_lighthouse_ends_in_one_line(tmp_path):
     )  # fmt: skip
     line = _one_line(done)
     assert "127.0.0.1:9 cannot be reached" in line and "drop --lighthouse" in line
+
+
+@needs_ft
+@pytest.mark.experiment  # three fleets (about 3 minutes): -m experiment
+def test_a_whole_fleet_restarted_resumes_exactly(tmp_path):
+    # A constant learning rate, so 32 steps and then 16 more are 48 steps' schedule.
+    flags = ["--schedule", "constant", "--warmup-steps", "4", "--checkpoint-every", "8"]
+
+    straight, restarted = tmp_path / "straight", tmp_path / "restarted"
+    for run_dir, steps in ((straight, 48), (restarted, 32), (restarted, 48)):
+        cmd = [
+            *JAXDIST, "launch", "--groups", "3", "--processes", "1", "--devices-per-process",
+            "2", "--", *TRAIN, *flags, "--steps", str(steps), "--run-dir", str(run_dir),
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, env=CLI_ENV, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from checkpoint step 31" in done.stdout + done.stderr
+    ends = [f["sha256"] for f in _finals(straight) + _finals(restarted)]
+    assert len(set(ends)) == 1 and _finals(restarted)[0]["round"] == 48 // H
