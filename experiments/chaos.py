@@ -14,6 +14,17 @@ the time between attempts, restores). The same day is run twice: without a local
 one in a tmpfs (`--local-checkpoint-dir`), Young-Daly choosing both tiers' intervals from their
 measured save costs and an MTBF set to the day's fault rate. Writes
 experiments/results/chaos.json and chaos.png (a timeline of both runs' attempts).
+
+    python experiments/chaos.py --groups         # replica groups against whole-job restarts
+
+The replica-group day (`--groups`, jaxdist.groups): three groups of tiny-llama (H = 4), each
+one process of two CPU devices, trained twice on the same schedule of faults, timed from the
+first step: as a fleet (`launch --groups 3`, each group its own job, a lost group restarted
+alone) and as one job of three processes (`--mesh replica=3,data=2` in one program, whole-job
+restarts from its checkpoints). Faults: kill -9 of group (process) 2, group 1 stopped (SIGSTOP)
+for 20 s, a lighthouse kill (the fleet only: the job has none), kill -9 of group 0. Each
+configuration also runs without faults; goodput = the share of the groups' rounds trained x the
+fault-free wall / the wall. Writes experiments/results/chaos_groups.json.
 """
 
 import argparse
@@ -177,8 +188,138 @@ def plot(days: list[dict], out: pathlib.Path) -> None:
     plt.close(fig)
 
 
+# --- Replica groups against whole-job restarts ---------------------------------------------------
+
+GROUP_FAULTS = ((20.0, "kill", 2), (45.0, "stop", 1), (75.0, "lighthouse", None), (95.0, "kill", 0))
+STOP_S = 20.0
+
+
+def group_train(steps: int, run_dir: pathlib.Path) -> list[str]:
+    return [
+        *("train", "--model", "tiny-llama", "--mesh", "replica=3,data=2", "--sync-every", "4"),
+        *("--steps", str(steps), "--batch-size", "12", "--log-every", "4"),
+        *("--run-dir", str(run_dir), "--checkpoint-every", "8"),
+    ]
+
+
+def _job_pids(launcher: int) -> dict:
+    """The job's processes (launch's children), by their --process-id (the lighthouse: -1)."""
+    found = {}
+    for child in pathlib.Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        args = pathlib.Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        if b"--process-id" in args:
+            found[int(args[args.index(b"--process-id") + 1])] = int(child)
+    return found
+
+
+def _fleet_pid(run_dir: pathlib.Path, group) -> int:
+    lines = [json.loads(x) for x in (run_dir / "launch.jsonl").read_text().splitlines()]
+    return [x["pid"] for x in lines if x["group"] == group][-1]
+
+
+def _signal(pid: int, sig) -> None:
+    import os
+
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _started(run_dir: pathlib.Path, fleet: bool) -> bool:
+    """Whether training has begun (the schedule's clock starts at the first step)."""
+    metrics = run_dir / ("groups/0/metrics.jsonl" if fleet else "metrics.jsonl")
+    return metrics.exists() and '"loss"' in metrics.read_text()
+
+
+def _day(name: str, fleet: bool, steps: int, work: pathlib.Path, with_faults: bool) -> dict:
+    import signal as sig
+
+    run_dir = work / name
+    launch = [*JAXDIST, "launch", "--processes", "1" if fleet else "3"]
+    launch += ["--devices-per-process", "2", "--max-restarts", "4"]
+    launch += ["--groups", "3"] if fleet else []
+    extra = [] if fleet else ["--hang-timeout", "60"]  # the first outer steps compile slowly
+    log = (work / f"{name}.log").open("w")
+    t0 = time.monotonic()
+    p = subprocess.Popen(
+        [*launch, "--", *group_train(steps, run_dir), *extra], stdout=log, stderr=log, cwd=ROOT
+    )
+    done = []
+    while p.poll() is None and not _started(run_dir, fleet):
+        time.sleep(0.2)
+    t_first = time.monotonic()
+    for at, kind, who in GROUP_FAULTS if with_faults else ():
+        while p.poll() is None and time.monotonic() - t_first < at:
+            time.sleep(0.1)
+        if p.poll() is not None or (kind == "lighthouse" and not fleet):
+            continue
+        pid = (
+            _fleet_pid(run_dir, "lighthouse" if kind == "lighthouse" else who)
+            if fleet
+            else _job_pids(p.pid).get(who)
+        )
+        if pid is None:
+            continue
+        at_s = round(time.monotonic() - t_first, 1)
+        if kind == "stop":
+            _signal(pid, sig.SIGSTOP)
+            time.sleep(STOP_S)
+            _signal(pid, sig.SIGCONT)
+        else:
+            _signal(pid, sig.SIGKILL)
+        done.append({"at_s": at_s, "fault": kind, "who": who})
+    p.wait()
+    wall = time.monotonic() - t0
+    return {"name": name, "exit": p.returncode, "wall_s": wall, "faults": done}
+
+
+def _last_loss(run_dir: pathlib.Path, steps: int, fleet: bool) -> float:
+    dirs = [run_dir / "groups" / str(g) for g in range(3)] if fleet else [run_dir]
+    values = [r["loss"] for d in dirs for r in records(d) if "loss" in r and r["step"] >= steps - 8]
+    return sum(values) / len(values)
+
+
+def groups_study(steps: int, work: pathlib.Path, out: pathlib.Path) -> None:
+    from jaxdist.groups import accounting
+    from jaxdist.metrics import goodput
+
+    rows = []
+    for fleet in (True, False):
+        kind = "replica groups" if fleet else "whole-job restarts"
+        calm = _day(f"{kind}, no faults", fleet, steps, work, False)
+        day = _day(kind, fleet, steps, work, True)
+        run_dir = work / kind
+        if fleet:
+            rep = accounting.fleet_report(run_dir)
+            share, committed, lost = rep["work_share"], rep["rounds_committed"], rep["tokens_lost"]
+        else:
+            rep = goodput.read_report(run_dir)
+            share, committed = 1.0, steps // 4
+            lost = rep["recomputed_steps"] * 12 * 128
+            day["jaxdist_goodput"] = rep["goodput"]
+        day.update(
+            calm_wall_s=calm["wall_s"], work_share=share, committed_rounds=committed,
+            tokens_lost=lost, goodput=share * calm["wall_s"] / day["wall_s"],
+            final_loss=_last_loss(run_dir, steps, fleet), report=rep,
+        )  # fmt: skip
+        rows.append(day)
+        print(
+            f"{kind}: exit {day['exit']}, wall {day['wall_s']:.0f} s (no faults "
+            f"{calm['wall_s']:.0f} s), rounds committed {committed}, work share {share:.1%}, "
+            f"goodput {day['goodput']:.1%}, tokens lost {lost:,}, final loss "
+            f"{day['final_loss']:.4f}; faults at (s, kind, group): "
+            f"{[(f['at_s'], f['fault'], f['who']) for f in day['faults']]}"
+        )
+    ratio = rows[0]["goodput"] / rows[1]["goodput"]
+    print(f"replica groups' goodput / whole-job restarts': {ratio:.2f}x")
+    (out / "chaos_groups.json").write_text(json.dumps({"steps": steps, "days": rows}, indent=2))
+    print(f"wrote {out / 'chaos_groups.json'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--groups", action="store_true", help="replica groups vs whole-job restarts")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results"))
     ap.add_argument("--keep", default=None, help="run here and keep the run directories")
@@ -192,6 +333,12 @@ def main() -> None:
         return
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.groups:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = pathlib.Path(args.keep or tmp)
+            work.mkdir(parents=True, exist_ok=True)
+            groups_study(args.steps, work, out)
+        return
     shm_root = "/dev/shm" if pathlib.Path("/dev/shm").is_dir() else None  # a tmpfs, if any
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir=shm_root) as shm:
         work = pathlib.Path(args.keep or tmp)

@@ -29,6 +29,7 @@ from jaxdist.config import RunConfig
 from jaxdist.data import TokenBatches
 from jaxdist.errors import ConfigError
 from jaxdist.evaluation import eval_batches, small_data_warning
+from jaxdist.groups import member as fleet_member
 from jaxdist.layout import AxisRules, Layout
 from jaxdist.metrics.outer import never_meet
 from jaxdist.metrics.progress import console_for
@@ -60,6 +61,10 @@ def prepare(
     replica.check_nonfinite(layout, mesh, config.loop.nonfinite)
     jitted = build(model.init, tx, lr, layout, mesh, seed, vocab)
     rows = process_rows(jitted.batch_sharding, (data.batch_size, model.seq_len + 1))
+    group = fleet_member.settings()  # a group of `launch --groups`: its block of the fleet's
+    if group is not None:
+        fleet = (group.group, group.groups, group.batch_size)
+        return jitted, fleet_member.batches(*fleet, data, model.seq_len, model.vocab_size, rows)
     return jitted, batches.for_rows(rows)
 
 
@@ -100,10 +105,13 @@ def fit(
         # save commits in close_attempt.
         tiers = attempt.tiers
         stop = PreemptionSignal(tiers.checkpointer.end_now, config.loop.term_grace, tiers.newest)
+        member = fleet_member.open_member(run_dir, console)  # None outside `launch --groups`
         with stop as signal_flag:
             try:
-                return close_attempt(attempt, _loop(attempt, state, signal_flag))
+                return close_attempt(attempt, _loop(attempt, state, signal_flag, member))
             finally:
+                if member is not None:
+                    member.close()
                 # However the attempt ends (an error, a failed last save, a second Ctrl-C), what
                 # the sinks have queued still reaches their files; closing twice is a no-op.
                 if attempt.log:
@@ -191,7 +199,7 @@ def _finished(run_dir: pathlib.Path, step: int, console, command: bool) -> dict:
     return {**summary, "already_finished": step}
 
 
-def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] | None:
+def _loop(a: Attempt, state, signal_flag: PreemptionSignal, member=None) -> tuple[int, str] | None:
     """Steps a.start..steps-1, then the last evaluation; returns (step, signal) when a signal
     stopped the run after that step (saved), None when it ran to its end."""
     run = a.run
@@ -203,6 +211,8 @@ def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] |
     # The bar (a terminal only) sits under the step lines; the timer redraws it each step.
     with a.timer.bar, a.watchdog:
         s = a.start
+        if member is not None:  # a fleet's group (jaxdist.groups): healed, if restarted alone
+            state, s = member.start(state, s)
         while s < loop.steps:
             a.faults.before_step(s)
             a.watchdog.enter(s)
@@ -213,6 +223,8 @@ def _loop(a: Attempt, state, signal_flag: PreemptionSignal) -> tuple[int, str] |
             # Stages 2-4: forward/backward, the collectives, the update; dispatched, not awaited.
             with a.capture.step(s, state):
                 state, metrics = jitted.step_fn(state, a.place(s), act)
+            if member is not None:  # a round's end: the outer sync across groups, on the host
+                state, s = member.after_step(s, state)
             a.capture.after(s, metrics)
             # Step s-1's scalars: s is already queued, so the device never idles for logging.
             if pending is not None:

@@ -29,12 +29,26 @@ def torch_reference() -> str | None:
     return found if found and pathlib.Path(found).is_file() else None
 
 
+# The variable .ci/run sets to the [ft] extra's sidecar Python (3.11, torch and torchft, CPU).
+FT_PYTHON_VAR = "JAXDIST_FT_PYTHON"
+FT_MISSING = (
+    f"needs the [ft] extra's sidecar: set {FT_PYTHON_VAR} to a Python 3.11 with torch and "
+    "torchft (pip install torch==2.13.0 torchft==0.2.0 numpy; .ci/run makes one)"
+)
+
+
+def ft_python() -> str | None:
+    found = os.environ.get(FT_PYTHON_VAR)
+    return found if found and pathlib.Path(found).is_file() else None
+
+
 # Each reason is one line naming the extra and its install command.
 needs_gpu_aot = pytest.mark.skipif(gpu.missing() is not None, reason=gpu.MISSING)
 needs_tpu = pytest.mark.skipif(tpu.missing() is not None, reason=tpu.MISSING)
 needs_torch_reference = pytest.mark.skipif(
     torch_reference() is None, reason=TORCH_REFERENCE_MISSING
 )
+needs_ft = pytest.mark.skipif(ft_python() is None, reason=FT_MISSING)
 
 
 def summary() -> str:
@@ -43,6 +57,7 @@ def summary() -> str:
         "gpu-aot": gpu.missing() is None,
         "tpu": tpu.missing() is None,
         "torch reference": torch_reference() is not None,
+        "ft": ft_python() is not None,
     }
     return "extras: " + ", ".join(f"{k} {'present' if v else 'absent'}" for k, v in have.items())
 

@@ -23,8 +23,16 @@ class Goodput:
 
 
 def goodput(args: Goodput) -> int:
+    from jaxdist.groups import accounting as fleet
     from jaxdist.metrics import goodput as accounting
 
+    if fleet.is_fleet(args.run_dir):  # launch --groups: the fleet's rounds and faults
+        rep = fleet.fleet_report(args.run_dir)
+        if args.json:
+            print(json.dumps(rep))
+        else:
+            fleet.print_fleet(rep)
+        return 0
     rep = accounting.read_report(pathlib.Path(args.run_dir))
     if args.json:
         print(json.dumps(rep))

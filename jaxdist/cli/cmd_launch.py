@@ -25,7 +25,28 @@ class Launch:
     """the coordinator's port on loopback (default: a free one)"""
     max_restarts: int = 0
     """after a failure (an exit, a kill, a declared hang) start every process again, up to N
-    times; each attempt resumes from the newest good checkpoint (needs --run-dir)"""
+    times; each attempt resumes from the newest good checkpoint (needs --run-dir); with
+    --groups, a failed group alone, up to N times per group"""
+    groups: int | None = None
+    """M replica groups, each its own job of --processes processes (the train command's --mesh
+    replica=M,...: each group the rest of the mesh), meeting every --sync-every steps through
+    torchft; a lost group restarts alone and heals from a live peer"""
+    ft_python: str | None = None
+    """with --groups: the Python 3.11 interpreter the torchft sidecars run in (pip install
+    torch==2.13.0 torchft==0.2.0 numpy); default $JAXDIST_FT_PYTHON"""
+    ft_host: str = "127.0.0.1"
+    """with --groups: the address every torchft socket binds (the lighthouse, the managers, Gloo)"""
+    lighthouse: str | None = None
+    """with --groups: HOST:PORT of a running torchft lighthouse; default: launch starts one and
+    starts it again if it dies"""
+    min_groups: int | None = None
+    """with --groups: the fewest groups a round commits with (default: a majority)"""
+    heartbeat_timeout: float = 3.0
+    """with --groups: seconds without a group's heartbeat before the quorum drops it"""
+    join_timeout: float = 10.0
+    """with --groups: seconds a round's quorum waits for a live group that has not joined it"""
+    collective_timeout: float = 10.0
+    """with --groups: seconds an all-reduce or a heal's transfer may take before the round fails"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +108,17 @@ def passthrough(argv: list[str]) -> int:
     args = tyro.cli(kind, args=own, prog=f"jaxdist {name}")
     if train_args and train_args[0] != "train":
         train_args = ["train", *train_args]
+    if isinstance(args, Launch) and args.groups is not None:
+        from jaxdist.groups.fleet import FleetConfig, launch_groups
+
+        fleet = FleetConfig(
+            args.groups, args.ft_python, args.ft_host, args.lighthouse, args.min_groups,
+            args.heartbeat_timeout, args.join_timeout, args.collective_timeout,
+        )  # fmt: skip
+        return launch_groups(
+            fleet, args.processes, args.devices_per_process, train_args, args.platform,
+            args.max_restarts,
+        )  # fmt: skip
     if isinstance(args, Launch):
         from jaxdist.cluster.launch import launch
 

@@ -60,12 +60,19 @@ def _check(processes: int, devices_per_process: int, train_args: list[str]) -> N
 
 
 def _start(
-    i: int, processes: int, devices_per_process: int, train_args: list[str], platform: str, port
+    i: int,
+    processes: int,
+    devices_per_process: int,
+    train_args: list[str],
+    platform: str,
+    port,
+    extra_env: dict | None = None,
 ) -> subprocess.Popen:
     """Process i of the run, on its own devices, its stdout and stderr piped for the `[pN]`
-    streams."""
+    streams. `extra_env`: variables set for it (a replica group's, jaxdist.groups.fleet)."""
     env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra_env or {})
     cmd = [
         sys.executable,
         "-m",

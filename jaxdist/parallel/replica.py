@@ -172,9 +172,10 @@ def _fetched(x, spec: PartitionSpec, sync: SyncConfig, mesh: Mesh):
     return jax.device_put(x, NamedSharding(mesh, spec, memory_kind="device"))
 
 
-def _nesterov(delta, momentum, sync: SyncConfig):
+def nesterov(delta, momentum, sync: SyncConfig):
     """torch.optim.SGD(nesterov=True, dampening=0) on `delta` as the gradient: the step to
-    subtract and the new momentum."""
+    subtract and the new momentum. Pure arithmetic: inside the compiled step here, and on host
+    arrays for groups that are jobs of their own (jaxdist.groups.member)."""
     mu = sync.outer_momentum
     momentum = mu * momentum + delta
     return sync.outer_lr * (delta + mu * momentum), momentum
@@ -269,12 +270,12 @@ def _send_fragment(f: int, sync: SyncConfig, mesh: Mesh, where: list, theta, out
     if keeps_outer_copy(sync):  # each group's change from its copy of the outer weights, in 8 bits
         changes = [o[None] - t for o, t in zip(own, theta_M, strict=True)]
         means = up_many(changes, specs, owners, dtype, mesh)
-        steps, m = zip(*map(functools.partial(_nesterov, sync=sync), means, m), strict=True)
+        steps, m = zip(*map(functools.partial(nesterov, sync=sync), means, m), strict=True)
         steps = down_many(steps, specs, owners, dtype, mesh)  # every copy takes the same update
     else:  # the groups' weights, meeting on their owners
         means = up_many(theta_M, specs, owners, dtype, mesh)
         deltas = [pinned(o, mesh, ow) - x for o, ow, x in zip(own, owners, means, strict=True)]
-        steps, m = zip(*map(functools.partial(_nesterov, sync=sync), deltas, m), strict=True)
+        steps, m = zip(*map(functools.partial(nesterov, sync=sync), deltas, m), strict=True)
     for k, i in enumerate(mine):
         outer[i] = _put(outer[i], own[k] - steps[k], where[i].dim, F, f, 0)
         mom[i] = _put(mom[i], m[k], where[i].dim, F, f, 0)

@@ -1,0 +1,106 @@
+"""The JAX process's end of its sidecar (jaxdist.groups.sidecar): started beside it in the
+sidecar interpreter, spoken to over a Unix socket in a directory only this user can enter (no
+network port: the sidecar's own torchft traffic binds the run's host).
+
+`ft_python()` is where the sidecar interpreter is named; `MISSING` says in one line how to get
+one, for the launcher and the tests to say.
+"""
+
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import tempfile
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxdist.errors import ConfigError
+from jaxdist.groups import wire
+
+FT_PYTHON_VAR = "JAXDIST_FT_PYTHON"
+FT_PACKAGES = "torch==2.13.0 torchft==0.2.0 numpy"
+MISSING = (
+    f"--groups runs torchft in a Python 3.11 sidecar: make one (python3.11 -m venv ftenv && "
+    f"ftenv/bin/pip install {FT_PACKAGES}) and name it with --ft-python ftenv/bin/python or "
+    f"{FT_PYTHON_VAR}"
+)
+HERE = pathlib.Path(__file__).parent
+
+
+def ft_python(given: str | None = None) -> str:
+    """The sidecar interpreter: `given` (--ft-python), else $JAXDIST_FT_PYTHON; one line naming
+    the fix where neither names a file."""
+    found = given or os.environ.get(FT_PYTHON_VAR)
+    if not found or not pathlib.Path(found).is_file():
+        raise ConfigError(MISSING if not found else f"{found} does not exist; {MISSING}")
+    return found
+
+
+class Reply(NamedTuple):
+    committed: bool
+    participants: list[int]
+    quorum: int
+    summed: np.ndarray  # the participants' changes, summed (float64, joined)
+    healed: tuple[dict, list] | None  # the peer's state (header, arrays) this group took
+    quorum_s: float
+    round_s: float
+    error: str | None
+
+
+class Bridge:
+    """One sidecar: started, connected, one round at a time."""
+
+    def __init__(self, python: str, group: int, groups: int, rank: int, ranks: int, env: dict):
+        self.dir = tempfile.mkdtemp(prefix="jaxdist-ft-")  # mode 0700: this user's alone
+        path = os.path.join(self.dir, "sidecar.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        cmd = [
+            python, str(HERE / "sidecar.py"), "--socket", path, "--group", str(group),
+            "--groups", str(groups), "--rank", str(rank), "--ranks", str(ranks),
+            "--host", env["host"], "--store-port", str(env["store_port"]),
+            "--lighthouse", env["lighthouse"], "--min-groups", str(env["min_groups"]),
+            "--timeout", str(env["timeout"]), "--quorum-retries", str(env["quorum_retries"]),
+        ]  # fmt: skip
+        child_env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}
+        child_env.update(env.get("child_env", {}))
+        child_env.setdefault("RUST_LOG", "warn")
+        self.proc = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL)
+        listener.settimeout(120)
+        try:
+            self.sock, _ = listener.accept()
+        except TimeoutError:
+            self.proc.kill()
+            raise ConfigError(f"the sidecar ({python}) did not start in 120 s; {MISSING}") from None
+        finally:
+            listener.close()
+        self.sock.settimeout(None)
+        hello, _ = wire.receive(self.sock)
+        if not hello.get("ok"):
+            raise ConfigError(f"the torchft sidecar could not start: {hello.get('error')}")
+        self.group = group
+
+    def round(self, delta: np.ndarray, participating: bool, snapshot) -> Reply:
+        """One round: this process's change (float64, joined), whether it counts (a group that
+        joins to heal sends zeros that do not), and the state a healing peer would get."""
+        head, data = wire.raw(*snapshot)
+        header = {"op": "round", "participating": participating, "snapshot_head": head.decode()}
+        wire.send(self.sock, header, [delta, np.frombuffer(data, np.uint8)])
+        reply, arrays = wire.receive(self.sock)
+        healed = wire.receive(self.sock) if reply["healed"] else None
+        return Reply(
+            reply["committed"], reply["participants"], reply["quorum"], arrays[0], healed,
+            reply["quorum_s"], reply["round_s"], reply["error"],
+        )  # fmt: skip
+
+    def close(self) -> None:
+        try:
+            wire.send(self.sock, {"op": "close"})
+            self.sock.close()
+            self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
