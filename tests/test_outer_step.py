@@ -36,6 +36,7 @@ AVERAGING, TUNED = (1.0, 0.0), (0.7, 0.9)
         (30, 30 * 100 - 1, 2, AVERAGING, "99 syncs left, fewer than 100"),  # few syncs left
         (64, None, 2, TUNED, "H = 64 >= 30"),  # no run's length (a compile): H and M alone
         (64, 10**6, 1, AVERAGING, "one group"),
+        (0, 400, 2, AVERAGING, "H = 0"),  # not a division by zero: validate then says why
     ],
 )
 def test_auto_averages_at_small_h_in_short_runs_and_for_one_group(

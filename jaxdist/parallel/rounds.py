@@ -70,11 +70,13 @@ def outer_choice(H: int, steps_left: int | None, replicas: int) -> OuterStep:
     averaging +5.4% above data parallelism's eval loss, 0.7/0.9 +63% (experiments/README.md,
     the outer step at small H). With one group averaging is no outer step at all (the mean is
     its own weights), where the tuned one would extrapolate a single group's path."""
-    syncs = None if steps_left is None else steps_left // H
     if replicas < 2:
         return OuterStep(*AVERAGING, f"plain averaging, one group (M = {replicas})")
     if H < TUNED_FROM_H:
         return OuterStep(*AVERAGING, f"plain averaging, H = {H} is below {TUNED_FROM_H}")
+    syncs = (
+        None if steps_left is None else steps_left // H
+    )  # H >= 30: a bad --sync-every 0 is for validate
     if syncs is not None and syncs < TUNED_FROM_SYNCS:
         return OuterStep(
             *AVERAGING, f"plain averaging, {syncs} syncs left, fewer than {TUNED_FROM_SYNCS}"
