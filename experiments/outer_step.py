@@ -3,6 +3,7 @@ and data parallelism at equal tokens (issue #56 item 6).
 
     python experiments/outer_step.py               # 11 configs x 3 seeds x 400 steps
     python experiments/outer_step.py --from-json   # the saved runs summarized again
+    python experiments/outer_step.py --merge A,B   # runs of several --out directories joined
 
 tiny-llama, two groups (`replica=2` on two fake CPU devices, one a group) syncing every 8 steps,
 8 rows a group (global batch 16), 400 steps, AdamW at OptimConfig's defaults; the outer step
@@ -42,12 +43,32 @@ def default_kwargs(steps: int) -> tuple[dict, str]:
     return dataclasses.asdict(sync), line
 
 
-def summarize(runs: list[dict]) -> dict:
+def _twin(sync: dict) -> str | None:
+    """The sweep's config of the same outer step as the default resolves to, if any."""
+    for name in SWEEP:
+        lr, mom = (float(x) for x in name.split("@")[1].split(":"))
+        if (lr, mom) == (sync["outer_lr"], sync["outer_momentum"]):
+            return name
+    return None
+
+
+def summarize(runs: list[dict], default_sync: dict) -> dict:
     """Per config: mean and spread over seeds, the mean of its per-seed gaps to DP; the
-    default's gap to the sweep's best mean."""
+    default's gap to the sweep's best mean, paired by seed. Where the default resolves to a
+    swept step (its twin: the same program, so the same losses at a seed, which the seeds both
+    ran show), the twin's runs stand for the default's at the seeds it did not run."""
     by: dict[str, dict[int, float]] = {}
     for r in runs:
         by.setdefault(r["config"], {})[r["seed"]] = r["final_eval_loss"]
+    out: dict = {}
+    twin = _twin(default_sync)
+    if twin in by and "default" in by:
+        shared = sorted(set(by["default"]) & set(by[twin]))
+        out["twin"] = twin
+        out["twin_seeds_ran"] = shared
+        out["twin_max_abs_diff"] = max(abs(by["default"][s] - by[twin][s]) for s in shared)
+        if out["twin_max_abs_diff"] == 0:
+            by["default"] = {**by[twin], **by["default"]}
     dp = by.get("DP", {})
     rows = {}
     for name, losses in by.items():
@@ -59,12 +80,16 @@ def summarize(runs: list[dict]) -> dict:
             "spread": max(vals) - min(vals),
             "vs_dp": statistics.fmean(gaps) if gaps and name != "DP" else None,
         }
+    out["configs"] = rows
     swept = {n: r for n, r in rows.items() if n in SWEEP}
-    out = {"configs": rows}
     if swept and "default" in rows:
         best = min(swept, key=lambda n: swept[n]["mean"])
+        seeds = set(by["default"]) & set(by[best])
         out["best"] = best
-        out["default_vs_best"] = rows["default"]["mean"] / swept[best]["mean"] - 1
+        if seeds:  # (a run cut short may have none yet)
+            out["default_vs_best"] = statistics.fmean(
+                by["default"][s] / by[best][s] - 1 for s in seeds
+            )
     return out
 
 
@@ -76,8 +101,16 @@ def print_summary(summary: dict, line: str) -> None:
         r = rows[name]
         gap = "-" if r["vs_dp"] is None else f"{r['vs_dp']:+.1%}"
         print(f"{name:12s} {len(r['seeds']):5d} {r['mean']:14.4f} {r['spread']:7.4f} {gap:>7s}")
-    if "best" in summary:
-        print(f"default vs the sweep's best ({summary['best']}): {summary['default_vs_best']:+.2%}")
+    if "twin" in summary:
+        print(
+            f"default = {summary['twin']} (the same outer step): max |loss difference| "
+            f"{summary['twin_max_abs_diff']:.1e} at seeds {summary['twin_seeds_ran']} run both ways"
+        )
+    if "default_vs_best" in summary:
+        print(
+            f"default vs the sweep's best ({summary['best']}), paired by seed: "
+            f"{summary['default_vs_best']:+.2%}"
+        )
 
 
 def main() -> None:
@@ -86,16 +119,23 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--from-json", action="store_true", help="summarize the saved runs again")
+    ap.add_argument("--merge", default=None, help="DIR,...: join these --out directories' runs")
     ap.add_argument("--out", default=None, help="results directory (default: experiments/results)")
     args = ap.parse_args()
     out = pathlib.Path(args.out) if args.out else pathlib.Path(__file__).parent / "results"
     out.mkdir(parents=True, exist_ok=True)
     path = out / "outer_step.json"
-    if args.from_json:
+    if args.merge:  # runs split over processes (seeds, configs), joined into one record
+        parts = [
+            json.loads((pathlib.Path(d) / path.name).read_text()) for d in args.merge.split(",")
+        ]
+        record = {**parts[0], "runs": [r for p in parts for r in p["runs"]]}
+        record["parts"] = [p["args"] for p in parts]
+    elif args.from_json:
         record = json.loads(path.read_text())
     else:
         record = run_all(args, path)
-    record["summary"] = summarize(record["runs"])
+    record["summary"] = summarize(record["runs"], record["default_sync"])
     path.write_text(json.dumps(record, indent=1))
     print_summary(record["summary"], record["default_line"])
 
