@@ -130,7 +130,8 @@ def main() -> None:
             json.loads((pathlib.Path(d) / path.name).read_text()) for d in args.merge.split(",")
         ]
         record = {**parts[0], "runs": [r for p in parts for r in p["runs"]]}
-        record["parts"] = [p["args"] for p in parts]
+        record["parts"] = [_settings(p["args"]) for p in parts]
+        record["args"] = record["parts"][0]
     elif args.from_json:
         record = json.loads(path.read_text())
     else:
@@ -138,6 +139,11 @@ def main() -> None:
     record["summary"] = summarize(record["runs"], record["default_sync"])
     path.write_text(json.dumps(record, indent=1))
     print_summary(record["summary"], record["default_line"])
+
+
+def _settings(args: dict) -> dict:
+    """A run's settings as recorded: not where it wrote them (a path of that machine)."""
+    return {k: v for k, v in args.items() if k not in ("out", "merge", "from_json")}
 
 
 def run_all(args, path: pathlib.Path) -> dict:
@@ -153,7 +159,12 @@ def run_all(args, path: pathlib.Path) -> dict:
         eval_every=args.steps, eval_batches=4,
     )  # fmt: skip
     names, seeds = args.configs.split(","), [int(s) for s in args.seeds.split(",")]
-    record = {"args": vars(args), "default_line": line, "default_sync": kwargs, "runs": []}
+    record = {
+        "args": _settings(vars(args)),
+        "default_line": line,
+        "default_sync": kwargs,
+        "runs": [],
+    }
     built, t_start = {}, time.perf_counter()
     print(f"default: {line}", flush=True)
     for seed in seeds:  # seeds outermost: a run cut short has every config at its first seeds
