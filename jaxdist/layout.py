@@ -33,6 +33,7 @@ Fp8Recipe = Literal["off", "current", "delayed"]
 Fp8Filter = Literal["auto", "none"]
 SyncDtype = Literal["float32", "bfloat16", "float8", "int8"]
 OuterMemory = Literal["device", "host"]
+AUTO = "auto"  # an outer step left to the run (jaxdist.parallel.rounds.outer_choice)
 
 
 def check_choice(flag: str, value: str, choices) -> None:
@@ -211,12 +212,15 @@ class SyncConfig:
     step moves the shared weights by the groups' mean change."""
 
     sync_every: int = 32
-    """inner steps between two outer steps (of each fragment), each group training alone
-    meanwhile; H in the DiLoCo papers"""
-    outer_lr: float = 0.7
-    """the outer Nesterov step's lr (DiLoCo's 0.7; short runs did best at 1, no momentum)"""
-    outer_momentum: float = 0.9
-    """the outer step's Nesterov momentum (torch.optim.SGD(nesterov=True)); 0: plain SGD"""
+    """H in the DiLoCo papers: inner steps between two outer steps (of each fragment), each
+    group training alone meanwhile"""
+    outer_lr: float | Literal["auto"] = AUTO
+    """the outer Nesterov step's lr; auto: plain averaging (lr 1, momentum 0) for H below 30 or
+    fewer than 100 syncs left in the run, else DiLoCo's tuned 0.7 with momentum 0.9 (the
+    run's header says which; a resume keeps its start's choice)"""
+    outer_momentum: float | Literal["auto"] = AUTO
+    """the outer step's Nesterov momentum (torch.optim.SGD(nesterov=True)); 0: plain SGD;
+    auto: as --outer-lr auto chooses"""
     sync_fragments: int = 1
     """F in Streaming DiLoCo: the layers in F strided groups (layer l in group l % F), one
     synced every --sync-every / F steps in turn; the other weights go with group 0"""
@@ -261,10 +265,10 @@ class SyncConfig:
                 f"--sync-delay {T} must be shorter than a fragment's turn (H/F = {H // F} "
                 f"steps): 0 to {H // F - 1}"
             )
-        if not 0 < self.outer_lr:
-            raise ConfigError(f"--outer-lr {self.outer_lr} must be > 0")
-        if not 0 <= self.outer_momentum < 1:
-            raise ConfigError(f"--outer-momentum {self.outer_momentum} must be in [0, 1)")
+        if self.outer_lr != AUTO and not 0 < self.outer_lr:
+            raise ConfigError(f"--outer-lr {self.outer_lr} must be > 0 (or auto)")
+        if self.outer_momentum != AUTO and not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"--outer-momentum {self.outer_momentum} must be in [0, 1) (or auto)")
         if not 0 < self.sync_mix <= 1:
             raise ConfigError(f"--sync-mix {self.sync_mix} must be in (0, 1]")
         check_choice("--sync-dtype", self.sync_dtype, SyncDtype)

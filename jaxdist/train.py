@@ -35,7 +35,7 @@ from jaxdist.metrics.outer import never_meet
 from jaxdist.metrics.progress import console_for
 from jaxdist.model import ModelSpec
 from jaxdist.optim import make_optimizer
-from jaxdist.parallel import replica
+from jaxdist.parallel import replica, rounds
 from jaxdist.step import JittedStep, Vocab, build
 
 
@@ -82,10 +82,13 @@ def fit(
     command line's config tree, under `cli`). `init_state(compiled) -> TrainState`: the first
     state of a new run (e.g. pretrained weights) instead of the model's random init."""
     # Bad input ends here, before the run directory is created or anything compiles.
+    config, outer = rounds.for_run(config, dict(mesh.shape).get("replica", 1))
     jitted, batches = prepare(model, mesh, rules, config)
     console = console or console_for(stderr=True)
     if jax.process_index() != 0:
         console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
+    if outer:  # which outer step, and why: one line of the run's header
+        console.print(outer, markup=False, highlight=False, soft_wrap=True)
     _warn_rounds(jitted, config, console)
     held_out = _held_out(model, config, jitted, batches, console)
     run_dir = _run_dir(config.loop.run_dir)

@@ -238,6 +238,7 @@ def test_a_run_killed_mid_round_resumes_bitwise_and_onto_another_group_layout(tm
 
     rc, err = here(*args, *mesh, "--steps", "10", "--run-dir", str(tmp_path / "whole"))
     assert rc == 0, err
+    assert "outer step: lr 1, momentum 0 (auto: plain averaging, H = 4 is below 30)" in err
     # Killed (SIGKILL) before step 7: the newest checkpoint committed (step 5, or 2 if 5's
     # async save was still writing) lies inside a round.
     run = ["--run-dir", str(tmp_path / "killed")]
@@ -246,6 +247,7 @@ def test_a_run_killed_mid_round_resumes_bitwise_and_onto_another_group_layout(tm
     again = cli(*args, *mesh, "--steps", "10", *run)
     assert again.returncode == 0, again.stderr
     assert re.search("resuming from checkpoint step [25] ", again.stderr), again.stderr
+    assert "(auto: as the run chose at its start, recorded in its checkpoint)" in again.stderr
     assert losses(tmp_path / "killed") == losses(tmp_path / "whole")
     # Another number of groups, or of steps between syncs, is refused, naming the field ...
     for flags, field in (

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxdist.layout import SyncConfig
 from jaxdist.parallel.replica import nesterov
+from jaxdist.parallel.rounds import outer_values
 
 
 def _key(index) -> tuple:
@@ -87,9 +88,11 @@ class OuterState(NamedTuple):
     def stepped(self, summed: np.ndarray, groups: int, sync: SyncConfig) -> "OuterState":
         """After a committed round: the mean of `groups` groups' changes as the gradient."""
         mean = split((summed / groups).astype(np.float32), self.params)
+        # As resolved where the run resolved it; `auto` here decides on H and the groups.
+        lr, mu = outer_values(sync, groups)
         params, momentum = [], []
         for o, d, m in zip(self.params, mean, self.momentum, strict=True):
-            step, m = nesterov(d, m, sync)
+            step, m = nesterov(d, m, lr, mu)
             params.append((o - step).astype(np.float32))
             momentum.append(np.asarray(m, np.float32))
         return OuterState(params, momentum, self.round + 1)

@@ -48,7 +48,7 @@ from jaxdist.parallel.exchange import (
     pinned,
     up_many,
 )
-from jaxdist.parallel.rounds import Action
+from jaxdist.parallel.rounds import Action, outer_values
 from jaxdist.rules import activation_rules, logical_axes, variables
 
 
@@ -172,13 +172,12 @@ def _fetched(x, spec: PartitionSpec, sync: SyncConfig, mesh: Mesh):
     return jax.device_put(x, NamedSharding(mesh, spec, memory_kind="device"))
 
 
-def nesterov(delta, momentum, sync: SyncConfig):
+def nesterov(delta, momentum, lr: float, mu: float):
     """torch.optim.SGD(nesterov=True, dampening=0) on `delta` as the gradient: the step to
     subtract and the new momentum. Pure arithmetic: inside the compiled step here, and on host
-    arrays for groups that are jobs of their own (jaxdist.groups.member)."""
-    mu = sync.outer_momentum
+    arrays for groups that are jobs of their own (jaxdist.groups.outer)."""
     momentum = mu * momentum + delta
-    return sync.outer_lr * (delta + mu * momentum), momentum
+    return lr * (delta + mu * momentum), momentum
 
 
 class Leaf(NamedTuple):
@@ -260,6 +259,8 @@ def _send_fragment(f: int, sync: SyncConfig, mesh: Mesh, where: list, theta, out
     """Fragment f's outer step (lists in jax.tree order): (outer weights, momentum). Its
     leaves travel together (exchange.up_many, down_many: one collective per type and way)."""
     F, dtype, mine = sync.sync_fragments, sync.sync_dtype, _fragment(f, where)
+    lr, mu = outer_values(sync, mesh.shape[REPLICA])
+    step_of = functools.partial(nesterov, lr=lr, mu=mu)
     specs, owners = [where[i].spec for i in mine], [where[i].owner for i in mine]
     for i in mine:
         outer[i] = _fetched(outer[i], _kept(where[i], sync), sync, mesh)
@@ -270,12 +271,12 @@ def _send_fragment(f: int, sync: SyncConfig, mesh: Mesh, where: list, theta, out
     if keeps_outer_copy(sync):  # each group's change from its copy of the outer weights, in 8 bits
         changes = [o[None] - t for o, t in zip(own, theta_M, strict=True)]
         means = up_many(changes, specs, owners, dtype, mesh)
-        steps, m = zip(*map(functools.partial(nesterov, sync=sync), means, m), strict=True)
+        steps, m = zip(*map(step_of, means, m), strict=True)
         steps = down_many(steps, specs, owners, dtype, mesh)  # every copy takes the same update
     else:  # the groups' weights, meeting on their owners
         means = up_many(theta_M, specs, owners, dtype, mesh)
         deltas = [pinned(o, mesh, ow) - x for o, ow, x in zip(own, owners, means, strict=True)]
-        steps, m = zip(*map(functools.partial(nesterov, sync=sync), deltas, m), strict=True)
+        steps, m = zip(*map(step_of, deltas, m), strict=True)
     for k, i in enumerate(mine):
         outer[i] = _put(outer[i], own[k] - steps[k], where[i].dim, F, f, 0)
         mom[i] = _put(mom[i], m[k], where[i].dim, F, f, 0)

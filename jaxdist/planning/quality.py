@@ -26,8 +26,9 @@ Not modelled: H. The paper fixes H = 30 for these tables (its Section 5.1 and Fi
 the loss rising with H beyond H = 5, less for larger models, as curves without a table), so
 the gap is H = 30's at every --sync-every. Nor the sync type, fragments or delay, nor the outer
 step: the paper sweeps the outer learning rate per M (Nesterov momentum 0.9), so the gap is that
-of a tuned outer step (experiments/README.md measured tiny models far from it at jaxdist's
-default outer step). Every model counts its weights as N, a mixture of experts all of them.
+of a tuned outer step, whatever --outer-lr gives or auto resolves to (experiments/README.md
+measured tiny models far from it at the paper's 0.7/0.9, near it with plain averaging).
+Every model counts its weights as N, a mixture of experts all of them.
 
 `tokens_factor` turns a gap into tokens by Chinchilla's fit (Hoffmann et al. 2022, Approach 3:
 L(N, D) = E + A / N^alpha + B / D^beta): M groups after D tokens are taken to be data
