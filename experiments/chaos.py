@@ -199,6 +199,8 @@ def group_train(steps: int, run_dir: pathlib.Path) -> list[str]:
         *("train", "--model", "tiny-llama", "--mesh", "replica=3,data=2", "--sync-every", "4"),
         *("--steps", str(steps), "--batch-size", "12", "--log-every", "4"),
         *("--run-dir", str(run_dir), "--checkpoint-every", "8"),
+        # The outer step the README's figures were measured with (before --outer-lr auto).
+        *("--outer-lr", "0.7", "--outer-momentum", "0.9"),
     ]
 
 
