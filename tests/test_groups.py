@@ -219,6 +219,17 @@ def test_groups_without_a_matching_replica_axis_end_in_one_line(tmp_path, mesh, 
     assert fix in _one_line(done)
 
 
+def test_the_groups_take_the_outer_step_flags_as_numbers_or_auto():
+    """A fleet's sync flags reach its groups as the fields hold them: --outer-lr 0.7 a number
+    (the field's default is `auto`), --sync-every an integer, no flag the default."""
+    _, sync, _, _ = fleet.group_args(
+        [*TRAIN, "--outer-lr", "0.7", "--outer-momentum", "0.9", "--run-dir", "x"], 3
+    )
+    assert (sync.outer_lr, sync.outer_momentum, sync.sync_every) == (0.7, 0.9, H)
+    _, sync, _, _ = fleet.group_args([*TRAIN, "--run-dir", "x"], 3)
+    assert (sync.outer_lr, sync.outer_momentum) == ("auto", "auto")
+
+
 def test_groups_without_the_sidecar_end_in_one_line(tmp_path):
     env = {k: v for k, v in CLI_ENV.items() if k != FT_PYTHON_VAR}
     done = subprocess.run(

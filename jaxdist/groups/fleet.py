@@ -60,6 +60,18 @@ def _take_flag(args: list[str], flag: str) -> tuple[list[str], str | None]:
     return rest, value
 
 
+def _value(text: str, default):
+    """A sync flag's value as its field holds it: the default's type, a number where the
+    default is `auto` (--outer-lr 0.7), else the text (auto, a dtype's name)."""
+    kinds = (type(default),) if not isinstance(default, str) else (int, float)
+    for kind in kinds:
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
 def group_args(train_args: list[str], groups: int) -> tuple[list[str], SyncConfig, int, str]:
     """One group's train arguments (--mesh without `replica`, no sync flags, its share of the
     batch, no run directory yet), the sync settings, the fleet's batch and run directory; bad
@@ -85,11 +97,7 @@ def group_args(train_args: list[str], groups: int) -> tuple[list[str], SyncConfi
     for flag, field in _SYNC_FLAGS.items():
         args, value = _take_flag(args, flag)
         if value is not None:
-            kind = type(field.default)
-            try:
-                fields[field.name] = kind(value)
-            except ValueError:
-                fields[field.name] = value
+            fields[field.name] = _value(value, field.default)
     sync = SyncConfig(**fields)
     sync.validate(groups)
     if sync.sync_fragments != 1 or sync.sync_delay or sync.sync_dtype != "float32":
