@@ -87,9 +87,9 @@ def fit(
     console = console or console_for(stderr=True)
     if jax.process_index() != 0:
         console = Console(stderr=True, quiet=True)  # process 0 speaks for the run
+    _warn_rounds(jitted, config, console)  # first: groups that would never meet
     if outer:  # which outer step, and why: one line of the run's header
         console.print(outer, markup=False, highlight=False, soft_wrap=True)
-    _warn_rounds(jitted, config, console)
     held_out = _held_out(model, config, jitted, batches, console)
     run_dir = _run_dir(config.loop.run_dir)
     # One trainer per run directory: a second is refused here, before anything compiles.

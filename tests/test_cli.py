@@ -347,6 +347,9 @@ def test_the_default_mesh_fits_the_devices_present(tmp_path):
 _INTERRUPTED_WHILE_LOADING = """
 import os, signal, sys, time
 sys.argv = ["-m", "train"]  # as `python -m jaxdist.cli train` has it while the package loads
+# As a shell starts a command: Ctrl-C is Python's own (a test worker that ran before may pass
+# an ignored SIGINT on to its children).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class Interrupt:
     def find_spec(self, name, path=None, target=None):
@@ -408,7 +411,9 @@ def test_a_refused_resume_names_the_flags_that_changed(tmp_path, capsys):
         "--steps", "40", "--run-dir", str(tmp_path),
     )  # fmt: skip
     assert rc == 2
-    (line,) = err.splitlines()
+    # The outer step's line of the header (--outer-lr auto's choice), then the refusal alone.
+    header, line = err.splitlines()
+    assert header.startswith("outer step: ")
     assert line.startswith(f"jaxdist: error: {tmp_path} holds a checkpoint (step 3)")
     assert "--sync-every 8 -> 32" in line and "sync.sync_every" not in line
     assert "--layers" not in line  # tiny has 2 layers: unchanged, unnamed

@@ -128,6 +128,7 @@ def test_profile_of_a_folder_attributes_each_step_by_the_program_the_run_saved(t
     of the folder reads it back and prints what the run printed, row for row."""
     from rich.console import Console
 
+    from jaxdist.metrics.progress import FILE_WIDTH
     from jaxdist.profiling import report
 
     logdir = tmp_path / "profile"
@@ -136,8 +137,9 @@ def test_profile_of_a_folder_attributes_each_step_by_the_program_the_run_saved(t
     outer = cpu_trace.HLO.replace("f32[64,128]", "f32[128,128]")
     report.save(logdir, cpu_trace.HLO, cpu_trace.MESH, "h100", {11: outer})
     rep = report.profile_saved(logdir)
-    console = Console(file=io.StringIO(), width=80)
-    report.print_report(rep, console, console)  # as the trainer prints it
+    # As the trainer prints it to a log file (metrics.progress.console_for, not a terminal).
+    console = Console(file=io.StringIO(), width=FILE_WIDTH, soft_wrap=True)
+    report.print_report(rep, console, console)
     ran = console.file.getvalue()
     assert main(["profile", str(tmp_path / "profile"), "--json", str(tmp_path / "p.json")]) == 0
     again = capsys.readouterr().out
