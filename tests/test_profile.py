@@ -373,7 +373,9 @@ def test_watch_comm_warns_during_training(trained, tmp_path):
     assert again["model"]["per_axis"] and again["model"]["projection"]
 
 
-@pytest.mark.slow
+# A real replica run's trace (test_profile_report holds the same on a written trace, fast):
+# -m experiment.
+@pytest.mark.experiment
 def test_replica_run_report_and_jaxdist_profile_print_the_same_rows(tmp_path, capsys):
     """A run of replica groups meeting every 2 steps, traced over steps 1..3 (step 1 and 3 run
     the outer step): `jaxdist profile RUN` prints the report the run printed, row for row,
