@@ -8,6 +8,8 @@ are replaced by stand-ins that keep their contracts (the signatures and shapes o
 `ragged_dot_mgpu.ragged_dot` and `transposed_ragged_dot_mgpu.transposed_ragged_dot`) and write
 NaN into the rows they leave unwritten, so a missing mask shows."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,9 @@ import pytest
 
 from jaxdist.errors import ConfigError
 from jaxdist.kernels import grouped_gemm
+from models.presets import get_model_config
+from tests.extras import needs_gpu_aot
+from tests.helpers import cli
 
 R, K, N, G = 512, 128, 256, 4
 
@@ -107,3 +112,22 @@ def test_the_kernel_is_chosen_by_device_and_pallas_elsewhere_says_so():
     with pytest.raises(ConfigError) as e:
         grouped_gemm.kernel_for("pallas", A100())
     assert "\n" not in str(e.value) and "--moe-gemm auto" in str(e.value)
+
+
+@needs_gpu_aot
+def test_compiled_for_h100s_the_experts_run_at_the_routed_tokens_flops():
+    """tiny-moe's step compiled for eight H100s from this host: its experts' grouped GEMMs are
+    the Pallas kernels (the census's kind `pallas`, bf16), counted at the routed tokens' FLOPs
+    in the forward, the backward's two products and, where remat drops it, the forward again.
+    XLA's own lowering of the ragged dots runs every row against all 8 experts' matrices."""
+    r = cli(
+        "train", "--model", "tiny-moe", "--target", "h100:8", "--mesh", "fsdp=8",
+        "--batch-size", "16", "--compute-dtype", "bfloat16", "--compile-only", "--json", "-",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    c = get_model_config("tiny-moe")
+    tokens = 16 * report["seq_len"] // 8
+    forward = tokens * c.top_k * 3 * 2 * c.d_model * c.d_mlp * c.num_layers
+    assert report["matmuls"]["ragged_dots"] in (3 * forward, 4 * forward)
+    assert report["gemms"]["by_kind"]["pallas"].keys() == {"bf16"}

@@ -120,8 +120,10 @@ def _outer(run_dir: pathlib.Path, group: int) -> np.ndarray:
         return np.concatenate([z[k].ravel() for k in sorted(z.files, key=lambda k: int(k[4:]))])
 
 
+# Three groups' processes and sidecars for over a minute: the suite's 15 minutes on CI's two
+# cores do not hold it, so it runs with -m experiment (the issue's scenarios, each apart).
 @needs_ft
-@pytest.mark.slow
+@pytest.mark.experiment
 def test_a_killed_group_restarts_alone_heals_and_the_fleet_ends_equal(tmp_path):
     run_dir, steps = tmp_path / "run", 96
     proc = _launch(run_dir, steps)
@@ -168,8 +170,7 @@ def test_a_killed_group_restarts_alone_heals_and_the_fleet_ends_equal(tmp_path):
     np.testing.assert_allclose(ends[0], _replayed(run_dir, steps), rtol=0, atol=1e-6)
 
 
-# A study of two faults (a minute of three groups' processes on CI's two cores): run with
-# -m experiment; the suite keeps the killed group's heal and the fleet's equality.
+# A study of two faults (a minute of three groups' processes on CI's two cores): -m experiment.
 @needs_ft
 @pytest.mark.experiment
 def test_a_stopped_group_and_a_killed_lighthouse_cost_no_progress(tmp_path):
