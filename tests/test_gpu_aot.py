@@ -225,7 +225,9 @@ def _assert_experts_run_at_the_routed_flops(r: dict, model: str, batch: int) -> 
     assert set(r["gemms"]["by_kind"]["pallas"]) == {"bf16"}
 
 
-@pytest.mark.slow
+# 50 s of XLA's GPU compiler on CI's two cores: -m experiment, to keep the suite under 15
+# minutes (tests/test_plan_fleets.py holds which axes the planner puts across hosts).
+@pytest.mark.experiment
 @needs_gpu_aot
 def test_two_hosts_put_data_across_hosts_and_fsdp_inside(compiles):
     r = _report(compiles, TWO_HOSTS)

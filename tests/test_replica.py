@@ -222,6 +222,9 @@ def test_streamed_fragments_take_turns_and_delay_applies_later():
     assert applies == {5: (1,), 9: (0,), 13: (1,), 17: (0,)}
 
 
+# 36 s (three processes and their compiles): -m experiment, to keep the suite under 15 minutes;
+# tests/test_recovery.py's kill -9 test holds a bitwise resume of a plain run.
+@pytest.mark.experiment
 def test_a_run_killed_mid_round_resumes_bitwise_and_onto_another_group_layout(tmp_path, capsys):
     # Steps of 8 rows of 32 tokens: what is checked (a resume inside a round, bitwise; the
     # refusals; the new layout) does not depend on their size.
