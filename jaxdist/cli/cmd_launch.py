@@ -52,10 +52,14 @@ class Launch:
 @dataclasses.dataclass(frozen=True)
 class Slurm:
     """Print an sbatch script for a run, whose tasks activate the Python environment (venv or
-    conda) this command runs in: jaxdist slurm --nodes 2 --gpus-per-node 8 -- train ..."""
+    conda) this command runs in: jaxdist slurm --nodes 2 --gpus-per-node 8 -- train ...
+    With --groups M, a script to run with bash that submits a lighthouse job and a job array
+    of M groups (jaxdist slurm --groups 2 --nodes 1 -- train --mesh replica=2,data=8
+    --run-dir runs/a ... > fleet.sh && bash fleet.sh); each group its own jax.distributed job
+    over --nodes nodes, restarted alone up to --max-restarts times."""
 
     nodes: int = 1
-    """hosts in the allocation"""
+    """hosts in the allocation (with --groups: in each group's)"""
     gpus_per_node: int = 8
     """0: CPU tasks with fake devices (one per node)"""
     time: str = "24:00:00"
@@ -64,14 +68,38 @@ class Slurm:
     """sbatch --job-name"""
     max_restarts: int = 0
     """after a failed srun (an exit, a kill, a declared hang) run it again, up to N times, in
-    the same allocation; each attempt resumes from the newest good checkpoint"""
+    the same allocation; each attempt resumes from the newest good checkpoint; with --groups,
+    a failed group's alone, up to N times per group"""
+    groups: int | None = None
+    """M replica groups, each a job array element of --nodes nodes (the train command's --mesh
+    replica=M,...: each group the rest of the mesh), meeting every --sync-every steps through
+    torchft; a lighthouse job of its own outlives any group"""
+    ft_python: str | None = None
+    """with --groups: the sidecars' and lighthouse's Python 3.11 interpreter, at the same path
+    on the nodes (pip install torch==2.13.0 torchft==0.2.0 numpy); default $JAXDIST_FT_PYTHON"""
+    ft_host: str | None = None
+    """with --groups: the address the torchft sockets bind (default: each node's first
+    address, `hostname -I`)"""
+    lighthouse: str | None = None
+    """with --groups: HOST:PORT of a running torchft lighthouse (default: a job starts one)"""
+    min_groups: int | None = None
+    """with --groups: the fewest groups a round commits with (default: a majority)"""
+    heartbeat_timeout: float = 3.0
+    """with --groups: seconds without a group's heartbeat before the quorum drops it"""
+    join_timeout: float = 10.0
+    """with --groups: seconds a round's quorum waits for a live group that has not joined it"""
+    collective_timeout: float = 10.0
+    """with --groups: seconds an all-reduce or a heal's transfer may take before the round fails"""
 
 
 @dataclasses.dataclass(frozen=True)
 class K8s:
     """Print a Kubernetes JobSet manifest for a run: jaxdist k8s --image IMAGE --run-volume
     CLAIM --hosts 4 -- train ... (build IMAGE from this repository: docker build -f
-    jaxdist/cluster/Dockerfile -t IMAGE . and push it where the cluster pulls from)"""
+    jaxdist/cluster/Dockerfile -t IMAGE . and push it where the cluster pulls from). With
+    --groups M: a lighthouse Deployment and Service, and a JobSet of --hosts pods per group,
+    each restarted alone up to --max-restarts times (--ft-python names the image's torchft
+    interpreter)."""
 
     image: Annotated[str, tyro.conf.arg(metavar="IMAGE")]
     """the container image with jaxdist installed: docker build -f jaxdist/cluster/Dockerfile
@@ -87,7 +115,27 @@ class K8s:
     gpus_per_host: int = 8
     """GPUs each pod asks for (0: none); one process per pod, pod 0 coordinates"""
     name: str = "jaxdist"
-    """the JobSet's name (its pods' names start with it)"""
+    """the JobSet's name (its pods' names start with it; with --groups, NAME-gG per group)"""
+    max_restarts: int = 3
+    """restarts of the JobSet after a lost pod, each resuming from the newest checkpoint; with
+    --groups, of each group's JobSet alone"""
+    groups: int | None = None
+    """M replica groups, each a JobSet of --hosts pods (the train command's --mesh
+    replica=M,...: each group the rest of the mesh), meeting every --sync-every steps through
+    torchft's lighthouse, a Deployment of its own"""
+    ft_python: str | None = None
+    """with --groups: the torchft interpreter in IMAGE (a Python 3.11 with torch==2.13.0
+    torchft==0.2.0 numpy); default $JAXDIST_FT_PYTHON"""
+    lighthouse: str | None = None
+    """with --groups: http://HOST:PORT of a running torchft lighthouse (default: a Deployment)"""
+    min_groups: int | None = None
+    """with --groups: the fewest groups a round commits with (default: a majority)"""
+    heartbeat_timeout: float = 3.0
+    """with --groups: seconds without a group's heartbeat before the quorum drops it"""
+    join_timeout: float = 10.0
+    """with --groups: seconds a round's quorum waits for a live group that has not joined it"""
+    collective_timeout: float = 10.0
+    """with --groups: seconds an all-reduce or a heal's transfer may take before the round fails"""
 
 
 def passthrough(argv: list[str]) -> int:
@@ -130,6 +178,9 @@ def passthrough(argv: list[str]) -> int:
             args.port,
             max_restarts=args.max_restarts,
         )
+    if isinstance(args, (Slurm, K8s)) and args.groups is not None:
+        print(_fleet_files(args, train_args), end="")
+        return 0
     if isinstance(args, Slurm):
         print(
             manifests.sbatch(
@@ -152,7 +203,29 @@ def passthrough(argv: list[str]) -> int:
                 args.gpus_per_host,
                 args.name,
                 run_mount=args.run_mount,
+                max_restarts=args.max_restarts,
             ),
             end="",
         )
     return 0
+
+
+def _fleet_files(args: "Slurm | K8s", train_args: list[str]) -> str:
+    """`jaxdist slurm|k8s --groups M`: the fleet's launch files (jaxdist.cluster.fleet_files),
+    checked as `jaxdist launch --groups M` checks its fleet."""
+    from jaxdist.cluster import fleet_files
+    from jaxdist.groups.fleet import FleetConfig
+
+    fleet = FleetConfig(
+        args.groups, args.ft_python, getattr(args, "ft_host", None) or "", args.lighthouse,
+        args.min_groups, args.heartbeat_timeout, args.join_timeout, args.collective_timeout,
+    )  # fmt: skip
+    if isinstance(args, Slurm):
+        return fleet_files.slurm_fleet(
+            fleet, args.nodes, args.gpus_per_node, train_args, args.job_name, args.time,
+            args.max_restarts,
+        )  # fmt: skip
+    return fleet_files.k8s_fleet(
+        fleet, args.hosts, train_args, args.image, args.run_volume, args.gpus_per_host,
+        args.name, args.run_mount, args.max_restarts,
+    )  # fmt: skip

@@ -231,18 +231,18 @@ def jobset(
     name: str = "jaxdist",
     port: int = 1234,
     run_mount: str = RUN_MOUNT,
+    max_restarts: int = 3,
 ) -> str:
     """A JobSet of `hosts` indexed pods; pod 0 is the coordinator, reached by its stable DNS
     name, and each pod's completion index is its process id. Every pod mounts the claim
     `run_volume` at `run_mount`, where the run directory must lie: checkpoints outlive the
-    pods, and the set, restarted whole after a lost pod, resumes from them."""
-    if not image.strip():
-        raise ConfigError(f"--image is empty; build one: {BUILD_IMAGE}")
-    if not _K8S_NAME.fullmatch(run_volume):
+    pods, and the set, restarted whole after a lost pod (up to `max_restarts` times), resumes
+    from them."""
+    if max_restarts < 0:
         raise ConfigError(
-            f"--run-volume {run_volume!r} is not a PersistentVolumeClaim name (lower-case "
-            "letters, digits, '-' and '.'); pass the name of an existing ReadWriteMany claim"
+            f"--max-restarts {max_restarts} is negative; pass 0 (no restarts) or more"
         )
+    check_k8s(image, run_volume)
     run_mount = posixpath.normpath(run_mount)
     coordinator = f"{name}-workers-0-0.{name}:{port}"
     args = [
@@ -255,14 +255,36 @@ def jobset(
         "$(JOB_COMPLETION_INDEX)",
     ]
     pod = _pod(image, args, port, gpus_per_host, run_volume, run_mount)
-    manifest = {
+    manifest = jobset_doc(name, hosts, pod, max_restarts)
+    header = (
+        f"# jaxdist on {hosts} pods: kubectl apply -f THIS_FILE\n"
+        f"# image: {BUILD_IMAGE.replace('IMAGE', image)}\n"
+        f"# the claim {run_volume} (ReadWriteMany) must exist: the run directory is on it\n"
+    )
+    return header + yaml.safe_dump(manifest, sort_keys=False)
+
+
+def check_k8s(image: str, run_volume: str) -> None:
+    """An image named, and a claim's name that Kubernetes takes; else one line naming the fix."""
+    if not image.strip():
+        raise ConfigError(f"--image is empty; build one: {BUILD_IMAGE}")
+    if not _K8S_NAME.fullmatch(run_volume):
+        raise ConfigError(
+            f"--run-volume {run_volume!r} is not a PersistentVolumeClaim name (lower-case "
+            "letters, digits, '-' and '.'); pass the name of an existing ReadWriteMany claim"
+        )
+
+
+def jobset_doc(name: str, hosts: int, pod: dict, max_restarts: int = 3) -> dict:
+    """A JobSet of `hosts` indexed pods of `pod`, restarted whole up to `max_restarts` times."""
+    return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",
         "kind": "JobSet",
         "metadata": {"name": name},
         "spec": {
             "network": {"enableDNSHostnames": True, "subdomain": name},
             # A lost pod fails the set; it restarts whole and resumes from the checkpoint.
-            "failurePolicy": {"maxRestarts": 3},
+            "failurePolicy": {"maxRestarts": max_restarts},
             "replicatedJobs": [
                 {
                     "name": "workers",
@@ -280,12 +302,6 @@ def jobset(
             ],
         },
     }
-    header = (
-        f"# jaxdist on {hosts} pods: kubectl apply -f THIS_FILE\n"
-        f"# image: {BUILD_IMAGE.replace('IMAGE', image)}\n"
-        f"# the claim {run_volume} (ReadWriteMany) must exist: the run directory is on it\n"
-    )
-    return header + yaml.safe_dump(manifest, sort_keys=False)
 
 
 def _pod(
