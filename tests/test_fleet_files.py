@@ -167,9 +167,9 @@ def test_the_lighthouse_restarts_on_its_address_and_stops_with_the_groups(tmp_pa
     fc, p = _plan(run_dir, heartbeat_timeout=2.5)
     fake_python = tmp_path / "ftpython"
     # Its first lighthouse dies at once (exit 3); the second runs until it is killed.
-    _exe(
-        fake_python, 'echo "$*" >>"$LH_CALLS"\n(($(wc -l <"$LH_CALLS") > 1)) || exit 3\nexec sleep 60\n'
-    )
+    # (exec: a killed lighthouse leaves no child holding the job's output open)
+    fake = 'echo "$*" >>"$LH_CALLS"\n(($(wc -l <"$LH_CALLS") > 1)) || exit 3\nexec sleep 60\n'
+    _exe(fake_python, fake)
     p = p._replace(settings=dataclasses.replace(p.settings, ft_python=str(fake_python)))
     script = fleet_files.slurm_lighthouse(fc, p, "job", "1:00:00")
     (tmp_path / "bin").mkdir()
