@@ -155,10 +155,12 @@ def test_a_requeued_group_heals_and_a_given_lighthouse_is_used_as_is(tmp_path):
     assert "find_lighthouse" not in script
     (tmp_path / "bin").mkdir()
     _fake_srun(tmp_path, [0])
+    # No run directory yet: the group makes it (for launch.jsonl, before its first process).
     env = {"CALLS": str(tmp_path / "calls"), "SLURM_ARRAY_TASK_ID": "0", "SLURM_RESTART_COUNT": "1"}
     r = _run(tmp_path, script, env)
     assert r.returncode == 0, r.stderr
     s = json.loads((tmp_path / "settings-1.json").read_text())
+    assert [json.loads(x)["group"] for x in (run_dir / "launch.jsonl").open()] == [0]
     assert s["lighthouse"] == "http://lh.example:29510" and s["group"] == 0 and s["heal"] is True
 
 

@@ -5,13 +5,17 @@ with a killed task back in the same allocation, to the same losses."""
 import json
 import os
 import re
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from jaxdist.cli.main import main
+from jaxdist.cluster.launch import free_port
+from jaxdist.groups.bridge import HERE
 from jaxdist.metrics.goodput import read_restarts
+from tests.extras import FT_PYTHON_VAR, needs_ft
 from tests.helpers import JAXDIST, cli, losses, tiny_train
 from tests.slurm_cluster import SlurmCluster, why_not
 
@@ -119,3 +123,69 @@ def test_sbatch_restarts_a_killed_task_in_the_allocation(cluster, reference, tmp
     got = losses(run_dir)
     assert list(got) == list(reference) == list(range(6))
     np.testing.assert_allclose(list(got.values()), list(reference.values()), rtol=1e-5)
+
+
+def test_sbatch_accepts_the_fleet_scripts(cluster, tmp_path):
+    """`jaxdist slurm --groups 2`'s two scripts (the lighthouse's job, the groups' array), as
+    sbatch would queue them. Not run here: a fleet's two groups, their sidecars and the
+    lighthouse take about a minute of these two cores (tests/test_groups.py's fleets), and
+    three jobs of one CPU each do not fit the fixture's node on such a host at once."""
+    from jaxdist.cluster import fleet_files
+    from jaxdist.groups.fleet import FleetConfig
+
+    train = [*TRAIN, "--run-dir", str(tmp_path / "fleet")]
+    train[train.index("--mesh") + 1] = "replica=2,data=2"
+    fc = FleetConfig(2, sys.executable, "127.0.0.1")
+    p = fleet_files.plan(fc, train, lambda: sys.executable)
+    scripts = {
+        "lighthouse.sh": fleet_files.slurm_lighthouse(fc, p, "jaxdist", "0:10:00"),
+        "groups.sh": fleet_files.slurm_groups(fc, p, 1, 0, "jaxdist", "0:10:00", 1),
+    }
+    for name, script in scripts.items():
+        (tmp_path / name).write_text(script)
+        r = cluster.run(["sbatch", "--test-only", str(tmp_path / name)], timeout=60)
+        assert r.returncode == 0, name + ": " + r.stderr
+        assert "to start at" in r.stderr
+
+
+# 42 s measured on two shared cores, over the suite's share for one test: -m experiment.
+@pytest.mark.experiment
+@needs_ft
+def test_a_fleet_of_two_groups_runs_as_a_job_array(cluster, tmp_path):
+    """`jaxdist slurm --groups 2`'s array, queued by sbatch: two groups of one task each, on
+    the one node, meet the lighthouse every 4 steps and both take part in every round. The lighthouse runs beside the cluster (--lighthouse), not as its
+    job: three one-CPU jobs do not fit a two-core node at once; its script's loop is
+    tests/test_fleet_files.py's."""
+    ft = os.environ[FT_PYTHON_VAR]
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [ft, str(HERE / "lighthouse.py"), "--bind", f"127.0.0.1:{port}", "--min-groups", "2"],
+        env={**os.environ, "RUST_LOG": "warn"}, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    run_dir = tmp_path / "fleet"
+    train = [*tiny_train(8, checkpoint_every=1000), "--run-dir", str(run_dir)]
+    train[train.index("--mesh") + 1] = "replica=2,data=2"
+    try:
+        rendered = cli(
+            "slurm", "--groups", "2", "--gpus-per-node", "0", "--ft-python", ft, "--ft-host",
+            "127.0.0.1", "--lighthouse", f"http://127.0.0.1:{port}", "--time", "0:10:00", "--",
+            *train, "--devices", "cpu:2", "--sync-every", "4", timeout=60,
+        )  # fmt: skip
+        assert rendered.returncode == 0, rendered.stderr
+        script = rendered.stdout.split("<<'JAXDIST_GROUPS'\n")[1].split("JAXDIST_GROUPS\n")[0]
+        (tmp_path / "groups.sh").write_text(script)
+        r = cluster.run(
+            ["sbatch", "--wait", "--parsable", "groups.sh"], cwd=tmp_path, timeout=300,
+            env={"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]},
+        )  # fmt: skip
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=10)
+    logs = "".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("jaxdist-*.out")))
+    assert r.returncode == 0, r.stderr + logs
+    rounds = [json.loads(x) for x in (run_dir / "rounds.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rounds] == [3, 7] and all(x["groups"] == [0, 1] for x in rounds)
+    launches = [json.loads(x) for x in (run_dir / "launch.jsonl").read_text().splitlines()]
+    assert sorted(x["group"] for x in launches) == [0, 1]
+    for g in (0, 1):
+        assert list(losses(run_dir / "groups" / str(g))) == list(range(8))

@@ -292,6 +292,7 @@ def slurm_groups(
         "  STORE_PORT=$(free_port)",
         *([] if fc.lighthouse else ["  find_lighthouse || exit 1"]),
         f"  export {ENV}={_settings_sh(p.settings)}",
+        '  mkdir -p "$RUN_DIR"',
         '  printf \'{"group": %d, "process": 0, "pid": %d, "start": %s}\\n\' "$GROUP" "$$" \\',
         '    "$(date +%s.%N)" >>"$RUN_DIR/launch.jsonl"',
         f"  srun --kill-on-bad-exit=1 {cmd} 2>&1 >&3 \\",
