@@ -153,9 +153,9 @@ def test_sbatch_accepts_the_fleet_scripts(cluster, tmp_path):
 @needs_ft
 def test_a_fleet_of_two_groups_runs_as_a_job_array(cluster, tmp_path):
     """`jaxdist slurm --groups 2`'s array, queued by sbatch: two groups of one task each, on
-    the one node, meet the lighthouse every 4 steps and both take part in every round. The lighthouse runs beside the cluster (--lighthouse), not as its
-    job: three one-CPU jobs do not fit a two-core node at once; its script's loop is
-    tests/test_fleet_files.py's."""
+    the one node, meet the lighthouse every 4 steps and both take part in every round. The
+    lighthouse runs beside the cluster (--lighthouse), not as its job: three one-CPU jobs do
+    not fit a two-core node at once; its script's loop is tests/test_fleet_files.py's."""
     ft = os.environ[FT_PYTHON_VAR]
     port = free_port()
     lighthouse = subprocess.Popen(
