@@ -127,9 +127,7 @@ def test_sbatch_restarts_a_killed_task_in_the_allocation(cluster, reference, tmp
 
 def test_sbatch_accepts_the_fleet_scripts(cluster, tmp_path):
     """`jaxdist slurm --groups 2`'s two scripts (the lighthouse's job, the groups' array), as
-    sbatch would queue them. Not run here: a fleet's two groups, their sidecars and the
-    lighthouse take about a minute of these two cores (tests/test_groups.py's fleets), and
-    three jobs of one CPU each do not fit the fixture's node on such a host at once."""
+    sbatch would queue them (the next test runs the array, with -m experiment)."""
     from jaxdist.cluster import fleet_files
     from jaxdist.groups.fleet import FleetConfig
 
