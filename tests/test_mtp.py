@@ -32,9 +32,10 @@ from jaxdist.step import forward_loss
 from meshes.presets import STANDARD_RULES
 from models import decode, hf, hf_config
 from models.hf_adapter import ADAPTER
+from models.inventory import activations, plan_model
 from models.mtp import shifted
 from models.transformer import Transformer, embed, head_weight, run_layers, run_stacks
-from models.transformer_config import TransformerConfig, mtp_block
+from models.transformer_config import TransformerConfig, mtp_block, stacks
 from tests.extras import needs_torch_reference, torch_reference
 from tests.helpers import DEEPSEEK_ROUTER, compiled_for, mesh_for
 
@@ -187,6 +188,21 @@ def test_generation_runs_without_the_modules():
     np.testing.assert_allclose(logits, want, atol=1e-5, rtol=0)
 
 
+def test_the_planner_and_the_flops_count_the_modules():
+    c0, c1 = dataclasses.replace(TINY, mtp_depth=0), dataclasses.replace(TINY, mtp_depth=1)
+    planned = plan_model(c1)
+    assert sum(a.size for a in jax.tree.leaves(planned.abstract_params)) == c1.num_params()
+    # A module trains as one more MoE layer (attention included) with the head, and eh_proj.
+    layer = dataclasses.replace(stacks(c0)[-1][1], num_layers=1)
+    D = c1.d_model
+    assert c1.flops_per_token() - c0.flops_per_token() == layer.flops_per_token() + 6 * 2 * D * D
+    # Its activations: one more layer's residuals and one more logits, held once.
+    a0, a1 = activations(c0, 2), activations(c1, 2)
+    assert a1.saved_per_layer == a0.saved_per_layer
+    logits = [t.count for t in a1.once if t.logical[-1:] == ("vocab",)]
+    assert logits == [2] and len(a1.once) == len(a0.once) + len(a0.saved_per_layer) + 1
+
+
 @pytest.mark.parametrize(
     "over, match",
     [
@@ -231,7 +247,7 @@ def _train(layout: str):
 @pytest.mark.slow
 def test_a_sharded_step_equals_one_device():
     ref_metrics, ref = _train("single")
-    metrics, params = _train("expert=2,fsdp=2")
+    metrics, params = _train("expert=2,fsdp=4")
     for name in ("loss", "mtp_loss", "aux_loss"):
         got, want = [m[name] for m in metrics], [m[name] for m in ref_metrics]
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=name)
