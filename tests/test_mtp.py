@@ -5,6 +5,7 @@ and a split sequence, generation without the modules, and the Hugging Face round
 DeepSeek-V3 checkpoint holding them (transformers loading the export where it is at hand)."""
 
 import dataclasses
+import functools
 import json
 import logging
 import pathlib
@@ -58,14 +59,10 @@ def _run(fn, *args):
         return jax.jit(fn)(*args)
 
 
-def _losses(c: TransformerConfig, chunk_tokens: int = 0, train: bool = True, seed: int = 0):
-    """(next-token loss, aux) of forward_loss for the model of `c` on TOKENS_BT1."""
-
-    def f(tokens_BT1):
-        model = Transformer(c, nnx.Rngs(seed))
-        return forward_loss(model, tokens_BT1, Vocab(), False, chunk_tokens, train)
-
-    return _run(f, TOKENS_BT1)
+def _losses(c: TransformerConfig, chunk_tokens: int = 0, train: bool = True):
+    """(next-token loss, aux) of forward_loss for the model of `c` on TOKENS_BT1 (traced)."""
+    model = Transformer(c, nnx.Rngs(0))
+    return forward_loss(model, TOKENS_BT1, Vocab(), False, chunk_tokens, train)
 
 
 def _rms(x_BTD, scale_D, eps):
@@ -102,15 +99,21 @@ def _by_hand(c: TransformerConfig, seed: int = 0):
 @pytest.mark.parametrize("chunk_tokens", [0, 8])
 def test_the_loss_is_the_hand_built_one(chunk_tokens):
     """The mtp_loss metric is the depths' mean loss; the objective adds lambda times it."""
-    want = _run(lambda: _by_hand(TINY))
-    ce, aux = _losses(TINY, chunk_tokens)
+    no_weight = dataclasses.replace(TINY, mtp_loss_weight=0.0)
+    # One program for the four: the hand-built loss, the model's with lambda and without, and
+    # the model's evaluation (train=False), which never runs the modules.
+    want, (ce, aux), (ce0, aux0), (ce_eval, aux_eval) = _run(
+        lambda: (
+            _by_hand(TINY),
+            _losses(TINY, chunk_tokens),
+            _losses(no_weight, chunk_tokens),
+            _losses(TINY, chunk_tokens, train=False),
+        )
+    )
     np.testing.assert_allclose(aux["metrics"]["mtp_loss"], want, rtol=2e-6)
     # lambda 0: the same next-token loss and MoE terms, none of the modules'.
-    ce0, aux0 = _losses(dataclasses.replace(TINY, mtp_loss_weight=0.0), chunk_tokens)
     assert ce == ce0
     np.testing.assert_allclose(aux["loss"] - aux0["loss"], 0.3 * want, rtol=1e-5)
-    # Evaluation (train=False) never runs them: its loss is the trunk's alone.
-    ce_eval, aux_eval = _losses(TINY, chunk_tokens, train=False)
     assert ce_eval == ce and "mtp_loss" not in aux_eval["metrics"]
 
 
@@ -125,11 +128,12 @@ def test_depth_zero_is_the_model_as_it_was():
         np.testing.assert_array_equal(ahead[k], v, err_msg=k)
     assert c0.num_params() == sum(v.size for v in plain.values())
     assert TINY.num_params() == sum(v.size for v in ahead.values())
-    ce_train, aux_train = _losses(c0)
-    ce_eval, aux_eval = _losses(c0, train=False)
+    (ce_train, aux_train), (ce_eval, aux_eval), (ce_ahead, _) = _run(
+        lambda: (_losses(c0), _losses(c0, train=False), _losses(TINY))
+    )
     assert ce_train == ce_eval and aux_train["loss"] == aux_eval["loss"]
     assert "mtp_loss" not in aux_train["metrics"]
-    assert _losses(TINY)[0] == ce_train  # the trunk's own loss, with or without the modules
+    assert ce_ahead == ce_train  # the trunk's own loss, with or without the modules
 
 
 def test_gradients_reach_the_modules_and_the_shared_embedding():
@@ -141,9 +145,8 @@ def test_gradients_reach_the_modules_and_the_shared_embedding():
         return nnx.grad(loss)(Transformer(c, nnx.Rngs(0)))
 
     # Without the MoE terms, which reach the modules' routers whatever lambda is.
-    c = dataclasses.replace(TINY, balance_coef=0.0, z_loss_coef=0.0)
-    g = _run(lambda: grads(c))
-    g0 = _run(lambda: grads(dataclasses.replace(c, mtp_loss_weight=0.0)))
+    c = dataclasses.replace(TINY, mtp_depth=1, balance_coef=0.0, z_loss_coef=0.0)
+    g, g0 = _run(lambda: (grads(c), grads(dataclasses.replace(c, mtp_loss_weight=0.0))))
     flat, flat0 = nnx.to_flat_state(g), dict(nnx.to_flat_state(g0))
     for path, v in flat:
         name = path[0]
@@ -176,6 +179,14 @@ def test_each_depth_reads_its_own_document_and_place():
         got = shifted(inputs_BT[:, order], targets_BT[:, order], placed, k)
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(a, b[:, order])
+
+
+def test_remat_covers_the_modules():
+    c = dataclasses.replace(TINY, mtp_depth=1, remat="full")
+    mesh = mesh_for("single")
+    with activation_rules(Layout.on(mesh, STANDARD_RULES), mesh):
+        jaxpr = str(jax.make_jaxpr(lambda: _losses(c))())
+    assert jaxpr.count("remat2[") == 3  # the dense stack's layer, the MoE stack's, the module's
 
 
 def test_generation_runs_without_the_modules():
@@ -244,10 +255,18 @@ def _train(layout: str):
     return metrics, jax.device_get(state.params)
 
 
+@functools.cache
+def _reference():
+    return _train("single")
+
+
+# Experts split, and a sequence split (each depth's tokens looked up by place, in the
+# balanced order: models/mtp.py).
 @pytest.mark.slow
-def test_a_sharded_step_equals_one_device():
-    ref_metrics, ref = _train("single")
-    metrics, params = _train("expert=2,fsdp=4")
+@pytest.mark.parametrize("layout", ["expert=2,fsdp=4", "context=2,fsdp=4"])
+def test_a_sharded_step_equals_one_device(layout):
+    ref_metrics, ref = _reference()
+    metrics, params = _train(layout)
     for name in ("loss", "mtp_loss", "aux_loss"):
         got, want = [m[name] for m in metrics], [m[name] for m in ref_metrics]
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=name)
