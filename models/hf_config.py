@@ -6,7 +6,8 @@ and V biases, no output bias), Qwen3ForCausalLM (per-head q/k RMSNorm, head_dim 
 hidden_size / heads), MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen2MoeForCausalLM (every
 layer a top-k MoE; Qwen2-MoE's with its gated shared expert), DeepseekV3ForCausalLM (latent
 attention; its first_k_dense_replace layers dense, the rest MoE with DeepSeek's routing; the
-multi-token prediction layers past num_hidden_layers skipped), GPT2LMHeadModel. Anything else is
+multi-token prediction modules past num_hidden_layers as mtp_depth, as far as the weights hold
+them: checkpoint_mtp), GPT2LMHeadModel. Anything else is
 refused in one line naming what is.
 """
 
