@@ -54,14 +54,22 @@ class TrainState(NamedTuple):
     fp8: Any = None  # --fp8 delayed: the FP8 scales and amax histories, not weights (above)
 
 
-def forward_loss(model, tokens_BT1, vocab: Vocab, document_mask: bool, chunk_tokens: int = 0):
+def forward_loss(
+    model,
+    tokens_BT1,
+    vocab: Vocab,
+    document_mask: bool,
+    chunk_tokens: int = 0,
+    train: bool = False,
+):
     """Cross-entropy of next-token prediction over a batch of [B, T+1] tokens, and the model's
     auxiliary output. With packed documents (`document_mask` and an EOS id) the model gets
     their ids and positions; a sequence split over `context` is reordered for causal balance
-    first (jaxdist.parallel.context)."""
+    first (jaxdist.parallel.context). `train`: the step's loss, with what only training runs
+    (multi-token prediction modules: jaxdist.kernels.loss.model_loss)."""
     eos = vocab.eos_id if document_mask else None
     inputs_BT, targets_BT, docs = context.inputs_and_targets(tokens_BT1, eos)
-    return model_loss(model, inputs_BT, targets_BT, docs, vocab.size, chunk_tokens)
+    return model_loss(model, inputs_BT, targets_BT, docs, vocab.size, chunk_tokens, train)
 
 
 def _pipelined_grads(
@@ -164,10 +172,11 @@ def make_train_step(
         # inputs: (params, FP8 state or None); their gradients come back as the same pair.
         model = nnx.merge(graphdef, *(s for s in inputs if s is not None))
         ce, aux = forward_loss(
-            model, tokens_BT1, vocab, config.document_mask, config.loss_chunk_tokens
+            model, tokens_BT1, vocab, config.document_mask, config.loss_chunk_tokens, True
         )
-        # The model's auxiliary losses (MoE balance, router z) join the objective; the
-        # reported loss stays the cross-entropy, comparable across models.
+        # The model's auxiliary losses (MoE balance, router z, multi-token prediction) join the
+        # objective; the reported loss stays the next-token cross-entropy, comparable across
+        # models (multi-token prediction's own: the mtp_loss metric).
         return (ce + aux["loss"]) * scale, {
             "loss": ce * scale,
             "aux_loss": aux["loss"],

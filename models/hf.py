@@ -17,6 +17,7 @@ from jaxdist.model import ModelSpec
 from models.hf_config import (  # noqa: F401 (the adapter's and the tests' names for them)
     SUPPORTED,
     architecture,
+    checkpoint_mtp,
     config_from_hf,
     export_config,
     read_config,
@@ -74,6 +75,7 @@ def open_model(path: pathlib.Path) -> HFModel:
     path = pathlib.Path(path)
     hf = read_config(path)
     config, vocab = config_from_hf(hf, f"hf:{path.name}", str(path))
+    config = checkpoint_mtp(config, path, f"hf:{path}")
     prefix = ""
     if config.style == "gpt2":
         from jaxdist.hf.safetensors_io import INDEX, SINGLE, SafetensorsDir

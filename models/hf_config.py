@@ -6,11 +6,15 @@ and V biases, no output bias), Qwen3ForCausalLM (per-head q/k RMSNorm, head_dim 
 hidden_size / heads), MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen2MoeForCausalLM (every
 layer a top-k MoE; Qwen2-MoE's with its gated shared expert), DeepseekV3ForCausalLM (latent
 attention; its first_k_dense_replace layers dense, the rest MoE with DeepSeek's routing; the
-multi-token prediction layers past num_hidden_layers skipped), GPT2LMHeadModel. Anything else is
+multi-token prediction modules past num_hidden_layers as mtp_depth, as far as the weights hold
+them: checkpoint_mtp), GPT2LMHeadModel. Anything else is
 refused in one line naming what is.
 """
 
+import dataclasses
+import functools
 import json
+import logging
 import pathlib
 
 from jaxdist.data import padded_vocab
@@ -201,9 +205,47 @@ def _deepseek(hf: dict, where: str) -> dict:
         head_dim_override=0,
         rope_interleave=bool(hf.get("rope_interleave", True)),
     )
+    # The multi-token prediction modules, as many as the weights hold (checkpoint_mtp).
+    fields["mtp_depth"] = hf.get("num_nextn_predict_layers") or 0
     # Every layer dense (first_k_dense_replace >= num_hidden_layers, as transformers reads it):
     # no experts at all.
     return fields | (deepseek_moe(hf, where) if dense < L else {})
+
+
+def checkpoint_mtp(config: TransformerConfig, path: pathlib.Path, where: str) -> TransformerConfig:
+    """`config` with as many multi-token prediction modules as the directory's weights hold
+    (module k: model.layers.{num_layers + k - 1}.eh_proj.weight); a directory of config.json
+    alone keeps what it says (the architecture, to plan or train from scratch).
+
+    A checkpoint without them (transformers saves none: its DeepseekV3ForCausalLM drops them)
+    loads without them, said in one line: fine-tuning it then trains the model transformers
+    runs. Fresh modules instead would add a random block's loss to the objective, whose
+    gradients move the pretrained trunk, embedding and head from the first step."""
+    from jaxdist.hf.safetensors_io import INDEX, SINGLE, SafetensorsDir
+
+    path = pathlib.Path(path)
+    if not config.mtp_depth or not ((path / INDEX).is_file() or (path / SINGLE).is_file()):
+        return config
+    names = SafetensorsDir(path).tensors
+    held = 0
+    while (
+        held < config.mtp_depth
+        and f"model.layers.{config.num_layers + held}.eh_proj.weight" in names
+    ):
+        held += 1
+    if held < config.mtp_depth:
+        _say_once(
+            f"{where}: config.json has num_nextn_predict_layers {config.mtp_depth}, its weights "
+            f"{held} multi-token prediction modules (model.layers.{config.num_layers}.eh_proj."
+            f"weight and on); loaded with mtp_depth {held}"
+        )
+    return dataclasses.replace(config, mtp_depth=held)
+
+
+@functools.cache
+def _say_once(line: str) -> None:
+    # The config is read more than once a command (the model's config, then its weights).
+    logging.getLogger("jaxdist.hf").warning(line)
 
 
 def _sliding_window(hf: dict, arch: str) -> int:
@@ -289,6 +331,7 @@ def _llama_family_out(c: TransformerConfig, arch: str) -> dict:
             rope_interleave=c.rope_interleave,
             attention_bias=False,
             first_k_dense_replace=c.dense_layers if c.num_experts else c.num_layers,
+            num_nextn_predict_layers=c.mtp_depth,
         )
         if c.num_experts:
             out |= _deepseek_moe_out(c)

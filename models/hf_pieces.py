@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxdist.errors import ConfigError
-from models.transformer_config import DENSE, TransformerConfig, stacks
+from models.transformer_config import DENSE, MTP, TransformerConfig, mtp_block, stacks
 
 
 class Piece(NamedTuple):
@@ -56,9 +56,10 @@ def layered(ours: str) -> bool:
 def pieces(c: TransformerConfig, vocab: int, positions: int, prefix: str = "") -> list[Piece]:
     """Every HF tensor of config `c` (HF vocabulary `vocab`, `positions` learned positions)."""
     if c.style == "llama" and c.dense_layers:
-        return _stacked_pieces(c, vocab)
+        return _stacked_pieces(c, vocab) + _mtp_pieces(c, vocab)
     if c.style == "llama":
-        return _llama_pieces(c, vocab) + (_moe_pieces(c) if c.num_experts else _mlp_pieces(c))
+        mlp = _moe_pieces(c) if c.num_experts else _mlp_pieces(c)
+        return _llama_pieces(c, vocab) + mlp + _mtp_pieces(c, vocab)
     _no_gpt2_moe(c)
     return _gpt2_pieces(c, vocab, positions, prefix)
 
@@ -76,6 +77,45 @@ def _stacked_pieces(c: TransformerConfig, vocab: int) -> list[Piece]:
             elif prefix != DENSE:
                 out.append(p)
         first += stack.num_layers
+    return out
+
+
+def _mtp_pieces(c: TransformerConfig, vocab: int) -> list[Piece]:
+    """DeepSeek-V3's multi-token prediction modules (mtp_depth), as its checkpoints hold them:
+    module k as layer num_layers + k, its block's weights under the layer's usual names, beside
+    enorm, hnorm, eh_proj ([D, 2 D]: the embedding's half first) and shared_head.norm. Other
+    architectures have no place for them in their Hugging Face form, where inference drops
+    them anyway: none."""
+    if not (c.mtp_depth and c.mla):
+        return []
+    block, L, D = mtp_block(c), c.num_layers, c.d_model
+    mlp = _moe_pieces(block) if block.num_experts else _mlp_pieces(block)
+    out = [
+        p._replace(ours=MTP + p.ours, offset=L)
+        for p in _llama_pieces(block, vocab) + mlp
+        if layered(p.ours)
+    ]
+    layer = "model.layers.{l}."
+    own = (("enorm", "enorm_scale_LD"), ("hnorm", "hnorm_scale_LD"))
+    own += (("shared_head.norm", "head_norm_scale_LD"),)
+    out += [Piece(f"{layer}{x}.weight", MTP + ours, ((D,),), (0,), offset=L) for x, ours in own]
+    eh = Piece(layer + "eh_proj.weight", MTP + "eh_proj_LID", ((D,), (2 * D,)), (1, 0), offset=L)
+    return [*out, eh]
+
+
+def _mtp_copies(c: TransformerConfig, vocab: int) -> list[Piece]:
+    """The copies of the shared embedding and head DeepSeek-V3's checkpoints keep in each
+    prediction module (embed_tokens, shared_head.head): written on export, so the checkpoint
+    has its usual form; never read (the model's own are)."""
+    if not _mtp_pieces(c, vocab):
+        return []
+    D, out = c.d_model, []
+    for layer in range(c.num_layers, c.num_layers + c.mtp_depth):
+        embed = f"model.layers.{layer}.embed_tokens.weight"
+        out.append(Piece(embed, "tok_embed_VD", ((vocab,), (D,)), (0, 1)))
+        head = f"model.layers.{layer}.shared_head.head.weight"
+        tied = ("tok_embed_VD", (0, 1)) if c.tie_embeddings else ("head_DV", (1, 0))
+        out.append(Piece(head, tied[0], ((vocab,), (D,)), tied[1]))
     return out
 
 
@@ -289,7 +329,8 @@ def export_pieces(c: TransformerConfig, vocab: int) -> tuple[list[Piece], Transf
     if c.style == "gpt2":
         _no_gpt2_moe(c)
         c = dataclasses.replace(c, attention_bias=True, attention_out_bias=None, mlp_bias=True)
-    return pieces(c, vocab, c.seq_len, "transformer." if c.style == "gpt2" else ""), c
+    out = pieces(c, vocab, c.seq_len, "transformer." if c.style == "gpt2" else "")
+    return out + _mtp_copies(c, vocab), c
 
 
 def hf_tensor(piece: Piece, ours_layer: np.ndarray | None) -> np.ndarray:

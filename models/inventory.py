@@ -219,7 +219,9 @@ def activations(c: TransformerConfig, batch_size: int) -> Inventory:
     residuals, per layer, at each remat policy) and checked against XLA's memory analysis
     by `jaxdist plan --verify`. MoE layers are approximated as a dense MLP of top_k x
     the rows each active expert multiplies per routed token (_expert_slots) times the width;
-    with dense first layers (dense_layers), every layer as one of the mean width.
+    with dense first layers (dense_layers), every layer as one of the mean width. Each
+    multi-token prediction module (mtp_depth) holds one such layer's residuals more, beside
+    its logits.
     """
     B, T, D, F = batch_size, c.seq_len, c.d_model, c.d_mlp
     N, G, H, V = c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
@@ -288,5 +290,13 @@ def activations(c: TransformerConfig, batch_size: int) -> Inventory:
     if c.remat == "offload":
         # While a layer runs, the next one's set is on its way to or from the host.
         working += dots
-    once = (n(btd, count=4), Activation(1, ("batch", "seq", "vocab"), (B, T, V), 4))
+    # The logits: the head's, and each prediction module's (mtp_depth), all alive for the
+    # backward unfused (the fused loss holds one chunk at a time: planning.memory).
+    once = (
+        n(btd, count=4),
+        Activation(1 + c.mtp_depth, ("batch", "seq", "vocab"), (B, T, V), 4),
+    )
+    if c.mtp_depth:  # each module: one more layer's residuals, its embedding, norms and input
+        once += tuple(n(t, count=t.count * c.mtp_depth) for t in saved)
+        once += (n(btd, count=5 * c.mtp_depth),)
     return Inventory(saved, working, once)

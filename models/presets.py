@@ -64,7 +64,9 @@ def _published() -> dict[str, TransformerConfig]:
     out = {}
     for path in sorted(CONFIGS.glob("*.json")):
         config, _ = config_from_hf(json.loads(path.read_text()), path.stem, str(path))
-        out[path.stem] = dataclasses.replace(config, **_DOTS)  # accelerator-sized, all of them
+        # Accelerator-sized, all of them; the main model as published (DeepSeek-V3's 671B,
+        # its multi-token prediction module apart: mtp_depth=1 adds it, as it was trained).
+        out[path.stem] = dataclasses.replace(config, **_DOTS, mtp_depth=0)
     return out
 
 
@@ -76,10 +78,11 @@ def get_model_config(name: str, **overrides) -> TransformerConfig:
     local Hugging Face model directory's architecture (its config.json; models/hf_config.py)."""
     path = hf_dir(name)
     if path is not None:
-        from models.hf_config import config_from_hf, read_config
+        from models.hf_config import checkpoint_mtp, config_from_hf, read_config
 
         try:
             config, _ = config_from_hf(read_config(path), f"hf:{path.name}", str(path))
+            config = checkpoint_mtp(config, path, f"hf:{path}")
             return dataclasses.replace(config, **overrides)
         except ValueError as e:
             raise ConfigError(f"--model {name}: {e}") from None

@@ -46,14 +46,16 @@ from jaxdist.model import Stages
 from jaxdist.optim import ExpertBias
 from jaxdist.parallel.attention import attention, document_mask
 from jaxdist.rules import constrain, gathered
-from models import mla, moe, remat, rope
+from models import mla, moe, mtp, remat, rope
 from models.mla import MLA_LOGICAL
 from models.moe import MOE_LOGICAL
 from models.transformer_config import (
     DENSE,
     EXPERT_WEIGHTS,
+    MTP,
     TransformerConfig,
     _param_shapes,
+    mtp_block,
     stacks,
 )
 
@@ -82,8 +84,17 @@ LOGICAL = {
     **MOE_LOGICAL,
     **MLA_LOGICAL,
 }
-# The dense first layers' stack (dense_layers): each weight laid out as its MoE-stack namesake.
-LOGICAL |= {DENSE + k: v for k, v in LOGICAL.items() if "_L" in k}
+# The dense first layers' stack (dense_layers) and the multi-token prediction modules' blocks
+# (mtp_depth): each weight laid out as its namesake in the main stack.
+LOGICAL |= {pre + k: v for k, v in LOGICAL.items() if "_L" in k for pre in (DENSE, MTP)}
+# The prediction modules' own (transformer_config.mtp_shapes): the projection's input, the two
+# normed halves side by side, is not `embed` (one mesh axis may not split two dims of one).
+LOGICAL |= {
+    MTP + "enorm_scale_LD": ("layers", "embed"),
+    MTP + "hnorm_scale_LD": ("layers", "embed"),
+    MTP + "eh_proj_LID": ("layers", None, "embed"),
+    MTP + "head_norm_scale_LD": ("layers", "embed"),
+}
 # The projections that may run in FP8: each weight's einsum with its input (one layer's).
 PROJECTIONS = {
     "wqkv_LDGQH": "btd,dgqh->btgqh",
@@ -112,17 +123,19 @@ class Transformer(nnx.Module):
             elif "bias" in name:
                 value = jnp.zeros(shape, jnp.float32)
             else:
-                scale = out_std if name.removeprefix(DENSE) in _OUT_PROJECTIONS else std
+                own = name.removeprefix(DENSE).removeprefix(MTP)
+                scale = out_std if own in _OUT_PROJECTIONS else std
                 value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
-            if name == "expert_bias_LE":  # moved by the step, not by the optimizer
+            if name.removeprefix(MTP) == "expert_bias_LE":  # moved by the step, not the optimizer
                 rate = config.bias_update_rate
                 setattr(self, name, ExpertBias(value, logical_axes=LOGICAL[name], rate=rate))
                 continue
             setattr(self, name, nnx.Param(value, logical_axes=LOGICAL[name]))
         # --fp8 delayed (the layout the model is built under): the projections' FP8 state,
-        # each stack's (the dense stack's named fp8_dense_...).
+        # each stack's (the dense stack's named fp8_dense_..., the prediction blocks' fp8_mtp_...).
         shapes = _param_shapes(config)
-        for prefix, stack in stacks(config):
+        ahead = [(MTP, mtp_block(config))] if config.mtp_depth else []
+        for prefix, stack in stacks(config) + ahead:
             mine = {
                 prefix + k: (spec, shapes[prefix + k][1:])
                 for k, spec in PROJECTIONS.items()
@@ -159,9 +172,39 @@ class Transformer(nnx.Module):
         aux = moe.summarize(c, aux) if c.num_experts else {"loss": 0.0, "metrics": {}}
         return final_norm(c, p, x_BTD), head_weight(c, p), aux
 
+    @property
+    def mtp_depth(self) -> int:
+        """The multi-token prediction modules training runs (`ahead`; 0: none)."""
+        return self.config.mtp_depth
+
+    @property
+    def mtp_loss_weight(self) -> float:
+        """lambda: their mean cross-entropy's weight in the training loss."""
+        return self.config.mtp_loss_weight
+
+    def ahead(self, tokens_BT: jax.Array, targets_BT: jax.Array, docs: Documents | None = None):
+        """Training's forward with the multi-token prediction modules: `features`' three, then
+        per depth k (1..mtp_depth) its last hidden state (its own norm applied: logits = h @
+        head), the tokens it predicts (t_{p+k+1} at place p) and where they count
+        (models/mtp.py). The auxiliary loss holds the modules' MoE terms too."""
+        c, p, fp8_state = self.config, self.weights(), self.fp8_state()
+        x_BTD = embed(c, p, tokens_BT, docs)
+        x_BTD, stats = run_stacks(c, p, x_BTD, docs, fp8_state)
+        depths, ahead_stats = predict_ahead(c, p, x_BTD, tokens_BT, targets_BT, docs, fp8_state)
+        if not c.num_experts:
+            return final_norm(c, p, x_BTD), head_weight(c, p), {"loss": 0.0, "metrics": {}}, depths
+        aux = _with_ahead_moe(c, moe.summarize(c, stats), stats, ahead_stats)
+        return final_norm(c, p, x_BTD), head_weight(c, p), aux, depths
+
     def stages(self) -> Stages:
         """The model cut into pipeline pieces: embed, a run of layers, the head."""
         c = self.config
+        if c.mtp_depth:
+            # Module k needs the trunk's last hidden state and the embedding, at the last stage.
+            raise ConfigError(
+                f"pipeline parallelism with multi-token prediction (mtp_depth {c.mtp_depth}) is "
+                "not supported; drop the pipeline axis or set mtp_depth 0"
+            )
         if c.dense_layers:
             # The pipeline splits one layer stack; this model has two (dense, then MoE).
             raise ConfigError(
@@ -215,8 +258,8 @@ def of_stack(named: dict, prefix: str) -> dict:
     """The entries of one layer stack (stacks' prefix) of a dict of layer weights or their FP8
     state, by their names within the stack: "" the main stack's, DENSE the dense first layers'
     (dense_w_up_LDF, fp8_dense_w_up_... -> w_up_LDF, fp8_w_up_...)."""
-    if not prefix:
-        return {k: v for k, v in named.items() if DENSE not in k}
+    if not prefix:  # neither the dense first layers' nor the prediction modules' (MTP)
+        return {k: v for k, v in named.items() if DENSE not in k and MTP not in k}
     return {k.replace(prefix, "", 1): v for k, v in named.items() if prefix in k}
 
 
@@ -260,6 +303,58 @@ def run_layers(
 
     block = jax.checkpoint(block, policy=remat.POLICIES[c.remat])
     return jax.lax.scan(block, x_BTD, (layers, fp8_state or {}))
+
+
+def predict_ahead(
+    c: TransformerConfig,
+    p: dict,
+    x_BTD: jax.Array,
+    tokens_BT: jax.Array,
+    targets_BT: jax.Array,
+    docs: Documents | None,
+    fp8_state: dict,
+):
+    """The multi-token prediction modules from the trunk's last hidden state (before its final
+    norm), depth after depth: [(h_BTD normed, targets_BT, mask_BT)] per depth, and their
+    blocks' statistics stacked over the depths (MoE; else {}). Module k: the RMSNorms of the
+    embedding of t_{p+k} (the shared table) and of the previous depth's state, side by side
+    through eh_proj, then one block of the model's last kind; its output feeds depth k + 1."""
+    block = mtp_block(c)
+    weights, state = of_stack(p, MTP), of_stack(fp8_state, MTP)
+    own = [k for k in weights if k not in _param_shapes(block)]  # norms and eh_proj
+    depths, stats = [], []
+    for k in range(c.mtp_depth):
+        w = {n: _stored(_compute(c, weights[n][k]), LOGICAL[MTP + n][1:]) for n in own}
+        ahead_BT, target_BT, mask_BT = mtp.shifted(tokens_BT, targets_BT, docs, k + 1)
+        e_BTD = _norm(c, embed(c, p, ahead_BT, docs), w["enorm_scale_LD"], None)
+        h_BTD = _norm(c, x_BTD, w["hnorm_scale_LD"], None)
+        eh_BTI = jnp.concatenate([e_BTD, h_BTD], axis=-1)  # HF's order: embedding first
+        x_BTD = constrain(
+            jnp.einsum("bti,id->btd", eh_BTI, w["eh_proj_LID"]), ("batch", "seq", "embed")
+        )
+        layer = {n: v[k : k + 1] for n, v in weights.items() if n not in own}
+        layer_state = {n: v[k : k + 1] for n, v in state.items()}
+        x_BTD, layer_stats = run_layers(block, layer, x_BTD, docs, layer_state)
+        depths.append((_norm(c, x_BTD, w["head_norm_scale_LD"], None), target_BT, mask_BT))
+        stats.append(layer_stats)
+    return depths, jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
+
+
+def _with_ahead_moe(c: TransformerConfig, aux: dict, trunk: dict, ahead: dict) -> dict:
+    """moe.summarize's aux with the prediction modules' MoE blocks joined: each block's
+    balance and z terms weighted as one more of the model's layers (depth 0 keeps the loss as
+    it is), its drops counted in moe_dropped, its loads moving its own selection bias."""
+    extra = c.balance_coef * jnp.sum(ahead["balance_loss"]) + c.z_loss_coef * jnp.sum(
+        ahead["z_loss"]
+    )
+    dropped = jnp.sum(trunk["dropped"]) + jnp.sum(ahead["dropped"])
+    assigned = jnp.sum(trunk["assigned"]) + jnp.sum(ahead["assigned"])
+    loads = {MTP + "expert_bias_LE": ahead["load_E"]} if c.bias_update_rate else {}
+    return aux | {
+        "loss": aux["loss"] + extra / c.num_layers,
+        "expert_load": aux["expert_load"] | loads,
+        "metrics": aux["metrics"] | {"moe_dropped": dropped / assigned},
+    }
 
 
 def _stage_body(c: TransformerConfig, layers: dict, x_BTD: jax.Array, docs: Documents | None):

@@ -20,6 +20,10 @@ EXPERT_WEIGHTS = ("w_up_LEDF", "w_gate_LEDF", "w_down_LEFD")
 # The dense first layers of a MoE model (dense_layers): a stack of their own, each weight named
 # as the MoE stack's with this prefix (dense_norm1_scale_LD, dense_w_up_LDF, ...).
 DENSE = "dense_"
+# The multi-token prediction modules (mtp_depth): a stack of their own, one per depth, each
+# block's weights named as the last stack's with this prefix (mtp_wo_LNHD, mtp_w_up_LEDF, ...),
+# beside each module's norms and projection (mtp_shapes).
+MTP = "mtp_"
 
 
 def moe_shapes(L: int, D: int, F: int, E: int) -> dict[str, tuple[int, ...]]:
@@ -123,6 +127,15 @@ class TransformerConfig:
     # They are stacked and scanned apart (stacks below).
     dense_layers: int = 0
     dense_d_mlp: int = 0
+    # Multi-token prediction (DeepSeek-V3, arXiv:2412.19437 section 2.2; HF's
+    # num_nextn_predict_layers): mtp_depth sequential modules, module k predicting token t+k+1
+    # from module k-1's hidden state (the trunk's before its final norm for k = 1) and the
+    # embedding of token t+k, through one block of the model's last kind (MoE where the model
+    # is), the embedding and head shared. Training adds mtp_loss_weight / mtp_depth x their
+    # cross-entropies to the loss (DeepSeek-V3: 0.3, later 0.1); generation and evaluation
+    # never run them.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self):
         # A recorded config (JSON) gives lists: the tuple a frozen, hashable config needs.
@@ -148,6 +161,7 @@ class TransformerConfig:
                 raise ConfigError("MLP biases with MoE layers are not supported; drop mlp_bias")
             _check_routing(self)
         _check_dense_layers(self)
+        _check_mtp(self)
         if self.mla:
             _check_mla(self)
         elif self.d_model % self.num_heads and not self.head_dim_override:
@@ -190,23 +204,27 @@ class TransformerConfig:
 
         N counts the weight matrices (attention, MLP and output head), not the input or
         position embeddings, which are lookups; 12*L*D*T is attention's QK^T and AV, forward and
-        backward, without causal halving (the convention published MFU figures use).
+        backward, without causal halving (the convention published MFU figures use). The
+        multi-token prediction modules count as training runs them: their blocks' and
+        projections' weights, the shared head once more per depth, attention per depth.
         """
         shapes = _param_shapes(self)
         # MoE: each token passes through top_k of the experts, so count those (MFU on active
         # parameters, the convention MoE results are published with).
         active = self.top_k / self.num_experts if self.num_experts else 1.0
         n = sum(
-            math.prod(s) * (active if k in EXPERT_WEIGHTS else 1)
+            math.prod(s) * (active if k.removeprefix(MTP) in EXPERT_WEIGHTS else 1)
             for k, s in shapes.items()
             if len(s) >= 3 or k == "head_DV"
         )
         if self.tie_embeddings:  # the head's matmul is there, its weight is the embedding's
             n += self.d_model * self.vocab_size
+        n += self.mtp_depth * self.d_model * self.vocab_size  # each depth's pass of the head
         attn_width = self.num_heads * self.head_dim  # d_model unless head_dim is set apart
         if self.mla:  # QK^T over the q.k width, AV over the value's
             attn_width = self.num_heads * (self.qk_head_dim + self.v_head_dim) / 2
-        return 6 * n + 12 * self.num_layers * attn_width * self.seq_len
+        layers = self.num_layers + self.mtp_depth
+        return 6 * n + 12 * layers * attn_width * self.seq_len
 
 
 def _check_dense_layers(c: TransformerConfig) -> None:
@@ -226,10 +244,26 @@ def _check_dense_layers(c: TransformerConfig) -> None:
         raise ConfigError(f"dense_d_mlp {c.dense_d_mlp} must be >= 0 (0: d_mlp)")
 
 
+def _check_mtp(c: TransformerConfig) -> None:
+    if c.mtp_depth < 0 or not c.mtp_loss_weight >= 0:
+        raise ConfigError(
+            f"multi-token prediction needs mtp_depth >= 0 (0: none) and mtp_loss_weight >= 0; "
+            f"got mtp_depth {c.mtp_depth}, mtp_loss_weight {c.mtp_loss_weight}"
+        )
+    if c.mtp_depth and c.style != "llama":
+        raise ConfigError(
+            f"multi-token prediction (mtp_depth {c.mtp_depth}) is built for llama-style "
+            "models (RMSNorm, no learned positions); set mtp_depth 0"
+        )
+
+
 def stacks(c: TransformerConfig) -> list[tuple[str, TransformerConfig]]:
     """The model's layer stacks in order, each with its weights' name prefix and the config of
     its layers alone: one (every layer alike) or, with dense_layers, the dense first layers
-    ("dense_", no experts, dense_d_mlp wide) then the MoE ones."""
+    ("dense_", no experts, dense_d_mlp wide) then the MoE ones. The multi-token prediction
+    modules are not among them (mtp_block)."""
+    if c.mtp_depth:  # the stacks' configs are of their layers alone
+        c = dataclasses.replace(c, mtp_depth=0)
     if not c.dense_layers:
         return [("", c)]
     rest = dict(num_layers=c.num_layers - c.dense_layers, dense_layers=0, dense_d_mlp=0)
@@ -240,8 +274,34 @@ def stacks(c: TransformerConfig) -> list[tuple[str, TransformerConfig]]:
     ]
 
 
+def mtp_block(c: TransformerConfig) -> TransformerConfig:
+    """The config of the multi-token prediction modules' blocks, one per depth: the last
+    stack's kind of layer (DeepSeek-V3's MoE layer where the model has dense first layers)."""
+    return dataclasses.replace(stacks(c)[-1][1], num_layers=c.mtp_depth)
+
+
+def mtp_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """The multi-token prediction modules' weights, stacked over the depths (L = mtp_depth):
+    each block's (mtp_block, prefixed MTP); the RMSNorms of the embedding (HF's enorm) and of
+    the previous depth's hidden state (hnorm); the projection of the two, concatenated
+    (I = 2 D: [enorm(e); hnorm(h)], HF's eh_proj); the norm before the shared head
+    (shared_head.norm)."""
+    if not c.mtp_depth:
+        return {}
+    L, D = c.mtp_depth, c.d_model
+    block = {MTP + k: s for k, s in _param_shapes(mtp_block(c)).items() if "_L" in k}
+    return block | {
+        MTP + "enorm_scale_LD": (L, D),
+        MTP + "hnorm_scale_LD": (L, D),
+        MTP + "eh_proj_LID": (L, 2 * D, D),
+        MTP + "head_norm_scale_LD": (L, D),
+    }
+
+
 def stack_size(c: TransformerConfig, name: str) -> int:
     """How many layers the stacked weight `name` holds (its stack's)."""
+    if name.startswith(MTP):
+        return c.mtp_depth
     if not c.dense_layers:
         return c.num_layers
     return c.dense_layers if name.startswith(DENSE) else c.num_layers - c.dense_layers
@@ -309,6 +369,8 @@ def _check_routing(c: TransformerConfig) -> None:
 
 
 def _param_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    if c.mtp_depth:  # the model's own weights, then the prediction modules'
+        return _param_shapes(dataclasses.replace(c, mtp_depth=0)) | mtp_shapes(c)
     if c.dense_layers:  # the MoE stack's weights and the dense stack's, prefixed
         (prefix, dense), (_, rest) = stacks(c)
         shapes = _param_shapes(rest)
