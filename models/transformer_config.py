@@ -247,13 +247,14 @@ def _check_dense_layers(c: TransformerConfig) -> None:
 def _check_mtp(c: TransformerConfig) -> None:
     if c.mtp_depth < 0 or not c.mtp_loss_weight >= 0:
         raise ConfigError(
-            f"multi-token prediction needs mtp_depth >= 0 (0: none) and mtp_loss_weight >= 0; "
+            "multi-token prediction needs mtp_depth (--mtp-depth) >= 0 (0: none) and "
+            f"mtp_loss_weight (--mtp-loss-weight) >= 0; "
             f"got mtp_depth {c.mtp_depth}, mtp_loss_weight {c.mtp_loss_weight}"
         )
     if c.mtp_depth and c.style != "llama":
         raise ConfigError(
             f"multi-token prediction (mtp_depth {c.mtp_depth}) is built for llama-style "
-            "models (RMSNorm, no learned positions); set mtp_depth 0"
+            "models (RMSNorm, no learned positions); set mtp_depth 0 (--mtp-depth 0)"
         )
 
 

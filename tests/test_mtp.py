@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import pathlib
+import re
 import subprocess
 
 import jax
@@ -217,9 +218,12 @@ def test_the_planner_and_the_flops_count_the_modules():
 @pytest.mark.parametrize(
     "over, match",
     [
-        (dict(mtp_depth=-1), "mtp_depth >= 0 .* got mtp_depth -1"),
-        (dict(mtp_loss_weight=-0.1), "mtp_loss_weight >= 0; got .* mtp_loss_weight -0.1"),
-        (dict(mtp_loss_weight=float("nan")), "mtp_loss_weight >= 0"),
+        (dict(mtp_depth=-1), r"mtp_depth \(--mtp-depth\) >= 0 .* got mtp_depth -1"),
+        (
+            dict(mtp_loss_weight=-0.1),
+            r"mtp_loss_weight \(--mtp-loss-weight\) >= 0; got .* mtp_loss_weight -0.1",
+        ),
+        (dict(mtp_loss_weight=float("nan")), r"mtp_loss_weight \(--mtp-loss-weight\) >= 0"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(over, match):
@@ -384,3 +388,25 @@ def test_transformers_loads_the_export_to_the_same_logits(tmp_path):
         return nnx.merge(graphdef, state)(ids)[0][..., :300]
 
     np.testing.assert_allclose(_run(ours, jnp.asarray(ids)), theirs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_the_train_command_takes_the_depth_and_shows_both_losses(tmp_path, capsys):
+    """`--mtp-depth` reaches the model (the run's records carry mtp_loss), the step lines show
+    it beside the next-token loss, and a bad value ends in one line naming the flag."""
+    from jaxdist.cli.main import main
+
+    # In this process: its 8 fake CPU devices (tests/conftest.py).
+    run = ["train", "--model", "tiny-moe", "--mesh", "expert=2,fsdp=4", "--compile-cache", "off"]
+    rc = main([*run, "--steps", "2", "--mtp-depth", "1", "--run-dir", str(tmp_path / "r")])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    # The step lines are the run's log (stderr); the summary is stdout.
+    lines = {int(m[1]): m[0] for m in re.finditer(r"step +(\d+)/2 .*", out.err)}
+    records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "mtp_loss" in r]
+    assert len(steps) == 2 and all(np.isfinite(r["mtp_loss"]) for r in steps)
+    assert lines and all(f"mtp {r['mtp_loss']:.4f}" in lines[r["step"]] for r in steps), out.err
+    rc = main([*run, "--steps", "1", "--mtp-depth", "-1", "--run-dir", str(tmp_path / "bad")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--mtp-depth" in err[0], err

@@ -35,6 +35,10 @@ def test_step_line_has_the_total_and_time_left():
     assert step_line({**REC, "step": 0, "mfu": 0.41}, 300, None) == (
         "step   0/300  loss 4.0741  grad_norm 2.753    235.4 ms  8,701 tok/s mfu 41.0%"
     )
+    # Multi-token prediction's loss beside the next-token loss, only where the model has it.
+    assert step_line({**REC, "mtp_loss": 4.51234}, 30, None).startswith(
+        "step 10/30  loss 4.0741  mtp 4.5123  grad_norm 2.753"
+    )
 
 
 def _console(terminal: bool) -> tuple[Console, io.StringIO]:

@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterable
 # Flags several commands share, under the same concern in each.
 _MODEL = (
     "--model", "--style", "--layers", "--d-model", "--heads", "--kv-heads", "--d-mlp", "--seq-len",
-    "--vocab", "--capacity-factor", "--moe-buffer-factor", "--moe-gemm",
+    "--vocab", "--capacity-factor", "--moe-buffer-factor", "--moe-gemm", "--mtp-depth",
+    "--mtp-loss-weight",
 )  # fmt: skip
 _LAYOUT = (
     "--microbatches", "--pipeline-schedule", "--virtual-stages", "--context-strategy",
@@ -50,7 +51,7 @@ PANELS = (
         (
             "--model", "--style", "--layers", "--d-model", "--heads", "--kv-heads", "--d-mlp",
             "--seq-len", "--vocab", "--init-from", "--capacity-factor", "--moe-buffer-factor",
-            "--moe-gemm",
+            "--moe-gemm", "--mtp-depth", "--mtp-loss-weight",
         ),
     ),
     ("data", ("--data", "--batch-size", "--document-mask")),

@@ -100,6 +100,14 @@ class Common:
     """MoE, dropless: the experts' grouped GEMM: auto (default: JAX's Pallas kernels on Hopper
     GPUs, where XLA's ragged dot multiplies every row by every expert; XLA's ragged dot
     elsewhere), xla, or pallas (Hopper only)"""
+    mtp_depth: int | None = None
+    """multi-token prediction (DeepSeek-V3's): modules that each predict one token further
+    ahead, their loss added in training, never run in evaluation or generation (default: the
+    model's; a Hugging Face DeepSeek-V3 directory's num_nextn_predict_layers where it holds
+    their weights, else 0)"""
+    mtp_loss_weight: float | None = None
+    """multi-token prediction: the weight of the modules' mean loss in the objective
+    (DeepSeek-V3: 0.3, then 0.1; default 0.3)"""
     compile_cache: str = DEFAULT_CACHE
     """persistent XLA compilation cache directory, or off"""
 
@@ -370,6 +378,9 @@ def model_config(args: Common, platform: str):
         "moe_gemm": args.moe_gemm,
     }
     moe = {k: v for k, v in given.items() if v is not None}
+    # The transformer config's own checks refuse bad values and unsupported styles in one line.
+    mtp = {"mtp_depth": args.mtp_depth, "mtp_loss_weight": args.mtp_loss_weight}
+    mtp = {k: v for k, v in mtp.items() if v is not None}
     if moe and (args.model == "custom" or not get_model_config(args.model).num_experts):
         raise ConfigError(
             f"--capacity-factor/--moe-buffer-factor/--moe-gemm apply to MoE models; {args.model} "
@@ -378,6 +389,7 @@ def model_config(args: Common, platform: str):
     return get_model_config(
         args.model,
         **moe,
+        **mtp,
         **args.model_overrides(),
         compute_dtype=dtype,
         **({} if args.remat in ("preset", "auto") else {"remat": args.remat}),

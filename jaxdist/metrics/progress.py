@@ -62,8 +62,10 @@ def step_line(rec: dict, total: int, left: float | None, mark: str = "") -> str:
     `mark` (what else the step did: an outer round of replica groups, a compile)."""
     mfu = f" mfu {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
     eta = f"  {duration(left)} left" if left is not None else ""
+    # Multi-token prediction's own loss, beside the next-token loss it never changes.
+    mtp = f"  mtp {rec['mtp_loss']:.4f}" if rec.get("mtp_loss") is not None else ""
     return (
-        f"{step_of(rec['step'], total)}  loss {rec['loss']:.4f}  "
+        f"{step_of(rec['step'], total)}  loss {rec['loss']:.4f}{mtp}  "
         f"grad_norm {rec['grad_norm']:.3f}  {rec['step_time_s'] * 1e3:7.1f} ms  "
         f"{rec['tokens_per_s']:,.0f} tok/s{mfu}{eta}{'  ' + mark if mark else ''}"
     )

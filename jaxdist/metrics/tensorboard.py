@@ -24,6 +24,7 @@ log = logging.getLogger("jaxdist.tensorboard")
 # the replica groups' outer rounds, scalars of their own (checkpoint/..., outer/...).
 TAGS = {
     "loss": "train/loss",
+    "mtp_loss": "train/mtp_loss",
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "step_time_s": "train/step_time_s",
