@@ -8,6 +8,11 @@ its address when it dies. The groups meet every H steps through torchft in a sid
 The run directory RUN gets launch.jsonl (one line per process started: group, process, pid,
 start) and restarts.jsonl (one line per restart, `by` "group G" or "lighthouse"); each group
 trains in RUN/groups/G.
+
+The groups share the train command's persistent compile cache (--compile-cache, by default the
+user's, kept across runs): a group restarted alone loads the programs its peers compiled rather
+than compiling them again, and a fleet launched again compiles nothing. No cache of the run's
+own is set: one would start cold for every fleet.
 """
 
 import dataclasses
@@ -164,6 +169,7 @@ class Lighthouse:
                 return proc
             except ConfigError:
                 time.sleep(0.1)
+        proc.kill()
         raise ConfigError(f"the lighthouse ({' '.join(self.cmd[:2])}) did not start; {MISSING}")
 
     def restart(self) -> None:

@@ -102,7 +102,10 @@ class Member:
         self.sync = SyncConfig(**s.sync)
         self.H = self.sync.sync_every
         self.rank = jax.process_index()
-        self.bridge: Bridge | None = None
+        # Started now, beside the restore and the first compile (jaxdist.groups.bridge).
+        self.bridge = Bridge(
+            s.ft_python, s.group, s.groups, self.rank, jax.process_count(), dataclasses.asdict(s)
+        )
         self.outer: host.OuterState | None = None
 
     def _say(self, text: str) -> None:
@@ -112,10 +115,6 @@ class Member:
         """Before the first step: the outer state (new, or the fleet's saved one where it is
         of this step), the sidecar, and, for a group restarted alone, its heal."""
         self.outer = self._saved(s) or host.OuterState.first(host.pieces(state.params), s // self.H)
-        self.bridge = Bridge(
-            self.s.ft_python, self.s.group, self.s.groups, self.rank, jax.process_count(),
-            dataclasses.asdict(self.s),
-        )  # fmt: skip
         if not self.s.heal:
             return state, s
         t0 = time.monotonic()
@@ -217,8 +216,7 @@ class Member:
             return host.OuterState(arrays[:half], arrays[half:], int(z["round"]))
 
     def close(self) -> None:
-        if self.bridge is not None:
-            self.bridge.close()
+        self.bridge.close()
         if self.rank == 0 and self.outer is not None:
             final = {
                 "group": self.s.group,
