@@ -104,7 +104,7 @@ def fit(
         run = Run(model, mesh, rules, config, jitted, batches, held_out, run_dir, console)
         # A fleet's group starts its sidecar first: it comes up while the attempt restores and
         # compiles (a restarted group rejoins sooner).
-        member = fleet_member.open_member(run_dir, console)  # None outside `launch --groups`
+        member = fleet_member.open_member(run_dir, console, config.loop.steps)  # None: no fleet
         try:
             attempt, state = open_attempt(run, record, init_state)
         except BaseException:

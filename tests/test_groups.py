@@ -16,6 +16,7 @@ it. Each fault scenario takes under a minute alone on two idle cores (about 20 s
 three groups' first compile, side by side; the killed group's case another 15 s replaying).
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -76,10 +77,11 @@ def _end(proc: subprocess.Popen, run_dir: pathlib.Path) -> None:
             proc.kill()
 
 
-def _replayed(run_dir: pathlib.Path, steps: int) -> np.ndarray:
+def _replayed(run_dir: pathlib.Path, steps: int, extra: list[str] = ()) -> np.ndarray:
     """The outer weights a one-process replay of the records computes (in a process of two
-    devices, as each group ran)."""
-    args, _, batch, _ = fleet.group_args([*TRAIN, "--steps", str(steps), "--run-dir", "x"], 3)
+    devices, as each group ran; `extra`: the fleet's further train flags)."""
+    train = [*TRAIN, *extra, "--steps", str(steps), "--run-dir", "x"]
+    args, sync, batch, _ = fleet.group_args(train, 3)
     script = f"""
 import sys, numpy as np, tyro
 from jaxdist.cli.cmd_train import Train
@@ -99,7 +101,7 @@ rows = range(0, args.batch_size)
 of = lambda g: member.batches(g, 3, {batch}, data, model.seq_len, model.vocab_size, rows)
 rounds, heals = replay.read({str(run_dir)!r})
 trace = []
-outer = replay.replay(jitted, of, rounds, heals, SyncConfig(sync_every={H}), trace)
+outer = replay.replay(jitted, of, rounds, heals, SyncConfig(**{dataclasses.asdict(sync)!r}), trace)
 print(trace)
 np.savez({str(run_dir / "replayed.npz")!r}, *outer.params)
 """

@@ -43,7 +43,8 @@ class Reply(NamedTuple):
     committed: bool
     participants: list[int]
     quorum: int
-    summed: np.ndarray  # the participants' changes, summed (float64, joined)
+    summed: np.ndarray | None  # the participants' changes, summed (float64, joined)
+    gathered: list[np.ndarray]  # or, sent as bytes (a sync type), each participant's
     healed: tuple[dict, list] | None  # the peer's state (header, arrays) this group took
     quorum_s: float
     round_s: float
@@ -101,16 +102,25 @@ class Bridge:
             raise ConfigError(f"the torchft sidecar could not start: {hello.get('error')}")
         return self.sock
 
-    def round(self, delta: np.ndarray, participating: bool, snapshot) -> Reply:
-        """One round: this process's change (float64, joined), whether it counts (a group that
-        joins to heal sends zeros that do not), and the state a healing peer would get."""
+    def send(self, change: np.ndarray, participating: bool, snapshot, gather: bool) -> None:
+        """A round's start: this process's change (float64, joined; with `gather`, the bytes of
+        its sync type: jaxdist.groups.streaming.coded), whether it counts (a group that joins
+        to heal sends zeros that do not), and the state a healing peer would get. The sidecar
+        runs the round meanwhile; `receive` waits for its end."""
         head, data = wire.raw(*snapshot)
-        header = {"op": "round", "participating": participating, "snapshot_head": head.decode()}
-        wire.send(self._connected(), header, [delta, np.frombuffer(data, np.uint8)])
+        header = {
+            "op": "round", "participating": participating, "gather": gather,
+            "snapshot_head": head.decode(),
+        }  # fmt: skip
+        wire.send(self._connected(), header, [change, np.frombuffer(data, np.uint8)])
+
+    def receive(self) -> Reply:
         reply, arrays = wire.receive(self.sock)
         healed = wire.receive(self.sock) if reply["healed"] else None
+        gathered = reply.get("gathered", False)
         return Reply(
-            reply["committed"], reply["participants"], reply["quorum"], arrays[0], healed,
+            reply["committed"], reply["participants"], reply["quorum"],
+            None if gathered else arrays[0], list(arrays) if gathered else [], healed,
             reply["quorum_s"], reply["round_s"], reply["error"],
         )  # fmt: skip
 

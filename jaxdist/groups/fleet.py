@@ -105,11 +105,6 @@ def group_args(train_args: list[str], groups: int) -> tuple[list[str], SyncConfi
             fields[field.name] = _value(value, field.default)
     sync = SyncConfig(**fields)
     sync.validate(groups)
-    if sync.sync_fragments != 1 or sync.sync_delay or sync.sync_dtype != "float32":
-        raise ConfigError(
-            "--groups syncs whole rounds in float32 for now: drop --sync-fragments, "
-            "--sync-delay and --sync-dtype (or train the groups in one program, without --groups)"
-        )
     args, batch = _take_flag(args, "--batch-size")
     batch_size = int(batch) if batch else 16
     if batch_size % groups:
