@@ -24,11 +24,12 @@ its round's change, then the round's outer step as every group takes it and its 
 or T steps on).
 
 Records (the fleet's run directory RUN): rounds.jsonl, one line per committed round (written by
-the lowest participating group: its step, fragment and the step after which it was applied); heals.jsonl, one line per heal; outer/step-S-rank-P.npz, the
-outer state after the round that ended at step S (the lowest participating group saves it, the
-newest KEEP rounds kept: a whole fleet restarted takes the one its groups' checkpoints reach,
-each group its own checkpoint; groups that resume at different steps are not reconciled);
-groups/G/final.json and outer.npz (its last outer weights).
+the lowest participating group: its step, fragment and the step after which it was applied);
+heals.jsonl, one line per heal; outer/step-S-rank-P.npz, the outer state after the round that
+ended at step S (the lowest participating group saves it, the newest KEEP rounds kept: a whole
+fleet restarted takes the one its groups' checkpoints reach, each group its own checkpoint;
+groups that resume at different steps are not reconciled); groups/G/final.json and outer.npz
+(its last outer weights).
 """
 
 import dataclasses
