@@ -236,9 +236,7 @@ def up_many(xs_M: Sequence, specs, owners, dtype: str, mesh: Mesh) -> list:
     def body(qs, scales=None):
         qs = travelled(qs, dims)
         scales = [None] * len(qs) if scales is None else travelled(scales, row_dims)
-        return [
-            jnp.mean(dequantized(q, s, dtype), axis=0) for q, s in zip(qs, scales, strict=True)
-        ]
+        return [jnp.mean(dequantized(q, s, dtype), axis=0) for q, s in zip(qs, scales, strict=True)]
 
     coded = [quantized(xs_M[i], dtype) for i in ok]
     here = [group_spec(specs[i]) for i in ok]
