@@ -13,7 +13,7 @@ groups of one process and two fake CPU devices each, on loopback, tiny-llama, H 
 
 The fleet tests need the [ft] extra's sidecar (JAXDIST_FT_PYTHON); without it they skip, naming
 it. Each fault scenario takes under a minute alone on two idle cores (about 20 s of it the
-three groups' first compile, side by side; the killed group's case another 15 s replaying).
+three groups' first compile, side by side; the killed group's case about 10 s more replaying).
 """
 
 import dataclasses

@@ -158,7 +158,8 @@ def coded(change: list[np.ndarray], dtype: str) -> Coded:
     quantity, the program's)."""
     values, scales = [], []
     for c in change:
-        q, scale = exchange.quantized(jnp.asarray(c, jnp.float32), dtype)
+        # A scalar travels as a row of one (the 8-bit types' scale is per row).
+        q, scale = exchange.quantized(jnp.atleast_1d(jnp.asarray(c, jnp.float32)), dtype)
         values.append(np.asarray(q).view(np.uint8).ravel())
         if scale is not None:
             scales.append(np.asarray(scale, np.float32).view(np.uint8).ravel())
@@ -172,17 +173,21 @@ def decoded(payload: np.ndarray, shapes: list[tuple[int, ...]], dtype: str) -> l
     bits = np.uint16 if width == 2 else np.uint8
     sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
     at, values = 0, []
-    for n, shape in zip(sizes, shapes, strict=True):
+    rows_of = [tuple(s) or (1,) for s in shapes]  # as `coded` sent them: a scalar as (1,)
+    for n, shape in zip(sizes, rows_of, strict=True):
         values.append(payload[at : at + n * width].view(bits).reshape(shape))
         at += n * width
     out = []
-    for v, shape in zip(values, shapes, strict=True):
+    for v, shape, given in zip(values, rows_of, shapes, strict=True):
         scale = None
         if dtype in exchange.EIGHT_BIT:
-            rows = int(np.prod(shape[:-1], dtype=np.int64)) if shape else 1
+            rows = int(np.prod(shape[:-1], dtype=np.int64))
             scale = payload[at : at + 4 * rows].view(np.float32).reshape(*shape[:-1], 1)
             at += 4 * rows
-        out.append(np.asarray(exchange.dequantized(jnp.asarray(v), scale, dtype), np.float32))
+        x = exchange.dequantized(
+            jnp.asarray(v), None if scale is None else jnp.asarray(scale), dtype
+        )
+        out.append(np.asarray(x, np.float32).reshape(given))
     return out
 
 
