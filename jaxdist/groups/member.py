@@ -142,7 +142,7 @@ class Member:
         of this step), where each piece's layers lie (for fragments), and, for a group
         restarted alone, its heal."""
         theta = host.pieces(state.params)
-        self.places = streaming.where(state.params, host._shards)
+        self.places = streaming.where(state.params, host.shards)
         streaming.check(theta, self.places, self.F)
         self.outer = self._saved(s) or host.OuterState.first(theta, s // self.turn)
         if not self.s.heal:
@@ -200,17 +200,20 @@ class Member:
         if reply.healed is not None:
             return self._healed(state, reply, r.t0)
         if reply.committed and reply.participants:
-            total = reply.summed
-            if self.gather:
-                total = streaming.summed(reply.gathered, r.shapes, self.sync.sync_dtype)
-            self.outer = self.outer.stepped(
-                total, len(reply.participants), self.sync, self.places, r.fragment
-            )
+            self.outer = self._stepped(self.outer, reply, r.shapes, r.fragment)
             self._record(r, reply)
         else:
             why = reply.error or "too few groups"
             self._say(f"round after step {r.step} not committed ({why}): its steps are lost")
         return state, None
+
+    def _stepped(self, outer, reply, shapes, f: int) -> host.OuterState:
+        """`outer` after a committed round of fragment f: the participants' changes summed in
+        float64 (by the all-reduce, or here from their bytes) as its gradient."""
+        total = reply.summed
+        if self.gather:
+            total = streaming.summed(reply.gathered, shapes, self.sync.sync_dtype)
+        return outer.stepped(total, len(reply.participants), self.sync, self.places, f)
 
     def _apply(self, state, theta=None):
         """The due fragment's outer weights taken, mixed with the group's own after a delay
@@ -231,12 +234,8 @@ class Member:
         self.outer = host.OuterState(f32[:n_o], f32[n_o : n_o + n_m], header["round"])
         f = header["fragment"]
         if reply.committed and reply.participants:
-            total = reply.summed
-            if self.gather:
-                shapes = [x.shape for x in self.outer.parts(f32[:n_o], self.places, self.F, f)]
-                total = streaming.summed(reply.gathered, shapes, self.sync.sync_dtype)
-            n = len(reply.participants)
-            self.outer = self.outer.stepped(total, n, self.sync, self.places, f)
+            shapes = [x.shape for x in self.outer.parts(f32[:n_o], self.places, self.F, f)]
+            self.outer = self._stepped(self.outer, reply, shapes, f)
         rest = [np.array(a) for a in arrays[n_o + n_m + n_p :]]
         state = host.placed(state._replace(params=None), rest)._replace(
             params=host.placed(state.params, f32[n_o + n_m :])

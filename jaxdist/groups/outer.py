@@ -20,7 +20,7 @@ def _key(index) -> tuple:
     return tuple((s.start, s.stop, s.step) for s in index)
 
 
-def _shards(x: jax.Array) -> list:
+def shards(x: jax.Array) -> list:
     """x's addressable shards, one per distinct index, in device order (the same in every
     group: they run the same mesh)."""
     seen, out = set(), []
@@ -33,7 +33,7 @@ def _shards(x: jax.Array) -> list:
 
 def pieces(tree) -> list[np.ndarray]:
     """This process's pieces of every leaf of `tree`, on the host."""
-    return [np.array(s.data) for x in jax.tree.leaves(tree) for s in _shards(x)]
+    return [np.array(s.data) for x in jax.tree.leaves(tree) for s in shards(x)]
 
 
 def placed(like, host: list[np.ndarray]):
@@ -43,7 +43,7 @@ def placed(like, host: list[np.ndarray]):
     out, at = [], 0
     for x in leaves:
         by_key = {}
-        for shard in _shards(x):
+        for shard in shards(x):
             by_key[_key(shard.index)] = host[at].astype(x.dtype)
             at += 1
         arrays = [jax.device_put(by_key[_key(s.index)], s.device) for s in x.addressable_shards]

@@ -32,7 +32,7 @@ def replay(
     or --sync-delay steps on, mixed), the change as it travelled (--sync-dtype). `trace`
     collects (round, the record's mean outer weight, the replay's)."""
     first = jitted.init_fn()
-    places = streaming.where(first.params, host._shards)
+    places = streaming.where(first.params, host.shards)
     outer = host.OuterState.first(host.pieces(first.params))
     groups: dict[int, _Group] = {}
     for line in rounds:
