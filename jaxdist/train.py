@@ -102,13 +102,20 @@ def fit(
             compare_with_checkpoint(run_dir, now)
             return _finished(run_dir, done, console, command="cli" in (record or {}))
         run = Run(model, mesh, rules, config, jitted, batches, held_out, run_dir, console)
-        attempt, state = open_attempt(run, record, init_state)
+        # A fleet's group starts its sidecar first: it comes up while the attempt restores and
+        # compiles (a restarted group rejoins sooner).
+        member = fleet_member.open_member(run_dir, console, config.loop.steps)  # None: no fleet
+        try:
+            attempt, state = open_attempt(run, record, init_state)
+        except BaseException:
+            if member is not None:
+                member.close()
+            raise
         # From here, SIGTERM or Ctrl-C stops the run at the next step boundary, saved; a second
         # Ctrl-C ends it at once, the save in flight abandoned (end_now), also while the last
         # save commits in close_attempt.
         tiers = attempt.tiers
         stop = PreemptionSignal(tiers.checkpointer.end_now, config.loop.term_grace, tiers.newest)
-        member = fleet_member.open_member(run_dir, console)  # None outside `launch --groups`
         with stop as signal_flag:
             try:
                 return close_attempt(attempt, _loop(attempt, state, signal_flag, member))

@@ -7,6 +7,8 @@ beside each process, so a lost group costs the others one round, not a restart.
 - sidecar, lighthouse: the two scripts the sidecar interpreter runs (they import no JAX);
 - bridge: the JAX process's end of its sidecar;
 - member: one group's process in the loop (its data, its rounds, its healing, its records);
+- outer, streaming: the outer step on host arrays, and its fragments, delay and sync types by
+  the compiled program's own rules and functions;
 - replay: the rounds of rounds.jsonl replayed in one process (what the tests compare with);
 - fleet: the launcher's side (the lighthouse and the groups, each restarted alone).
 

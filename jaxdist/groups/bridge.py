@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -42,7 +43,8 @@ class Reply(NamedTuple):
     committed: bool
     participants: list[int]
     quorum: int
-    summed: np.ndarray  # the participants' changes, summed (float64, joined)
+    summed: np.ndarray | None  # the participants' changes, summed (float64, joined)
+    gathered: list[np.ndarray]  # or, sent as bytes (a sync type), each participant's
     healed: tuple[dict, list] | None  # the peer's state (header, arrays) this group took
     quorum_s: float
     round_s: float
@@ -50,14 +52,18 @@ class Reply(NamedTuple):
 
 
 class Bridge:
-    """One sidecar: started, connected, one round at a time."""
+    """One sidecar: started at once, connected when first spoken to, one round at a time.
+
+    The sidecar's start (torch's import, the Manager) takes seconds: started before the JAX
+    process restores and compiles, and awaited only at its first round, it costs the group's
+    start nothing (a restarted group rejoins sooner)."""
 
     def __init__(self, python: str, group: int, groups: int, rank: int, ranks: int, env: dict):
         self.dir = tempfile.mkdtemp(prefix="jaxdist-ft-")  # mode 0700: this user's alone
         path = os.path.join(self.dir, "sidecar.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(path)
-        listener.listen(1)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(1)
         cmd = [
             python, str(HERE / "sidecar.py"), "--socket", path, "--group", str(group),
             "--groups", str(groups), "--rank", str(rank), "--ranks", str(ranks),
@@ -68,38 +74,64 @@ class Bridge:
         child_env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}
         child_env.update(env.get("child_env", {}))
         child_env.setdefault("RUST_LOG", "warn")
+        self.python, self.group = python, group
         self.proc = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL)
-        listener.settimeout(120)
+        self.sock: socket.socket | None = None
+
+    def _connected(self) -> socket.socket:
+        """The sidecar's socket, once it has said it is up (waited for here, the first time)."""
+        if self.sock is not None:
+            return self.sock
+        self.listener.settimeout(0.2)  # to notice a sidecar that ended without connecting
+        deadline = time.monotonic() + 120
         try:
-            self.sock, _ = listener.accept()
-        except TimeoutError:
-            self.proc.kill()
-            raise ConfigError(f"the sidecar ({python}) did not start in 120 s; {MISSING}") from None
+            while self.sock is None:
+                try:
+                    self.sock, _ = self.listener.accept()
+                except TimeoutError:
+                    if self.proc.poll() is None and time.monotonic() < deadline:
+                        continue
+                    why = "ended" if self.proc.poll() is not None else "did not start in 120 s"
+                    self.proc.kill()
+                    raise ConfigError(f"the sidecar ({self.python}) {why}; {MISSING}") from None
         finally:
-            listener.close()
+            self.listener.close()
         self.sock.settimeout(None)
         hello, _ = wire.receive(self.sock)
         if not hello.get("ok"):
             raise ConfigError(f"the torchft sidecar could not start: {hello.get('error')}")
-        self.group = group
+        return self.sock
 
-    def round(self, delta: np.ndarray, participating: bool, snapshot) -> Reply:
-        """One round: this process's change (float64, joined), whether it counts (a group that
-        joins to heal sends zeros that do not), and the state a healing peer would get."""
+    def send(self, change: np.ndarray, participating: bool, snapshot, gather: bool) -> None:
+        """A round's start: this process's change (float64, joined; with `gather`, the bytes of
+        its sync type: jaxdist.groups.streaming.coded), whether it counts (a group that joins
+        to heal sends zeros that do not), and the state a healing peer would get. The sidecar
+        runs the round meanwhile; `receive` waits for its end."""
         head, data = wire.raw(*snapshot)
-        header = {"op": "round", "participating": participating, "snapshot_head": head.decode()}
-        wire.send(self.sock, header, [delta, np.frombuffer(data, np.uint8)])
+        header = {
+            "op": "round", "participating": participating, "gather": gather,
+            "snapshot_head": head.decode(),
+        }  # fmt: skip
+        wire.send(self._connected(), header, [change, np.frombuffer(data, np.uint8)])
+
+    def receive(self) -> Reply:
         reply, arrays = wire.receive(self.sock)
         healed = wire.receive(self.sock) if reply["healed"] else None
+        gathered = reply.get("gathered", False)
         return Reply(
-            reply["committed"], reply["participants"], reply["quorum"], arrays[0], healed,
+            reply["committed"], reply["participants"], reply["quorum"],
+            None if gathered else arrays[0], list(arrays) if gathered else [], healed,
             reply["quorum_s"], reply["round_s"], reply["error"],
         )  # fmt: skip
 
     def close(self) -> None:
         try:
-            wire.send(self.sock, {"op": "close"})
-            self.sock.close()
+            if self.sock is None:  # never spoken to (the run ended before its first round)
+                self.listener.close()
+                self.proc.kill()
+            else:
+                wire.send(self.sock, {"op": "close"})
+                self.sock.close()
             self.proc.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()

@@ -8,6 +8,11 @@ its address when it dies. The groups meet every H steps through torchft in a sid
 The run directory RUN gets launch.jsonl (one line per process started: group, process, pid,
 start) and restarts.jsonl (one line per restart, `by` "group G" or "lighthouse"); each group
 trains in RUN/groups/G.
+
+The groups share the train command's persistent compile cache (--compile-cache, by default the
+user's, kept across runs): a group restarted alone loads the programs its peers compiled rather
+than compiling them again, and a fleet launched again compiles nothing. No cache of the run's
+own is set: one would start cold for every fleet.
 """
 
 import dataclasses
@@ -100,11 +105,6 @@ def group_args(train_args: list[str], groups: int) -> tuple[list[str], SyncConfi
             fields[field.name] = _value(value, field.default)
     sync = SyncConfig(**fields)
     sync.validate(groups)
-    if sync.sync_fragments != 1 or sync.sync_delay or sync.sync_dtype != "float32":
-        raise ConfigError(
-            "--groups syncs whole rounds in float32 for now: drop --sync-fragments, "
-            "--sync-delay and --sync-dtype (or train the groups in one program, without --groups)"
-        )
     args, batch = _take_flag(args, "--batch-size")
     batch_size = int(batch) if batch else 16
     if batch_size % groups:
@@ -164,6 +164,7 @@ class Lighthouse:
                 return proc
             except ConfigError:
                 time.sleep(0.1)
+        proc.kill()
         raise ConfigError(f"the lighthouse ({' '.join(self.cmd[:2])}) did not start; {MISSING}")
 
     def restart(self) -> None:

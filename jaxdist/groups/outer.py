@@ -10,6 +10,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from jaxdist.groups.streaming import put, taken
 from jaxdist.layout import SyncConfig
 from jaxdist.parallel.replica import nesterov
 from jaxdist.parallel.rounds import outer_values
@@ -19,7 +20,7 @@ def _key(index) -> tuple:
     return tuple((s.start, s.stop, s.step) for s in index)
 
 
-def _shards(x: jax.Array) -> list:
+def shards(x: jax.Array) -> list:
     """x's addressable shards, one per distinct index, in device order (the same in every
     group: they run the same mesh)."""
     seen, out = set(), []
@@ -32,7 +33,7 @@ def _shards(x: jax.Array) -> list:
 
 def pieces(tree) -> list[np.ndarray]:
     """This process's pieces of every leaf of `tree`, on the host."""
-    return [np.array(s.data) for x in jax.tree.leaves(tree) for s in _shards(x)]
+    return [np.array(s.data) for x in jax.tree.leaves(tree) for s in shards(x)]
 
 
 def placed(like, host: list[np.ndarray]):
@@ -42,7 +43,7 @@ def placed(like, host: list[np.ndarray]):
     out, at = [], 0
     for x in leaves:
         by_key = {}
-        for shard in _shards(x):
+        for shard in shards(x):
             by_key[_key(shard.index)] = host[at].astype(x.dtype)
             at += 1
         arrays = [jax.device_put(by_key[_key(s.index)], s.device) for s in x.addressable_shards]
@@ -81,20 +82,38 @@ class OuterState(NamedTuple):
         weights = [p.astype(np.float32) for p in params]
         return cls(weights, [np.zeros_like(w) for w in weights], round)
 
-    def change(self, theta: list[np.ndarray]) -> np.ndarray:
-        """The group's change since the last outer step, as DiLoCo's outer gradient."""
-        return joined([o - t.astype(np.float32) for o, t in zip(self.params, theta, strict=True)])
+    def parts(self, theta, places=None, F: int = 1, f: int = 0) -> list[np.ndarray]:
+        """The group's change since the last outer step (DiLoCo's outer gradient) on fragment
+        f, per piece, in float32 (`places`: streaming.where, needed where F > 1)."""
+        own, now = self.params, [t.astype(np.float32) for t in theta]
+        if F > 1:
+            own, now = taken(own, places, F, f), taken(now, places, F, f)
+        return [o - t for o, t in zip(own, now, strict=True)]
 
-    def stepped(self, summed: np.ndarray, groups: int, sync: SyncConfig) -> "OuterState":
-        """After a committed round: the mean of `groups` groups' changes as the gradient."""
-        mean = split((summed / groups).astype(np.float32), self.params)
+    def change(self, theta, places=None, F: int = 1, f: int = 0) -> np.ndarray:
+        """`parts`, joined in float64 (what the all-reduce sums)."""
+        return joined(self.parts(theta, places, F, f))
+
+    def stepped(
+        self, summed: np.ndarray, groups: int, sync: SyncConfig, places=None, f: int = 0
+    ) -> "OuterState":
+        """After a committed round of fragment f: the mean of `groups` groups' changes as the
+        gradient of that fragment's outer weights and momentum."""
+        F = sync.sync_fragments if places is not None else 1
+        own, mom = self.params, self.momentum
+        if F > 1:
+            own, mom = taken(own, places, F, f), taken(mom, places, F, f)
+        mean = split((summed / groups).astype(np.float32), own)
         # As resolved where the run resolved it; `auto` here decides on H and the groups.
         lr, mu = outer_values(sync, groups)
         params, momentum = [], []
-        for o, d, m in zip(self.params, mean, self.momentum, strict=True):
+        for o, d, m in zip(own, mean, mom, strict=True):
             step, m = nesterov(d, m, lr, mu)
             params.append((o - step).astype(np.float32))
             momentum.append(np.asarray(m, np.float32))
+        if F > 1:
+            params = put(self.params, params, places, F, f)
+            momentum = put(self.momentum, momentum, places, F, f)
         return OuterState(params, momentum, self.round + 1)
 
     def mean(self) -> float:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist.groups import outer as host
+from jaxdist.groups import streaming
 
 
 def read(run_dir) -> tuple[list[dict], list[dict]]:
@@ -26,30 +27,61 @@ def read(run_dir) -> tuple[list[dict], list[dict]]:
 def replay(
     jitted, batches_of, rounds: list[dict], heals: list[dict], sync, trace: list | None = None
 ) -> host.OuterState:
-    """The outer state after `rounds` (`batches_of(g)`: group g's TokenBatches). `trace`
+    """The outer state after `rounds` (`batches_of(g)`: group g's TokenBatches): each group's
+    steps from its last round on, a fragment's result taken when the fleet took it (at once,
+    or --sync-delay steps on, mixed), the change as it travelled (--sync-dtype). `trace`
     collects (round, the record's mean outer weight, the replay's)."""
-    H, first = sync.sync_every, jitted.init_fn()
+    first = jitted.init_fn()
+    places = streaming.where(first.params, host.shards)
     outer = host.OuterState.first(host.pieces(first.params))
-    states: dict[int, object] = {}
+    groups: dict[int, _Group] = {}
     for line in rounds:
-        summed = None
+        s, f = line["step"], line.get("fragment", 0)
+        payloads, shapes = [], []
         for g in line["groups"]:
             # The step donates its input: each group trains on a state of its own.
-            state = states.get(g) or jax.tree.map(jnp.copy, first)
-            state = state._replace(params=host.placed(state.params, outer.params))
-            batches = batches_of(g)
-            for s in range(line["step"] - H + 1, line["step"] + 1):
-                tokens = jax.make_array_from_process_local_data(
-                    jitted.batch_sharding, batches.batch(s), batches.global_shape
-                )
-                state, _ = jitted.step_fn(state, tokens, None)
-            change = outer.change(host.pieces(state.params))
-            summed = change if summed is None else summed + change
-            states[g] = state
-        outer = outer.stepped(summed, len(line["groups"]), sync)
+            group = groups.setdefault(g, _Group(jax.tree.map(jnp.copy, first)))
+            group.advance(jitted, batches_of(g), s, outer, places, sync)
+            change = outer.parts(host.pieces(group.state.params), places, sync.sync_fragments, f)
+            payloads.append(streaming.payload_of(change, sync.sync_dtype))
+            shapes = [c.shape for c in change]
+        summed = streaming.total(payloads, shapes, sync.sync_dtype)
+        outer = outer.stepped(summed, len(line["groups"]), sync, places, f)
+        for g in line["groups"]:
+            groups[g].due = (s + sync.sync_delay, f)
+            if not sync.sync_delay:
+                groups[g].take(outer, places, sync)
         if trace is not None:
             trace.append((line["round"], line.get("outer_mean"), outer.mean()))
         for heal in heals:
             if heal["round"] == line["round"]:
-                states[heal["group"]] = jax.tree.map(jnp.copy, states[heal["from"]])
+                peer = groups[heal["from"]]
+                groups[heal["group"]] = _Group(
+                    jax.tree.map(jnp.copy, peer.state), peer.at, peer.due
+                )
     return outer
+
+
+class _Group:
+    """One group in the replay: its state, the next step it runs, the result it takes when."""
+
+    def __init__(self, state, at: int = 0, due: tuple[int, int] | None = None):
+        self.state, self.at, self.due = state, at, due
+
+    def advance(self, jitted, batches, until: int, outer, places, sync) -> None:
+        """Steps self.at..until, taking a due result after its step."""
+        for s in range(self.at, until + 1):
+            tokens = jax.make_array_from_process_local_data(
+                jitted.batch_sharding, batches.batch(s), batches.global_shape
+            )
+            self.state, _ = jitted.step_fn(self.state, tokens, None)
+            if self.due is not None and self.due[0] == s:
+                self.take(outer, places, sync)
+        self.at = until + 1
+
+    def take(self, outer, places, sync) -> None:
+        (_, f), self.due = self.due, None
+        mix = sync.sync_mix if sync.sync_delay else 1.0
+        theta = host.pieces(self.state.params)
+        new = streaming.applied(theta, outer.params, places, sync.sync_fragments, f, mix)
+        self.state = self.state._replace(params=host.placed(self.state.params, new))

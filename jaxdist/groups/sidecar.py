@@ -2,13 +2,15 @@
 3.11 with torch==2.13.0 and torchft==0.2.0; see jaxdist.groups): it imports no JAX and is run
 as a script, `python sidecar.py --socket PATH ...`, by its JAX process (jaxdist.groups.bridge).
 
-Each round the JAX process sends, over a Unix socket, one float64 vector (its pieces of the
-groups' change, joined) and the state a healing peer would need (outer weights, momentum, its
-inner state, round and step). The sidecar runs torchft's Manager: a quorum from the lighthouse
-(healing this group from a peer if it is behind), one all-reduce (a sum) among the same-rank
-processes of the groups in the quorum, `should_commit` within the group; it answers the sum, the
-groups that took part (a one-hot slot per group, summed along), whether the round committed,
-and the state it healed from, if it did.
+Each round the JAX process sends, over a Unix socket, its change (one float64 vector, its pieces
+of the round's fragment joined, or with a 16- or 8-bit --sync-dtype the bytes of the change in
+that type) and the state a healing peer would need (outer weights, momentum, weights, its inner
+state, round, step and fragment). The sidecar runs torchft's Manager: a quorum from the
+lighthouse (healing this group from a peer if it is behind), one all-reduce (a sum) among the
+same-rank processes of the groups in the quorum, or for bytes one all-gather (the JAX process
+dequantizes and sums them: these bytes are never decoded here), `should_commit` within the
+group; it answers the sum or the participants' bytes, the groups that took part (a one-hot slot
+per group, sent along), whether the round committed, and the state it healed from, if it did.
 
 Healing moves arrays only (`ArrayTransport`: lengths, a JSON header and raw bytes over the
 quorum's Gloo group); torchft's own transports unpickle what a peer sends. What listens binds
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 import torchft.manager as ft_manager
 from torch.distributed import ReduceOp, TCPStore
+from torch.distributed.distributed_c10d import AllgatherOptions
 from torchft.checkpointing.transport import CheckpointTransport
 from torchft.process_group import ProcessGroupGloo
 from wire import receive, send  # this file's directory, run as a script
@@ -175,7 +178,7 @@ class Sidecar:
         self.healed = snap
 
     def round(self, header: dict, arrays: list) -> tuple[dict, list]:
-        """One round: quorum (and healing), the all-reduce, the commit vote."""
+        """One round: quorum (and healing), the all-reduce (or all-gather), the commit vote."""
         M, G = self.args.groups, self.args.group
         self.snapshot = {"head": header["snapshot_head"].encode(), "data": bytes(arrays[1])}
         self.healed = None
@@ -183,24 +186,53 @@ class Sidecar:
         self.manager.start_quorum()
         quorum_s = time.monotonic() - t0
         joined = header["participating"] and self.healed is None
-        vec = np.zeros(arrays[0].size + M, np.float64)
-        vec[: arrays[0].size] = arrays[0] if joined else 0.0
-        vec[arrays[0].size + G] = 1.0 if joined else 0.0
-        summed = torch.from_numpy(vec)
-        self.manager.allreduce(summed, reduce_op=ReduceOp.SUM).wait()
+        # A group that joins to heal sends zeros of the size its peers send (the round's
+        # fragment, which its peer's state names); the collective needs equal sizes.
+        n = json.loads(self.healed["head"])["payload"] if self.healed else arrays[0].size
+        gather = header.get("gather", False)
+        vec = np.zeros(n + M, np.uint8 if gather else np.float64)
+        vec[:n] = arrays[0] if joined else 0
+        vec[n + G] = 1 if joined else 0  # a one-hot slot per group: who took part
+        if gather:
+            parts = self._gathered(torch.from_numpy(vec))
+            slots = [p[n:] for p in parts]
+            ones = np.sum(slots, axis=0) if slots else np.zeros(M)
+            by_group = {
+                int(np.argmax(s)): p[:n] for p, s in zip(parts, slots, strict=True) if s.any()
+            }
+            out = [by_group[g] for g in sorted(by_group)]
+        else:
+            summed = torch.from_numpy(vec)
+            self.manager.allreduce(summed, reduce_op=ReduceOp.SUM).wait()
+            ones, out = summed[n:].numpy(), [summed[:n].numpy()]
         committed = self.manager.should_commit()
         err = self.manager.errored()
-        ones = summed[arrays[0].size :].numpy()
         reply = {
             "committed": bool(committed),
             "participants": [g for g in range(M) if ones[g] > 0.5],
             "quorum": int(self.manager._quorum_id),  # the lighthouse's id of this membership
             "healed": self.healed is not None,
+            "gathered": gather,
             "quorum_s": quorum_s,
             "round_s": time.monotonic() - t0,
             "error": str(err.original_exception).splitlines()[0][:300] if err else None,
         }
-        return reply, [summed[: arrays[0].size].numpy()]
+        return reply, out
+
+    def _gathered(self, mine: torch.Tensor) -> list[np.ndarray]:
+        """Every quorum member's bytes (the sync type's change: summed by the JAX process, in
+        float64, after dequantizing); an error is the Manager's, as its all-reduce reports."""
+        m = self.manager
+        if m.errored():
+            return []
+        m.wait_quorum()
+        try:
+            out = [torch.empty_like(mine) for _ in range(m._pg.size())]
+            m._pg.allgather([out], [mine], AllgatherOptions()).wait(m._timeout)
+        except Exception as e:  # noqa: BLE001 - the round fails, as a failed all-reduce does
+            m.report_error(e)
+            return []
+        return [o.numpy() for o in out]
 
 
 def main(argv=None) -> int:
@@ -243,7 +275,8 @@ def main(argv=None) -> int:
             reply = {"committed": False, "participants": [], "quorum": -1, "healed": False,
                      "quorum_s": 0.0, "round_s": 0.0,
                      "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}  # fmt: skip
-            out = [np.zeros_like(arrays[0])]
+            out = [] if header.get("gather") else [np.zeros_like(arrays[0])]
+            reply["gathered"] = bool(header.get("gather"))
             side.healed = None
         send(sock, reply, out)
         if side.healed is not None:  # the peer's state, as it sent it (never decoded here)

@@ -37,7 +37,7 @@ def group_spec(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(REPLICA, *spec)
 
 
-def _quantized(x, dtype: str):
+def quantized(x, dtype: str):
     """x as it travels: in the sync type (its bits as unsigned integers, so that XLA, allowed
     excess precision, cannot fold the cast and its inverse away and send float32), with a
     float32 scale per row (last dim) for the 8-bit types."""
@@ -66,7 +66,7 @@ def _coded(x, scale, dtype: str):
     return jax.lax.bitcast_convert_type(q.astype(kind), jnp.uint8)
 
 
-def _dequantized(q, scale, dtype: str):
+def dequantized(q, scale, dtype: str):
     if dtype == "bfloat16":
         q = jax.lax.bitcast_convert_type(q, jnp.bfloat16)
     elif dtype in EIGHT_BIT:
@@ -94,18 +94,18 @@ def _rows(spec: PartitionSpec) -> PartitionSpec:
 def up(x_M, spec: PartitionSpec, owner: PartitionSpec, dtype: str, mesh: Mesh):
     """The mean over groups of x_M [M, ...], on its owners: each group's piece sent in the
     sync type to the device that owns it (an all-to-all over `replica`), summed in float32."""
-    q, scale = _quantized(x_M, dtype)
+    q, scale = quantized(x_M, dtype)
     here, there = group_spec(spec), PartitionSpec(None, *owner)
     q, scale = _moved(q, mesh, here, there), _moved(scale, mesh, _rows(here), _rows(there))
-    return jnp.mean(_dequantized(q, scale, dtype), axis=0)
+    return jnp.mean(dequantized(q, scale, dtype), axis=0)
 
 
 def down(x, spec: PartitionSpec, owner: PartitionSpec, dtype: str, mesh: Mesh):
     """The owners' x, in the sync type, to every group (an all-gather over `replica`)."""
-    q, scale = _quantized(x, dtype)
+    q, scale = quantized(x, dtype)
     q = _moved(q, mesh, owner, spec)
     scale = _moved(scale, mesh, _rows(owner), _rows(spec))
-    return _dequantized(q, scale, dtype)
+    return dequantized(q, scale, dtype)
 
 
 # --- Bucketed: the leaves of one exchange in one collective per type and direction -------------
@@ -236,11 +236,9 @@ def up_many(xs_M: Sequence, specs, owners, dtype: str, mesh: Mesh) -> list:
     def body(qs, scales=None):
         qs = travelled(qs, dims)
         scales = [None] * len(qs) if scales is None else travelled(scales, row_dims)
-        return [
-            jnp.mean(_dequantized(q, s, dtype), axis=0) for q, s in zip(qs, scales, strict=True)
-        ]
+        return [jnp.mean(dequantized(q, s, dtype), axis=0) for q, s in zip(qs, scales, strict=True)]
 
-    coded = [_quantized(xs_M[i], dtype) for i in ok]
+    coded = [quantized(xs_M[i], dtype) for i in ok]
     here = [group_spec(specs[i]) for i in ok]
     args, in_specs = ([q for q, _ in coded],), (here,)
     if dtype in EIGHT_BIT:
@@ -269,12 +267,12 @@ def down_many(xs: Sequence, specs, owners, dtype: str, mesh: Mesh) -> list:
 
     def body(xs):
         if dtype not in EIGHT_BIT:
-            qs, scales = [_quantized(x, dtype)[0] for x in xs], [None] * len(xs)
+            qs, scales = [quantized(x, dtype)[0] for x in xs], [None] * len(xs)
         else:
             qs, scales = _coded_on_owners(xs, [owners[i] for i in ok], dims, dtype)
         moved = _bucketed([q.reshape(1, -1) for q in qs], _gathered)
         qs = [_joined(r, q.shape, d) for r, q, d in zip(moved, qs, dims, strict=True)]
-        return [_dequantized(q, s, dtype) for q, s in zip(qs, scales, strict=True)]
+        return [dequantized(q, s, dtype) for q, s in zip(qs, scales, strict=True)]
 
     new = jax.shard_map(
         body,

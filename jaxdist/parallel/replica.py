@@ -144,7 +144,7 @@ def metrics_sharding(mesh: Mesh) -> NamedSharding:
 # --- Fragments ---------------------------------------------------------------------------------
 
 
-def _take(x, dim: int | None, F: int, f: int, lead: int):
+def take(x, dim: int | None, F: int, f: int, lead: int):
     """Fragment f of leaf x: its layers l % F == f (dim `dim` after `lead` leading dims)."""
     if F == 1:
         return x
@@ -155,7 +155,7 @@ def _take(x, dim: int | None, F: int, f: int, lead: int):
     return jnp.take(split, f, axis=d + 1)
 
 
-def _put(x, new, dim: int | None, F: int, f: int, lead: int):
+def put(x, new, dim: int | None, F: int, f: int, lead: int):
     if F == 1 or dim is None:
         return new if new is not None else x
     d = dim + lead
@@ -265,9 +265,9 @@ def _send_fragment(f: int, sync: SyncConfig, mesh: Mesh, where: list, theta, out
     for i in mine:
         outer[i] = _fetched(outer[i], _kept(where[i], sync), sync, mesh)
         mom[i] = _fetched(mom[i], where[i].owner, sync, mesh)
-    own = [_take(outer[i], where[i].dim, F, f, 0) for i in mine]
-    m = [_take(mom[i], where[i].dim, F, f, 0) for i in mine]
-    theta_M = [_take(theta[i], where[i].dim, F, f, 1) for i in mine]
+    own = [take(outer[i], where[i].dim, F, f, 0) for i in mine]
+    m = [take(mom[i], where[i].dim, F, f, 0) for i in mine]
+    theta_M = [take(theta[i], where[i].dim, F, f, 1) for i in mine]
     if keeps_outer_copy(sync):  # each group's change from its copy of the outer weights, in 8 bits
         changes = [o[None] - t for o, t in zip(own, theta_M, strict=True)]
         means = up_many(changes, specs, owners, dtype, mesh)
@@ -278,8 +278,8 @@ def _send_fragment(f: int, sync: SyncConfig, mesh: Mesh, where: list, theta, out
         deltas = [pinned(o, mesh, ow) - x for o, ow, x in zip(own, owners, means, strict=True)]
         steps, m = zip(*map(step_of, deltas, m), strict=True)
     for k, i in enumerate(mine):
-        outer[i] = _put(outer[i], own[k] - steps[k], where[i].dim, F, f, 0)
-        mom[i] = _put(mom[i], m[k], where[i].dim, F, f, 0)
+        outer[i] = put(outer[i], own[k] - steps[k], where[i].dim, F, f, 0)
+        mom[i] = put(mom[i], m[k], where[i].dim, F, f, 0)
     return outer, mom
 
 
@@ -300,8 +300,8 @@ def _taken(theta_M, own, leaf: Leaf, F: int, f: int, mix: float, mesh: Mesh):
     new_M = jnp.broadcast_to(own[None], (theta_M.shape[0], *own.shape))
     new_M = pinned(new_M, mesh, group_spec(leaf.spec))  # each group's copy is its own
     if mix < 1:
-        new_M = mix * new_M + (1 - mix) * _take(theta_M, leaf.dim, F, f, 1)
-    return _put(theta_M, new_M.astype(theta_M.dtype), leaf.dim, F, f, 1)
+        new_M = mix * new_M + (1 - mix) * take(theta_M, leaf.dim, F, f, 1)
+    return put(theta_M, new_M.astype(theta_M.dtype), leaf.dim, F, f, 1)
 
 
 def apply(state, fragments, where, sync: SyncConfig, mesh: Mesh, mix: float):
@@ -313,7 +313,7 @@ def apply(state, fragments, where, sync: SyncConfig, mesh: Mesh, mix: float):
         mine = _fragment(f, places)
         kept = [_kept(places[i], sync) for i in mine]
         own = [
-            _take(_fetched(outer[i], k, sync, mesh), places[i].dim, F, f, 0)
+            take(_fetched(outer[i], k, sync, mesh), places[i].dim, F, f, 0)
             for i, k in zip(mine, kept, strict=True)
         ]
         if not keeps_outer_copy(sync):  # the owners' pieces, gathered in the sync type (together)
