@@ -30,7 +30,9 @@ class Launch:
     groups: int | None = None
     """M replica groups, each its own job of --processes processes (the train command's --mesh
     replica=M,...: each group the rest of the mesh), meeting every --sync-every steps through
-    torchft; a lost group restarts alone and heals from a live peer"""
+    torchft (--sync-fragments, --sync-delay and --sync-dtype as in one program, the groups'
+    changes summed in float64 on the host); a lost group restarts alone and heals from a live
+    peer"""
     ft_python: str | None = None
     """with --groups: the Python 3.11 interpreter the torchft sidecars run in (pip install
     torch==2.13.0 torchft==0.2.0 numpy); default $JAXDIST_FT_PYTHON"""
