@@ -251,7 +251,11 @@ def test_kubernetes_a_restarted_group_heals(attempt, heal):
         ("slurm", ["--mesh", "data=2", "--run-dir", "r"], "--mesh replica=3,data=2"),
         ("slurm", ["--mesh", "replica=2,data=2", "--run-dir", "r"], "or --groups 2"),
         ("k8s", ["--mesh", "replica=3,data=2"], "give --run-dir DIR"),
-        ("slurm", ["--mesh", "replica=3", "--run-dir", "r", "--sync-delay", "1"], "--sync-delay"),
+        (
+            "slurm",
+            ["--mesh", "replica=3", "--batch-size", "4", "--run-dir", "r"],
+            "--batch-size 4 must divide among 3 groups",
+        ),
         (
             "k8s",
             ["--mesh", "replica=3", "--batch-size", "3", "--run-dir", "/runs/a"],
