@@ -1,7 +1,7 @@
-"""A fleet's launch files (`jaxdist slurm|k8s --groups M`, jaxdist.cluster.fleet_files), with no
-cluster: the Slurm scripts parsed by bash and run by it against a fake sbatch, srun, squeue and
-lighthouse on PATH; the Kubernetes manifests parsed by PyYAML and read by structure.
-tests/test_slurm.py gives the same scripts to a real sbatch."""
+"""A fleet's launch files (`jaxdist slurm|k8s --groups M`: jaxdist.groups.fleet_slurm and
+fleet_k8s), with no cluster: the Slurm scripts parsed by bash and run by it against a fake
+sbatch, srun, squeue and lighthouse on PATH; the Kubernetes manifests parsed by PyYAML and read
+by structure. tests/test_slurm.py gives the same scripts to a real sbatch."""
 
 import dataclasses
 import json
@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from jaxdist.cli.main import main
-from jaxdist.cluster import fleet_files
+from jaxdist.groups import fleet, fleet_k8s, fleet_slurm
 from jaxdist.groups.fleet import FleetConfig
 from jaxdist.metrics.goodput import read_restarts
 
@@ -48,9 +48,9 @@ def _run(tmp_path, script: str, env: dict, timeout: float = 60) -> subprocess.Co
     )
 
 
-def _plan(run_dir, **fleet) -> tuple[FleetConfig, fleet_files.Plan]:
-    fc = FleetConfig(3, FT, **{"host": "127.0.0.1", **fleet})
-    return fc, fleet_files.plan(fc, [*TRAIN, "--run-dir", str(run_dir)], lambda: FT)
+def _plan(run_dir, **given) -> tuple[FleetConfig, fleet.Plan]:
+    fc = FleetConfig(3, FT, **{"host": "127.0.0.1", **given})
+    return fc, fleet.plan(fc, [*TRAIN, "--run-dir", str(run_dir)], lambda: FT)
 
 
 def jaxdist(capsys, *args) -> tuple[int, str, str]:
@@ -76,14 +76,14 @@ def test_the_submit_script_queues_the_lighthouse_then_the_groups_array(tmp_path,
         'echo "$*" >>"$CALLS"; n=$(wc -l <"$CALLS"); cat >"script$n.sh"; echo "$((100 + n));c"\n',
     )
     (run_dir).mkdir()
-    (run_dir / fleet_files.GROUPS_FILE).write_text("5 6\n")  # an earlier fleet's
+    (run_dir / fleet_slurm.GROUPS_FILE).write_text("5 6\n")  # an earlier fleet's
     r = _run(tmp_path, script, {"CALLS": str(tmp_path / "calls")})
     assert r.returncode == 0, r.stderr
     lighthouse, groups = (tmp_path / "calls").read_text().splitlines()
     assert lighthouse == "--parsable"
     # The groups start once the lighthouse has, and know its job (its address file's key).
     assert groups == "--parsable --dependency=after:101 --export=ALL,JAXDIST_LIGHTHOUSE_JOB=101"
-    assert (run_dir / fleet_files.GROUPS_FILE).read_text() == "101 102\n"
+    assert (run_dir / fleet_slurm.GROUPS_FILE).read_text() == "101 102\n"
     assert "lighthouse: job 101; groups: job array 102" in r.stdout
     lh, gr = ((tmp_path / f"script{n}.sh").read_text() for n in (1, 2))
     for part in (lh, gr):
@@ -117,15 +117,15 @@ def _fake_srun(tmp_path, codes: list[int]) -> None:
 def test_a_group_is_told_its_id_and_the_lighthouse_and_restarts_alone(tmp_path):
     run_dir = tmp_path / "fleet"
     fc, p = _plan(run_dir)
-    script = fleet_files.slurm_groups(fc, p, 1, 0, "job", "1:00:00", max_restarts=2)
+    script = fleet_slurm.slurm_groups(fc, p, 1, 0, "job", "1:00:00", max_restarts=2)
     (tmp_path / "bin").mkdir()
     _fake_srun(tmp_path, [137, 0])
     run_dir.mkdir()
     # An earlier fleet's lighthouse (job 5), then this one's (job 9): the group takes job 9's.
-    (run_dir / fleet_files.LIGHTHOUSE_FILE).write_text("5 http://10.0.0.5:1\n")
+    (run_dir / fleet_slurm.LIGHTHOUSE_FILE).write_text("5 http://10.0.0.5:1\n")
     env = {"CALLS": str(tmp_path / "calls"), "SLURM_ARRAY_TASK_ID": "1", "SLURM_JOB_ID": "77"}
-    env[fleet_files.LIGHTHOUSE_JOB_VAR] = "9"
-    line = f"echo '9 http://10.0.0.9:29510' >{run_dir / fleet_files.LIGHTHOUSE_FILE}"
+    env[fleet_slurm.LIGHTHOUSE_JOB_VAR] = "9"
+    line = f"echo '9 http://10.0.0.9:29510' >{run_dir / fleet_slurm.LIGHTHOUSE_FILE}"
     writer = subprocess.Popen(["bash", "-c", f"sleep 2; {line}"])
     r = _run(tmp_path, script, env)
     writer.wait()
@@ -151,7 +151,7 @@ def test_a_group_is_told_its_id_and_the_lighthouse_and_restarts_alone(tmp_path):
 def test_a_requeued_group_heals_and_a_given_lighthouse_is_used_as_is(tmp_path):
     run_dir = tmp_path / "fleet"
     fc, p = _plan(run_dir, lighthouse="http://lh.example:29510")
-    script = fleet_files.slurm_groups(fc, p, 1, 0, "job", "1:00:00", max_restarts=0)
+    script = fleet_slurm.slurm_groups(fc, p, 1, 0, "job", "1:00:00", max_restarts=0)
     assert "find_lighthouse" not in script
     (tmp_path / "bin").mkdir()
     _fake_srun(tmp_path, [0])
@@ -173,17 +173,17 @@ def test_the_lighthouse_restarts_on_its_address_and_stops_with_the_groups(tmp_pa
     fake = 'echo "$*" >>"$LH_CALLS"\n(($(wc -l <"$LH_CALLS") > 1)) || exit 3\nexec sleep 60\n'
     _exe(fake_python, fake)
     p = p._replace(settings=dataclasses.replace(p.settings, ft_python=str(fake_python)))
-    script = fleet_files.slurm_lighthouse(fc, p, "job", "1:00:00")
+    script = fleet_slurm.slurm_lighthouse(fc, p, "job", "1:00:00")
     (tmp_path / "bin").mkdir()
     # The groups' array (88) is in the queue until the second lighthouse has started.
     _exe(tmp_path / "bin" / "squeue", '(( $(wc -l <"$LH_CALLS") > 1 )) || echo 88_0\n')
     run_dir.mkdir()
-    (run_dir / fleet_files.GROUPS_FILE).write_text("77 88\n")
+    (run_dir / fleet_slurm.GROUPS_FILE).write_text("77 88\n")
     env = {"LH_CALLS": str(tmp_path / "lh"), "SLURM_JOB_ID": "77"}
     r = _run(tmp_path, script, env)
     assert r.returncode == 0, r.stderr
     assert "the groups' jobs have ended; the lighthouse stops" in r.stdout
-    job, address = (run_dir / fleet_files.LIGHTHOUSE_FILE).read_text().split()
+    job, address = (run_dir / fleet_slurm.LIGHTHOUSE_FILE).read_text().split()
     assert job == "77" and re.fullmatch(r"http://127\.0\.0\.1:\d+", address)
     calls = (tmp_path / "lh").read_text().splitlines()
     assert len(calls) == 2 and calls[0] == calls[1]  # the same address, the same settings
@@ -239,7 +239,7 @@ def test_kubernetes_a_restarted_group_heals(attempt, heal):
     show = [sys.executable, "-c", "import os; print(os.environ['JAXDIST_GROUP'])"]
     env = {"JAXDIST_GROUP": '{"heal": false}', "JAXDIST_GROUP_HEAL": '{"heal": true}'}
     r = subprocess.run(
-        ["/bin/sh", "-c", fleet_files._HEAL_SH, "jaxdist", *show],
+        ["/bin/sh", "-c", fleet_k8s._HEAL_SH, "jaxdist", *show],
         env={**env, "JOBSET_RESTART_ATTEMPT": attempt}, capture_output=True, text=True,
     )  # fmt: skip
     assert json.loads(r.stdout) == {"heal": heal}

@@ -128,16 +128,16 @@ def test_sbatch_restarts_a_killed_task_in_the_allocation(cluster, reference, tmp
 def test_sbatch_accepts_the_fleet_scripts(cluster, tmp_path):
     """`jaxdist slurm --groups 2`'s two scripts (the lighthouse's job, the groups' array), as
     sbatch would queue them (the next test runs the array, with -m experiment)."""
-    from jaxdist.cluster import fleet_files
+    from jaxdist.groups import fleet, fleet_slurm
     from jaxdist.groups.fleet import FleetConfig
 
     train = [*TRAIN, "--run-dir", str(tmp_path / "fleet")]
     train[train.index("--mesh") + 1] = "replica=2,data=2"
     fc = FleetConfig(2, sys.executable, "127.0.0.1")
-    p = fleet_files.plan(fc, train, lambda: sys.executable)
+    p = fleet.plan(fc, train, lambda: sys.executable)
     scripts = {
-        "lighthouse.sh": fleet_files.slurm_lighthouse(fc, p, "jaxdist", "0:10:00"),
-        "groups.sh": fleet_files.slurm_groups(fc, p, 1, 0, "jaxdist", "0:10:00", 1),
+        "lighthouse.sh": fleet_slurm.slurm_lighthouse(fc, p, "jaxdist", "0:10:00"),
+        "groups.sh": fleet_slurm.slurm_groups(fc, p, 1, 0, "jaxdist", "0:10:00", 1),
     }
     for name, script in scripts.items():
         (tmp_path / name).write_text(script)

@@ -213,9 +213,8 @@ def passthrough(argv: list[str]) -> int:
 
 
 def _fleet_files(args: "Slurm | K8s", train_args: list[str]) -> str:
-    """`jaxdist slurm|k8s --groups M`: the fleet's launch files (jaxdist.cluster.fleet_files),
-    checked as `jaxdist launch --groups M` checks its fleet."""
-    from jaxdist.cluster import fleet_files
+    """`jaxdist slurm|k8s --groups M`: the fleet's launch files (jaxdist.groups.fleet_slurm,
+    fleet_k8s), checked as `jaxdist launch --groups M` checks its fleet."""
     from jaxdist.groups.fleet import FleetConfig
 
     fleet = FleetConfig(
@@ -223,11 +222,15 @@ def _fleet_files(args: "Slurm | K8s", train_args: list[str]) -> str:
         args.min_groups, args.heartbeat_timeout, args.join_timeout, args.collective_timeout,
     )  # fmt: skip
     if isinstance(args, Slurm):
-        return fleet_files.slurm_fleet(
+        from jaxdist.groups.fleet_slurm import slurm_fleet
+
+        return slurm_fleet(
             fleet, args.nodes, args.gpus_per_node, train_args, args.job_name, args.time,
             args.max_restarts,
         )  # fmt: skip
-    return fleet_files.k8s_fleet(
+    from jaxdist.groups.fleet_k8s import k8s_fleet
+
+    return k8s_fleet(
         fleet, args.hosts, train_args, args.image, args.run_volume, args.gpus_per_host,
         args.name, args.run_mount, args.max_restarts,
     )  # fmt: skip

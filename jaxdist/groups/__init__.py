@@ -10,7 +10,8 @@ beside each process, so a lost group costs the others one round, not a restart.
 - outer, streaming: the outer step on host arrays, and its fragments, delay and sync types by
   the compiled program's own rules and functions;
 - replay: the rounds of rounds.jsonl replayed in one process (what the tests compare with);
-- fleet: the launcher's side (the lighthouse and the groups, each restarted alone).
+- fleet: the launcher's side (the lighthouse and the groups, each restarted alone), and
+  fleet_slurm, fleet_k8s: the same fleet as a cluster's launch files.
 
 Why a sidecar: torchft 0.2.0 needs torch >= 2.7; on the project's Python 3.12 pip takes a CUDA
 build of several GB (the outer sync runs on the CPU), while a CPU torch for Python 3.11 is what

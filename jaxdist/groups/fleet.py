@@ -25,6 +25,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 from jaxdist.cluster import restarts
 from jaxdist.cluster.launch import _start, _stream, free_port
@@ -137,6 +139,47 @@ def check_sidecar(python: str) -> None:
         raise ConfigError(f"{python} lacks torch or torchft (pip install {FT_PACKAGES}); {MISSING}")
 
 
+class Plan(NamedTuple):
+    """One group's train arguments and the fleet's settings, checked."""
+
+    args: list[str]  # one group's: --mesh without replica, its share of the batch, no run dir
+    run_dir: str
+    settings: Settings  # the fleet's; where it runs (this host, a cluster) fills in the rest
+
+
+def plan(fc: FleetConfig, train_args: list[str], find_python: Callable[[], str]) -> Plan:
+    """The fleet's checks (groups, mesh, sync flags, batch, run directory), each a one-line
+    ConfigError naming the fix, the train command's first, then the sidecar interpreter
+    (`find_python`'s): what this host's launcher and the cluster's launch files both check."""
+    if fc.groups < 1:
+        raise ConfigError(f"--groups {fc.groups} must be at least 1")
+    args, sync, batch_size, run_dir = group_args(train_args, fc.groups)
+    python = find_python()
+    settings = Settings(
+        group=0, groups=fc.groups, run_dir=run_dir, batch_size=batch_size,
+        sync=dataclasses.asdict(sync), lighthouse=fc.lighthouse or "", host="", store_port=0,
+        ft_python=python, min_groups=fc.min_groups or fc.groups // 2 + 1,
+        timeout=fc.collective_timeout,
+    )  # fmt: skip
+    return Plan(args, run_dir, settings)
+
+
+def check_restarts(max_restarts: int) -> None:
+    if max_restarts < 0:
+        raise ConfigError(
+            f"--max-restarts {max_restarts} is negative; pass 0 (no restarts) or more"
+        )
+
+
+def lighthouse_args(fc: FleetConfig, min_groups: int) -> list[str]:
+    """lighthouse.py's arguments after --bind HOST:PORT, wherever the lighthouse runs."""
+    return [
+        "--min-groups", str(min_groups),
+        "--join-timeout-ms", str(int(fc.join_timeout * 1000)),
+        "--heartbeat-timeout-ms", str(int(fc.heartbeat_timeout * 1000)),
+    ]  # fmt: skip
+
+
 class Lighthouse:
     """The lighthouse, started again on the same address whenever it dies."""
 
@@ -146,9 +189,7 @@ class Lighthouse:
         self.address = f"http://{fc.host}:{self.port}"
         self.cmd = [
             python, str(HERE / "lighthouse.py"), "--bind", f"{fc.host}:{self.port}",
-            "--min-groups", str(min_groups),
-            "--join-timeout-ms", str(int(fc.join_timeout * 1000)),
-            "--heartbeat-timeout-ms", str(int(fc.heartbeat_timeout * 1000)),
+            *lighthouse_args(fc, min_groups),
         ]  # fmt: skip
         self.proc = self._start()
 
@@ -200,26 +241,20 @@ def launch_groups(
 ) -> int:  # fmt: skip
     """Runs the fleet to its end; returns 0, or the exit code of a group that failed past its
     restarts."""
-    M = fc.groups
-    if M < 1:
-        raise ConfigError(f"--groups {M} must be at least 1")
-    args, sync, batch_size, run_dir = group_args(train_args, M)
-    python = ft_python(fc.ft_python)
+    fleet = plan(fc, train_args, lambda: ft_python(fc.ft_python))
+    args, python = fleet.args, fleet.settings.ft_python
     check_sidecar(python)
-    min_groups = fc.min_groups or M // 2 + 1
     if fc.lighthouse:
         check_lighthouse(fc.lighthouse)
-    run = pathlib.Path(run_dir)
+    run = pathlib.Path(fleet.run_dir)
+    min_groups = fleet.settings.min_groups
     lighthouse = None if fc.lighthouse else Lighthouse(python, fc, min_groups, run)
-    address = fc.lighthouse or lighthouse.address
     child_env = {"GLOO_SOCKET_IFNAME": "lo"} if fc.host.startswith("127.") else {}
-    base = Settings(
-        group=0, groups=M, run_dir=str(run), batch_size=batch_size,
-        sync=dataclasses.asdict(sync), lighthouse=address, host=fc.host, store_port=0,
-        ft_python=python, min_groups=min_groups, timeout=fc.collective_timeout,
-        child_env=child_env,
+    base = dataclasses.replace(
+        fleet.settings, run_dir=str(run), lighthouse=fc.lighthouse or lighthouse.address,
+        host=fc.host, child_env=child_env,
     )  # fmt: skip
-    groups = [Group(g) for g in range(M)]
+    groups = [Group(g) for g in range(fc.groups)]
     stopped: list[int] = []
 
     def start(group: Group, heal: bool) -> None:

@@ -1,88 +1,26 @@
-"""Launch files for a fleet of replica groups (`jaxdist slurm|k8s --groups M`): a torchft
-lighthouse and M groups, each its own `jax.distributed` job running the train command with the
-same per-group mesh (its --mesh without `replica=M`), each restarted alone, the lighthouse
-restarted beside them. What `jaxdist launch --groups M` does on one host (jaxdist.groups.fleet),
-in a cluster's own terms:
-
-- Slurm: a submit script that queues the lighthouse as a small job of its own and the groups
-  as one job array of M elements (each element a group, its restarts the single job's loop);
-- Kubernetes: the lighthouse as a Deployment behind a Service, and a JobSet per group (its
-  failurePolicy.maxRestarts the group's restarts).
-
-A group's processes learn who they are from JAXDIST_GROUP (jaxdist.groups.member.Settings, as
-JSON): its id, the lighthouse's address, the address its torchft store binds, the sidecar's
-interpreter. The checks are the local launcher's (jaxdist.groups.fleet.group_args).
+"""A fleet of replica groups on Slurm (`jaxdist slurm --groups M`): what `jaxdist launch --groups
+M` does on one host (jaxdist.groups.fleet), in Slurm's terms. A submit script queues the torchft
+lighthouse as a small job of its own and the groups as one job array of M elements, each element
+a group (its own `jax.distributed` job, its restarts the single job's loop, jaxdist.cluster.
+manifests). A group's processes learn who they are from JAXDIST_GROUP (jaxdist.groups.member.
+Settings, as JSON): its id, the lighthouse's address, the address its torchft store binds, the
+sidecar's interpreter. The checks are the local launcher's (jaxdist.groups.fleet.plan).
 """
 
 import dataclasses
 import json
-import os
-import posixpath
 import re
 import shlex
-from collections.abc import Callable
-from typing import NamedTuple
-
-import yaml
 
 from jaxdist.cluster import manifests
-from jaxdist.errors import ConfigError
-from jaxdist.groups.bridge import FT_PACKAGES, FT_PYTHON_VAR, ft_python
-from jaxdist.groups.fleet import FleetConfig, group_args
+from jaxdist.groups.bridge import ft_python
+from jaxdist.groups.fleet import FleetConfig, Plan, check_restarts, lighthouse_args, plan
 from jaxdist.groups.member import ENV, Settings
 
 # Files in the fleet's run directory through which the Slurm jobs find each other.
 LIGHTHOUSE_FILE = "lighthouse.slurm"  # "LIGHTHOUSE_JOB_ID http://HOST:PORT", by the lighthouse
 GROUPS_FILE = "groups.slurm"  # "LIGHTHOUSE_JOB_ID GROUPS_JOB_ID", by the submit script
 LIGHTHOUSE_JOB_VAR = "JAXDIST_LIGHTHOUSE_JOB"
-# Kubernetes ports: the lighthouse's (torchft's usual one) and each group's store, on pod 0.
-LIGHTHOUSE_PORT = 29510
-STORE_PORT = 29600
-ATTEMPT = "metadata.annotations['jobset.sigs.k8s.io/restart-attempt']"
-
-
-class Plan(NamedTuple):
-    """One group's train arguments and the fleet's settings, checked."""
-
-    args: list[str]  # one group's: --mesh without replica, its share of the batch, no run dir
-    run_dir: str
-    settings: Settings  # with placeholders where a cluster fills the value in at run time
-
-
-def plan(fc: FleetConfig, train_args: list[str], find_python: Callable[[], str]) -> Plan:
-    """The local launcher's checks (groups, mesh, sync flags, batch, run directory), each a
-    one-line ConfigError naming the fix, in its order: the train command's first, then the
-    sidecar interpreter on the nodes (`find_python`'s)."""
-    if fc.groups < 1:
-        raise ConfigError(f"--groups {fc.groups} must be at least 1")
-    args, sync, batch_size, run_dir = group_args(train_args, fc.groups)
-    python = find_python()
-    settings = Settings(
-        group=0, groups=fc.groups, run_dir=run_dir, batch_size=batch_size,
-        sync=dataclasses.asdict(sync), lighthouse=fc.lighthouse or "", host="", store_port=0,
-        ft_python=python, min_groups=fc.min_groups or fc.groups // 2 + 1,
-        timeout=fc.collective_timeout,
-    )  # fmt: skip
-    return Plan(args, run_dir, settings)
-
-
-def _check_restarts(max_restarts: int) -> None:
-    if max_restarts < 0:
-        raise ConfigError(
-            f"--max-restarts {max_restarts} is negative; pass 0 (no restarts) or more"
-        )
-
-
-def _lighthouse_args(fc: FleetConfig, min_groups: int) -> list[str]:
-    """jaxdist/groups/lighthouse.py's arguments after --bind, as the local launcher gives them."""
-    return [
-        "--min-groups", str(min_groups),
-        "--join-timeout-ms", str(int(fc.join_timeout * 1000)),
-        "--heartbeat-timeout-ms", str(int(fc.heartbeat_timeout * 1000)),
-    ]  # fmt: skip
-
-
-# ---- Slurm ------------------------------------------------------------------------------------
 
 # Shell functions both Slurm scripts use.
 _SLURM_FUNCS = r"""# This node's address, for the torchft sockets to bind and tell the other
@@ -237,7 +175,7 @@ def slurm_lighthouse(
         f"FT_HOST={host}",
         "PORT=$(free_port)",
         'LIGHTHOUSE_PY="$(jaxdist_dir)/groups/lighthouse.py"',
-        "LIGHTHOUSE_ARGS=(" + " ".join(_lighthouse_args(fc, p.settings.min_groups)) + ")",
+        "LIGHTHOUSE_ARGS=(" + " ".join(lighthouse_args(fc, p.settings.min_groups)) + ")",
         "",
         _LIGHTHOUSE_SH.replace("GROUPS_FILE", GROUPS_FILE).replace(
             "LIGHTHOUSE_FILE", LIGHTHOUSE_FILE
@@ -323,7 +261,7 @@ def slurm_fleet(
     """The submit script (`bash THIS_FILE`): the lighthouse's job (unless --lighthouse names a
     running one), then the groups' array, which starts once the lighthouse has
     (--dependency=after), both scripts held in the file."""
-    _check_restarts(max_restarts)
+    check_restarts(max_restarts)
     p = plan(fc, train_args, lambda: ft_python(fc.ft_python))
     groups = slurm_groups(fc, p, nodes, gpus_per_node, job_name, time_limit, max_restarts, env)
     run_dir = shlex.quote(p.run_dir)
@@ -361,113 +299,3 @@ def slurm_fleet(
         'echo "jaxdist: lighthouse: job $LIGHTHOUSE_JOB; groups: job array $GROUPS_JOB"',
     ]
     return "\n".join(lines) + "\n"
-
-
-# ---- Kubernetes -------------------------------------------------------------------------------
-
-# A group's pod: the settings of a healing group after its JobSet's first restart (the group
-# lost, its pods created again while the others run on).
-_HEAL_SH = (
-    f'if [ "${{JOBSET_RESTART_ATTEMPT:-0}}" != 0 ]; then export {ENV}="${ENV}_HEAL"; fi; exec "$@"'
-)
-# The lighthouse's pod: lighthouse.py from the image's jaxdist, run by the sidecar interpreter.
-_LIGHTHOUSE_POD_SH = (
-    'py=$1; shift; exec "$py" "$(python -c \'import importlib.util as u; '
-    'print(u.find_spec("jaxdist").submodule_search_locations[0])\')/groups/lighthouse.py" "$@"'
-)
-
-
-def k8s_fleet(
-    fc: FleetConfig, hosts: int, train_args: list[str], image: str, run_volume: str,
-    gpus_per_host: int = 8, name: str = "jaxdist", run_mount: str = manifests.RUN_MOUNT,
-    max_restarts: int = 3, port: int = 1234,
-) -> str:  # fmt: skip
-    """The lighthouse's Service and Deployment (Kubernetes restarts its pod on the Service's
-    address), then a JobSet per group, NAME-gG, of `hosts` indexed pods: a jax.distributed
-    job whose pod 0 coordinates and holds the group's torchft store. A lost pod fails its
-    group's JobSet alone, restarted up to `max_restarts` times; its pods heal from a live
-    peer. The run directory is on the claim, as the single JobSet's."""
-    _check_restarts(max_restarts)
-    manifests.check_k8s(image, run_volume)
-    p = plan(fc, train_args, lambda: _image_python(fc.ft_python))
-    python = p.settings.ft_python
-    manifests._on_volume(["--run-dir", p.run_dir], posixpath.normpath(run_mount), name)
-    address = fc.lighthouse or f"http://{name}-lighthouse:{LIGHTHOUSE_PORT}"
-    docs = [] if fc.lighthouse else _lighthouse_docs(fc, p, image, f"{name}-lighthouse")
-    for g in range(fc.groups):
-        job = f"{name}-g{g}"
-        s = dataclasses.replace(
-            p.settings, group=g, lighthouse=address, host=f"{job}-workers-0-0.{job}",
-            store_port=STORE_PORT,
-        )  # fmt: skip
-        args = [
-            *p.args, "--run-dir", f"{p.run_dir}/groups/{g}", "--coordinator", f"{s.host}:{port}",
-            "--num-processes", str(hosts), "--process-id", "$(JOB_COMPLETION_INDEX)",
-        ]  # fmt: skip
-        pod = manifests._pod(image, args, port, gpus_per_host, run_volume, run_mount)
-        (c,) = pod["containers"]
-        c["command"], c["args"] = ["/bin/sh", "-c", _HEAL_SH, "jaxdist"], [*c["command"], *args]
-        c["ports"].append({"containerPort": STORE_PORT})
-        c["env"] += [
-            {"name": "JOBSET_RESTART_ATTEMPT", "valueFrom": {"fieldRef": {"fieldPath": ATTEMPT}}},
-            {"name": ENV, "value": s.to_env()},
-            {"name": f"{ENV}_HEAL", "value": dataclasses.replace(s, heal=True).to_env()},
-        ]  # fmt: skip
-        docs.append(manifests.jobset_doc(job, hosts, pod, max_restarts))
-    header = (
-        f"# jaxdist: a lighthouse and {fc.groups} replica groups of {hosts} pod(s) each: "
-        "kubectl apply -f THIS_FILE\n"
-        f"# image: {manifests.BUILD_IMAGE.replace('IMAGE', image)}, with the torchft sidecar's "
-        f"interpreter at {python} (a Python 3.11 with {FT_PACKAGES}; the Dockerfile has none)\n"
-        f"# the claim {run_volume} (ReadWriteMany) must exist: the run directory is on it\n"
-    )
-    return header + yaml.safe_dump_all(docs, sort_keys=False)
-
-
-def _image_python(given: str | None) -> str:
-    """The sidecar interpreter's path in the image: not checked here, where the image is not."""
-    python = given or os.environ.get(FT_PYTHON_VAR)
-    if not python:
-        raise ConfigError(
-            "--groups runs torchft in a sidecar interpreter inside the image: name it with "
-            f"--ft-python PATH (a Python 3.11 there with {FT_PACKAGES}) or {FT_PYTHON_VAR}"
-        )
-    return python
-
-
-def _lighthouse_docs(fc: FleetConfig, p: Plan, image: str, name: str) -> list[dict]:
-    """The lighthouse's Service (the address the groups are given) and its Deployment: one
-    pod, never two at once (Recreate: two lighthouses would split the quorum)."""
-    labels = {"app": name}  # copied where used: one dict twice would be a YAML alias
-    container = {
-        "name": "lighthouse",
-        "image": image,
-        "command": ["/bin/sh", "-c", _LIGHTHOUSE_POD_SH, "lighthouse"],
-        "args": [
-            p.settings.ft_python,
-            "--bind",
-            f"0.0.0.0:{LIGHTHOUSE_PORT}",
-            *_lighthouse_args(fc, p.settings.min_groups),
-        ],
-        "env": [{"name": "RUST_LOG", "value": "warn"}],
-        "ports": [{"containerPort": LIGHTHOUSE_PORT}],
-        "readinessProbe": {"tcpSocket": {"port": LIGHTHOUSE_PORT}, "periodSeconds": 2},
-    }
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name},
-        "spec": {"selector": dict(labels), "ports": [{"port": LIGHTHOUSE_PORT}]},
-    }
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name},
-        "spec": {
-            "replicas": 1,
-            "strategy": {"type": "Recreate"},
-            "selector": {"matchLabels": dict(labels)},
-            "template": {"metadata": {"labels": dict(labels)}, "spec": {"containers": [container]}},
-        },
-    }
-    return [service, deployment]
