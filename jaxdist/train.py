@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from rich.console import Console
 
 from jaxdist.attempt import Attempt, Run, close_attempt, data_record, open_attempt
+from jaxdist.checkpoint import resume
 from jaxdist.checkpoint.lock import RunLock
 from jaxdist.checkpoint.preemption import PreemptionSignal
 from jaxdist.checkpoint.recovery import apply_nonfinite_policy
@@ -35,7 +36,7 @@ from jaxdist.metrics.outer import never_meet
 from jaxdist.metrics.progress import console_for
 from jaxdist.model import ModelSpec
 from jaxdist.optim import make_optimizer
-from jaxdist.parallel import replica, rounds
+from jaxdist.parallel import replica
 from jaxdist.step import JittedStep, Vocab, build
 
 
@@ -82,7 +83,7 @@ def fit(
     command line's config tree, under `cli`). `init_state(compiled) -> TrainState`: the first
     state of a new run (e.g. pretrained weights) instead of the model's random init."""
     # Bad input ends here, before the run directory is created or anything compiles.
-    config, outer = rounds.for_run(config, dict(mesh.shape).get("replica", 1))
+    config, outer = resume.outer_step_for_run(config, dict(mesh.shape).get("replica", 1))
     jitted, batches = prepare(model, mesh, rules, config)
     console = console or console_for(stderr=True)
     if jax.process_index() != 0:

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdist.checkpoint import resume
 from jaxdist.config import LoopConfig, RunConfig
 from jaxdist.errors import ConfigError
 from jaxdist.layout import SyncConfig
@@ -68,20 +69,20 @@ def _config(run_dir, steps: int) -> RunConfig:
 def test_a_resume_takes_the_outer_step_its_checkpoint_recorded(tmp_path):
     # A run of 1000 steps at H = 50 (20 syncs) chose averaging; trained further to 10**6 steps
     # it would choose the tuned step afresh, but its checkpoint says what it has run with.
-    fresh, line = rounds.for_run(_config(tmp_path, 10**6), replicas=2)
+    fresh, line = resume.outer_step_for_run(_config(tmp_path, 10**6), replicas=2)
     assert (fresh.sync.outer_lr, fresh.sync.outer_momentum) == TUNED, line
-    started, _ = rounds.for_run(_config(tmp_path, 1000), replicas=2)
+    started, _ = resume.outer_step_for_run(_config(tmp_path, 1000), replicas=2)
     assert (started.sync.outer_lr, started.sync.outer_momentum) == AVERAGING
     meta = tmp_path / "checkpoints" / "700" / "meta"
     meta.mkdir(parents=True)
     record = {"config": {"sync": dataclasses.asdict(started.sync)}}
     (meta / "metadata").write_text(json.dumps(record))
-    resumed, line = rounds.for_run(_config(tmp_path, 10**6), replicas=2)
+    resumed, line = resume.outer_step_for_run(_config(tmp_path, 10**6), replicas=2)
     assert resumed.sync == started.sync
     assert "recorded in its checkpoint" in line
     # A value given on the resume is the user's: it wins over the record.
     given = dataclasses.replace(_config(tmp_path, 10**6), sync=SyncConfig(50, outer_lr=0.5))
-    assert rounds.for_run(given, replicas=2)[0].sync.outer_lr == 0.5
+    assert resume.outer_step_for_run(given, replicas=2)[0].sync.outer_lr == 0.5
 
 
 @pytest.mark.parametrize(

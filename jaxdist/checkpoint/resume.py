@@ -206,3 +206,18 @@ def write_record(
             f"cannot write run directory {run_dir}: {e.strerror}; pass a writable --run-dir"
         ) from None
     return record
+
+
+def outer_step_for_run(config, replicas: int) -> tuple:
+    """A run's config with its outer step resolved (jaxdist.parallel.rounds.resolved: the steps
+    it runs, or the choice its checkpoint recorded when it resumes) and the header's line;
+    (config, None) without replica groups."""
+    if config.sync is None:
+        return config, None
+    from jaxdist.parallel.rounds import resolved
+
+    run_dir = config.loop.run_dir
+    found = _checkpointed_record(pathlib.Path(run_dir)) if run_dir else None
+    recorded = found[1].get("sync") if found else None
+    sync, line = resolved(config.sync, config.loop.steps, replicas, recorded)
+    return dataclasses.replace(config, sync=sync), line

@@ -6,7 +6,6 @@ or whose new weights it applies (`action`): the schedule the loop and the step r
 """
 
 import dataclasses
-import pathlib
 from typing import NamedTuple
 
 from jaxdist.layout import AUTO, SyncConfig
@@ -115,18 +114,3 @@ def outer_values(sync: SyncConfig, replicas: int) -> tuple[float, float]:
     resolved `auto` (a compile, a comm report), `outer_choice` without a run's length."""
     new = resolved(sync, None, replicas)[0]
     return float(new.outer_lr), float(new.outer_momentum)
-
-
-def for_run(config, replicas: int) -> tuple:
-    """A run's config with its outer step resolved (`resolved`: the steps it runs, or the
-    choice its checkpoint recorded when it resumes) and the header's line; (config, None)
-    without replica groups."""
-    if config.sync is None:
-        return config, None
-    from jaxdist.checkpoint.resume import _checkpointed_record
-
-    run_dir = config.loop.run_dir
-    found = _checkpointed_record(pathlib.Path(run_dir)) if run_dir else None
-    recorded = found[1].get("sync") if found else None
-    sync, line = resolved(config.sync, config.loop.steps, replicas, recorded)
-    return dataclasses.replace(config, sync=sync), line
