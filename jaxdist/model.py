@@ -15,7 +15,10 @@ Optional, for memory: `model.features(tokens_BT, docs=None) -> (h_BTD, head_DV, 
 hidden state and the output head (logits = h_BTD @ head_DV). A model that has it gets the fused
 cross-entropy (jaxdist.kernels.fused_loss: the logits computed chunk by chunk, never whole in
 memory); one that has not is called for its logits. Optional, for pipeline parallelism:
-`model.stages()` (`Stages` below; jaxdist.parallel.pipeline runs them).
+`model.stages()` (`Stages` below; jaxdist.parallel.pipeline runs them). Optional, for
+multi-token prediction (training only): `model.mtp_depth` > 0, `model.mtp_loss_weight` and
+`model.ahead(tokens_BT, targets_BT, docs) -> (h_BTD, head_DV, aux, depths)`, depths a list of
+(h_BTD, targets_BT, mask_BT) per depth (jaxdist.kernels.loss.model_loss adds their loss).
 
 Models never name mesh axes; they name each dimension with one of the logical names in
 LOGICAL_AXES, and a rule table (jaxdist.rules) maps each name onto zero or more mesh axes.

@@ -24,28 +24,23 @@ class Vocab(NamedTuple):
 
 
 def cross_entropy(
-    logits_BTV: jax.Array, targets_BT: jax.Array, vocab_size: int | None = None
+    logits_BTV: jax.Array,
+    targets_BT: jax.Array,
+    vocab_size: int | None = None,
+    mask_BT: jax.Array | None = None,
 ) -> jax.Array:
     """Mean next-token loss, in fp32 whatever the compute dtype; ids >= vocab_size (padding of
-    the model's vocabulary) get no probability."""
-    logits_BTV = logits_BTV.astype(jnp.float32)
-    V = logits_BTV.shape[-1]
-    if vocab_size is not None and vocab_size < V:
-        logits_BTV = jnp.where(jnp.arange(V) < vocab_size, logits_BTV, -jnp.inf)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
-
-
-def masked_cross_entropy(
-    logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, vocab_size: int | None
-) -> jax.Array:
-    """cross_entropy's mean over the positions `mask_BT` keeps (0 where it keeps none)."""
+    the model's vocabulary) get no probability. `mask_BT`: the mean over the positions it keeps
+    only (0 where it keeps none; multi-token prediction's depths, whose last targets do not
+    exist)."""
     logits_BTV = logits_BTV.astype(jnp.float32)
     V = logits_BTV.shape[-1]
     if vocab_size is not None and vocab_size < V:
         logits_BTV = jnp.where(jnp.arange(V) < vocab_size, logits_BTV, -jnp.inf)
     losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
-    kept = jnp.sum(mask_BT)
-    return jnp.sum(jnp.where(mask_BT, losses_BT, 0.0)) / jnp.maximum(kept, 1)
+    if mask_BT is None:
+        return losses_BT.mean()
+    return jnp.sum(jnp.where(mask_BT, losses_BT, 0.0)) / jnp.maximum(jnp.sum(mask_BT), 1)
 
 
 def _head_loss(h_BTD, head_DV, targets_BT, mask_BT, vocab_size, chunk_tokens: int) -> jax.Array:
@@ -53,9 +48,7 @@ def _head_loss(h_BTD, head_DV, targets_BT, mask_BT, vocab_size, chunk_tokens: in
     where `chunk_tokens` > 0, else from the whole logits."""
     if not chunk_tokens:
         logits_BTV = constrain(jnp.einsum("btd,dv->btv", h_BTD, head_DV), ("batch", "seq", "vocab"))
-        if mask_BT is None:
-            return cross_entropy(logits_BTV, targets_BT, vocab_size)
-        return masked_cross_entropy(logits_BTV, targets_BT, mask_BT, vocab_size)
+        return cross_entropy(logits_BTV, targets_BT, vocab_size, mask_BT)
     if mask_BT is None:
         return fused_cross_entropy(h_BTD, head_DV, targets_BT, vocab_size, chunk_tokens)
     # The fused loss means over every position. A left-out one is given h = 0 (no gradient
