@@ -137,7 +137,7 @@ def test_a_delayed_apply_on_the_host_is_the_programs(f, mix):
     )  # fmt: skip
     program = jax.jit(lambda s: replica.apply(s, (f,), where, sync, mesh, mix))(state).params
     for r, g in enumerate(groups):
-        got = streaming.applied([g[k] for k in keys], [outer0[k] for k in keys], PLACES, F, f, mix)
+        got = streaming.applied([g[k] for k in keys], [outer0[k] for k in keys], PLACES, sync, f)
         for i, k in enumerate(keys):
             np.testing.assert_allclose(got[i], program[k][r], rtol=0, atol=1e-6)
 

@@ -220,8 +220,7 @@ class Member:
         (replica.apply's rule); a round that did not commit leaves them as they were."""
         (_, f), self.due = self.due, None
         theta = host.pieces(state.params) if theta is None else theta
-        mix = self.sync.sync_mix if self.T else 1.0
-        new = streaming.applied(theta, self.outer.params, self.places, self.F, f, mix)
+        new = streaming.applied(theta, self.outer.params, self.places, self.sync, f)
         return state._replace(params=host.placed(state.params, new))
 
     def _healed(self, state, reply, t0: float):

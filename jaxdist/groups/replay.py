@@ -81,7 +81,6 @@ class _Group:
 
     def take(self, outer, places, sync) -> None:
         (_, f), self.due = self.due, None
-        mix = sync.sync_mix if sync.sync_delay else 1.0
         theta = host.pieces(self.state.params)
-        new = streaming.applied(theta, outer.params, places, sync.sync_fragments, f, mix)
+        new = streaming.applied(theta, outer.params, places, sync, f)
         self.state = self.state._replace(params=host.placed(self.state.params, new))

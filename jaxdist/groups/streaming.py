@@ -121,8 +121,10 @@ def mixed(own: list[np.ndarray], outer: list[np.ndarray], mix: float) -> list[np
     return out
 
 
-def applied(theta, outer, places: list[Piece], F: int, f: int, mix: float) -> list[np.ndarray]:
-    """A group's pieces after it takes fragment f's outer weights, mixed by `mix`."""
+def applied(theta, outer, places: list[Piece], sync: SyncConfig, f: int) -> list[np.ndarray]:
+    """A group's pieces after it takes fragment f's outer weights: alone without a delay, else
+    mixed with its own by --sync-mix (what it learnt while the round ran)."""
+    F, mix = sync.sync_fragments, sync.sync_mix if sync.sync_delay else 1.0
     own = taken(theta, places, F, f)
     return put(theta, mixed(own, taken(outer, places, F, f), mix), places, F, f)
 
