@@ -80,13 +80,18 @@ def _stacked_pieces(c: TransformerConfig, vocab: int) -> list[Piece]:
     return out
 
 
+def _mtp_in_hf(c: TransformerConfig) -> bool:
+    """Whether the model's prediction modules have a Hugging Face form (DeepSeek-V3's: MLA)."""
+    return bool(c.mtp_depth and c.mla)
+
+
 def _mtp_pieces(c: TransformerConfig, vocab: int) -> list[Piece]:
     """DeepSeek-V3's multi-token prediction modules (mtp_depth), as its checkpoints hold them:
     module k as layer num_layers + k, its block's weights under the layer's usual names, beside
     enorm, hnorm, eh_proj ([D, 2 D]: the embedding's half first) and shared_head.norm. Other
     architectures have no place for them in their Hugging Face form, where inference drops
     them anyway: none."""
-    if not (c.mtp_depth and c.mla):
+    if not _mtp_in_hf(c):
         return []
     block, L, D = mtp_block(c), c.num_layers, c.d_model
     mlp = _moe_pieces(block) if block.num_experts else _mlp_pieces(block)
@@ -107,7 +112,7 @@ def _mtp_copies(c: TransformerConfig, vocab: int) -> list[Piece]:
     """The copies of the shared embedding and head DeepSeek-V3's checkpoints keep in each
     prediction module (embed_tokens, shared_head.head): written on export, so the checkpoint
     has its usual form; never read (the model's own are)."""
-    if not _mtp_pieces(c, vocab):
+    if not _mtp_in_hf(c):
         return []
     D, out = c.d_model, []
     for layer in range(c.num_layers, c.num_layers + c.mtp_depth):
