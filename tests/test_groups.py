@@ -254,6 +254,56 @@ def test_groups_without_the_sidecar_end_in_one_line(tmp_path):
     assert "pip install torch==2.13.0 torchft==0.2.0" in line and FT_PYTHON_VAR in line
 
 
+class _Exited:
+    """A process that has exited with `code` (what the supervisor polls)."""
+
+    def __init__(self, code: int):
+        self.returncode = code
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def kill(self) -> None:
+        raise AssertionError("an exited process is not killed")
+
+
+def _summary(run_dir: pathlib.Path, group: int, preempted_at) -> None:
+    own = run_dir / "groups" / str(group)
+    own.mkdir(parents=True, exist_ok=True)
+    (own / "summary.json").write_text(json.dumps({"preempted_at": preempted_at}))
+
+
+def test_a_group_stopped_short_by_a_preemption_notice_restarts_and_heals(tmp_path):
+    """A SIGTERM to one group's host (a preemption notice) saves and exits 0 short of the end:
+    the fleet restarts that group alone to heal, as it does a killed one, and takes a group
+    that exits 0 at its end as done. A fleet stopped by its own signal restarts nothing."""
+    groups = [fleet.Group(0, [_Exited(0)]), fleet.Group(1, [_Exited(0)])]
+    _summary(tmp_path, 0, 12)
+    _summary(tmp_path, 1, None)
+    started = []
+
+    def start(group, heal):
+        started.append((group.index, heal))
+        group.procs = [_Exited(0)]
+        _summary(tmp_path, group.index, None)  # the restarted group runs to its end
+
+    fleet._supervise(groups, None, tmp_path, 2, start, [])
+    assert started == [(0, True)]
+    assert [g.restarts for g in groups] == [1, 0] and not any(g.failed for g in groups)
+    (line,) = _lines(tmp_path / "restarts.jsonl")
+    assert line["by"] == "group 0"
+    assert line["cause"] == "group 0: a signal stopped the run after step 12, short of its end"
+
+    stopped = [fleet.Group(0, [_Exited(0)])]
+    _summary(tmp_path, 0, 12)
+    fleet._supervise(stopped, None, tmp_path, 2, start, [signal.SIGTERM])
+    assert started == [(0, True)] and stopped[0].done and not stopped[0].failed
+
+    spent = [fleet.Group(0, [_Exited(0)], restarts=2)]
+    fleet._supervise(spent, None, tmp_path, 2, start, [])
+    assert spent[0].failed == 1  # short of its end, no restart left: the fleet fails
+
+
 @needs_ft
 def test_an_unreachable_lighthouse_ends_in_one_line(tmp_path):
     done = cli(

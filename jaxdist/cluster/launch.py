@@ -213,7 +213,7 @@ def _attempt(processes, devices_per_process, train_args, platform, port, grace_s
             if own := _first_own_stop(heard.get("stopped", [])):
                 cause = own
         return (rc if rc > 0 else 128 - rc), cause
-    short = _stopped_short(split_run_dir(train_args)[1])
+    short = stopped_short(split_run_dir(train_args)[1])
     return 0, (None if stopped or short is None else short)
 
 
@@ -227,7 +227,7 @@ def _first_own_stop(lines: list[tuple[str, str]]) -> str | None:
     return None
 
 
-def _stopped_short(run_dir: str | None) -> str | None:
+def stopped_short(run_dir: str | None) -> str | None:
     """Why a run whose processes all exited 0 is not done: a signal (not the launcher's)
     stopped it at a step boundary, as summary.json says; None when it finished."""
     if run_dir is None:

@@ -1,8 +1,9 @@
 """`jaxdist launch --groups M`: a lighthouse and M replica groups on this host, each group its
 own `jax.distributed` job of `--processes` processes running the train command with the same
 per-group mesh (the train flags' --mesh without its `replica=M`), each restarted alone when one
-of its processes fails (up to --max-restarts times per group), the lighthouse started again on
-its address when it dies. The groups meet every H steps through torchft in a sidecar
+of its processes fails or a signal that is not the launcher's (a preemption notice) stops it
+short of its end (up to --max-restarts times per group), the lighthouse started again on its
+address when it dies. The groups meet every H steps through torchft in a sidecar
 (jaxdist.groups.member).
 
 The run directory RUN gets launch.jsonl (one line per process started: group, process, pid,
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from jaxdist.cluster import restarts
-from jaxdist.cluster.launch import _start, _stream, free_port
+from jaxdist.cluster.launch import _start, _stream, free_port, stopped_short
 from jaxdist.cluster.manifests import split_run_dir
 from jaxdist.errors import ConfigError
 from jaxdist.groups.bridge import FT_PACKAGES, HERE, MISSING, ft_python
@@ -309,17 +310,24 @@ def _supervise(groups, lighthouse, run, max_restarts, start, stopped) -> None:
                 continue
             codes = [p.poll() for p in g.procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            short = None
             if not failed:
-                g.done = all(c == 0 for c in codes)
-                continue
+                if any(c is None for c in codes):
+                    continue
+                # A group whose processes all exited 0 is done, unless a signal that was not
+                # the launcher's (a preemption notice to its host) stopped it short of the end.
+                short = None if stopped else stopped_short(str(run / "groups" / str(g.index)))
+                if short is None:
+                    g.done = True
+                    continue
             for p in g.procs:  # the group's other processes wait on the lost one: end them
                 if p.poll() is None:
                     p.kill()
-            i, code = failed[0]
-            cause = f"group {g.index}: " + restarts.cause(i, code)
+            i, code = failed[0] if failed else (0, 0)
+            cause = f"group {g.index}: " + (short or restarts.cause(i, code))
             if stopped or g.restarts >= max_restarts:
                 sys.stderr.write(f"jaxdist launch: {cause}; no restart left for it\n")
-                g.done, g.failed = True, code if code > 0 else 128 - code
+                g.done, g.failed = True, code if code > 0 else (128 - code if code else 1)
                 continue
             g.restarts += 1
             sys.stderr.write(
