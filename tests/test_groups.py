@@ -315,10 +315,15 @@ def test_an_unreachable_lighthouse_ends_in_one_line(tmp_path):
 
 
 @needs_ft
-@pytest.mark.experiment  # three fleets (about 3 minutes): -m experiment
-def test_a_whole_fleet_restarted_resumes_exactly(tmp_path):
+@pytest.mark.experiment  # three fleets (about 3 minutes each case): -m experiment
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_whole_fleet_restarted_resumes_exactly(tmp_path, delay):
+    """The fleet stopped after 32 steps and launched again to 48 ends as one run of 48 steps.
+    With a delay, the round that ended at step 31 is applied after step 32: the first run ends
+    before that apply, the second takes it."""
     # A constant learning rate, so 32 steps and then 16 more are 48 steps' schedule.
     flags = ["--schedule", "constant", "--warmup-steps", "4", "--checkpoint-every", "8"]
+    flags += ["--sync-delay", str(delay)]
 
     straight, restarted = tmp_path / "straight", tmp_path / "restarted"
     for run_dir, steps in ((straight, 48), (restarted, 32), (restarted, 48)):

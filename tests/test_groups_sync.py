@@ -190,12 +190,47 @@ def test_a_fleet_with_fragments_int8_and_a_delay_heals_ends_equal_and_as_replaye
     np.testing.assert_array_equal(ends[0], tg._replayed(run_dir, steps, SYNC_FLAGS))
 
 
-def _launch(run_dir, steps: int) -> subprocess.Popen:
+@needs_ft
+@pytest.mark.experiment  # three groups, a stop, a replay: about a minute alone on 2 cores
+def test_a_stopped_group_with_a_delay_falls_behind_heals_and_ends_as_replayed(tmp_path):
+    """Group 1 stopped (SIGSTOP) while its round is in flight: the others commit rounds
+    without it; let go, it finds its round not committed at its apply, heals from a live peer
+    (not restarted: its process is the same) and takes part again; the groups end bitwise equal
+    and equal to the replay of the records."""
+    from tests import test_groups as tg
+
+    run_dir, steps = tmp_path / "run", 48
+    proc = _launch(run_dir, steps, "--join-timeout", "2")
+    try:
+        tg._wait(lambda: len(tg._lines(run_dir / "rounds.jsonl")) >= 4, proc)
+        stopped = tg._pids(run_dir, 1)[0]
+        os.kill(stopped, signal.SIGSTOP)
+        n = len(tg._lines(run_dir / "rounds.jsonl"))
+        tg._wait(lambda: len(tg._lines(run_dir / "rounds.jsonl")) >= n + 3, proc, timeout=60)
+        os.kill(stopped, signal.SIGCONT)
+        tg._end(proc, run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    records, heals = tg._lines(run_dir / "rounds.jsonl"), tg._lines(run_dir / "heals.jsonl")
+    assert [len(tg._pids(run_dir, g)) for g in range(3)] == [1, 1, 1]  # nothing restarted
+    assert any(r["groups"] == [0, 2] for r in records), records
+    assert [h["group"] for h in heals] == [1] and heals[0]["from"] in (0, 2), heals
+    assert records[-1]["step"] == steps - 1 and records[-1]["groups"] == [0, 1, 2]
+    assert all(r["applied_after"] == r["step"] + 1 for r in records)
+    finals = tg._finals(run_dir)
+    assert len({f["sha256"] for f in finals}) == 1
+    ends = [tg._outer(run_dir, g) for g in range(3)]
+    assert all(np.array_equal(ends[0], e) for e in ends[1:])
+    np.testing.assert_array_equal(ends[0], tg._replayed(run_dir, steps, SYNC_FLAGS))
+
+
+def _launch(run_dir, steps: int, *extra: str) -> subprocess.Popen:
     from tests import test_groups as tg
 
     cmd = [
         *JAXDIST, "launch", "--groups", "3", "--processes", "1", "--devices-per-process", "2",
-        "--max-restarts", "1", "--heartbeat-timeout", str(tg.HEARTBEAT_S), "--",
+        "--max-restarts", "1", "--heartbeat-timeout", str(tg.HEARTBEAT_S), *extra, "--",
         *tg.TRAIN, *SYNC_FLAGS, "--steps", str(steps), "--run-dir", str(run_dir),
     ]  # fmt: skip
     run_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -27,9 +27,10 @@ Records (the fleet's run directory RUN): rounds.jsonl, one line per committed ro
 the lowest participating group: its step, fragment and the step after which it was applied);
 heals.jsonl, one line per heal; outer/step-S-rank-P.npz, the outer state after the round that
 ended at step S (the lowest participating group saves it, the newest KEEP rounds kept: a whole
-fleet restarted takes the one its groups' checkpoints reach, each group its own checkpoint;
-groups that resume at different steps are not reconciled); groups/G/final.json and outer.npz
-(its last outer weights).
+fleet restarted takes the one its groups' checkpoints reach, each group its own checkpoint,
+and with a delay takes that round's apply where its checkpoint came before it; groups that
+resume at different steps are not reconciled); groups/G/final.json and outer.npz (its last
+outer weights).
 """
 
 import dataclasses
@@ -144,7 +145,16 @@ class Member:
         theta = host.pieces(state.params)
         self.places = streaming.where(state.params, host.shards)
         streaming.check(theta, self.places, self.F)
-        self.outer = self._saved(s) or host.OuterState.first(theta, s // self.turn)
+        saved = self._saved(s)
+        self.outer = saved or host.OuterState.first(theta, s // self.turn)
+        if saved is not None and self.T:
+            # A whole fleet restarted at step s: the last round before s ended after step
+            # r = last - 1 and was applied after step r + T. Where that is at s or later, its
+            # checkpoint holds the weights before the apply; the saved outer state is already
+            # that round's, so only its apply is due (as the run that went on would take it).
+            r = s // self.turn * self.turn - 1
+            if r + self.T >= s:
+                self.due = (r + self.T, streaming.ending(self.sync, r))
         if not self.s.heal:
             return state, s
         self._send(state, s - 1, streaming.next_fragment(self.sync, s), participating=False)
