@@ -18,13 +18,17 @@ experiments/results/chaos.json and chaos.png (a timeline of both runs' attempts)
     python experiments/chaos.py --groups         # replica groups against whole-job restarts
 
 The replica-group day (`--groups`, jaxdist.groups): three groups of tiny-llama (H = 4), each
-one process of two CPU devices, trained twice on the same schedule of faults, timed from the
-first step: as a fleet (`launch --groups 3`, each group its own job, a lost group restarted
-alone) and as one job of three processes (`--mesh replica=3,data=2` in one program, whole-job
-restarts from its checkpoints). Faults: kill -9 of group (process) 2, group 1 stopped (SIGSTOP)
-for 20 s, a lighthouse kill (the fleet only: the job has none), kill -9 of group 0. Each
-configuration also runs without faults; goodput = the share of the groups' rounds trained x the
-fault-free wall / the wall. Writes experiments/results/chaos_groups.json.
+one process of two CPU devices, trained twice on the same schedule of faults: as a fleet
+(`launch --groups 3`, each group its own job, a lost group restarted alone) and as one job of
+three processes (`--mesh replica=3,data=2` in one program, whole-job restarts from its
+checkpoints). The schedule is the chaos study's: faults at fixed fractions of the run (each
+fires when the run first reaches it, so each configuration meets all of them): kill -9 of group
+(process) 1 at 13%, group 2 stopped (SIGSTOP) for 20 s at 27%, SIGTERM to group 1 at 40% (a
+preemption notice: it saves and exits), the lighthouse killed at 50% (the fleet only: the job
+has none), kill -9 of group 0 at 80%. `--schedule burst` is the first study's instead: four
+faults in the first 95 s from the first step, none after. Each configuration also runs without
+faults; goodput = the share of the groups' rounds trained x the fault-free wall / the wall.
+Writes experiments/results/chaos_groups.json (chaos_groups_burst.json).
 """
 
 import argparse
@@ -190,8 +194,20 @@ def plot(days: list[dict], out: pathlib.Path) -> None:
 
 # --- Replica groups against whole-job restarts ---------------------------------------------------
 
-GROUP_FAULTS = ((20.0, "kill", 2), (45.0, "stop", 1), (75.0, "lighthouse", None), (95.0, "kill", 0))
+# The chaos study's schedule (faults() above): faults at fixed fractions of the run, so each
+# configuration meets every one however long it takes. (fraction, kind, group or process).
+# Its two injected disk faults (a restore's I/O error, a save's full disk) are train flags
+# that every group of a fleet would take as its own, so the faults here come from outside as
+# signals; the lighthouse kill takes the restore error's slot and hits the fleet only.
+GROUP_FAULTS = (
+    (0.13, "kill", 1), (0.27, "stop", 2), (0.40, "term", 1), (0.50, "lighthouse", None),
+    (0.80, "kill", 0),
+)  # fmt: skip
+# The first study's schedule (--schedule burst): four faults in the first 95 s of each run,
+# timed from its first step, none after. (seconds, kind, group or process).
+BURST_FAULTS = ((20.0, "kill", 2), (45.0, "stop", 1), (75.0, "lighthouse", None), (95.0, "kill", 0))
 STOP_S = 20.0
+SCHEDULES = {"fractions": GROUP_FAULTS, "burst": BURST_FAULTS}
 
 
 def group_train(steps: int, run_dir: pathlib.Path) -> list[str]:
@@ -228,13 +244,20 @@ def _signal(pid: int, sig) -> None:
         pass
 
 
-def _started(run_dir: pathlib.Path, fleet: bool) -> bool:
-    """Whether training has begun (the schedule's clock starts at the first step)."""
-    metrics = run_dir / ("groups/0/metrics.jsonl" if fleet else "metrics.jsonl")
-    return metrics.exists() and '"loss"' in metrics.read_text()
+def _progress(run_dir: pathlib.Path, fleet: bool) -> int:
+    """The furthest step logged (by any group): -1 before the first."""
+    found = -1
+    for metrics in run_dir.glob("groups/*/metrics.jsonl" if fleet else "metrics.jsonl"):
+        for line in reversed(metrics.read_text().splitlines()):
+            if '"loss"' in line:
+                found = max(found, json.loads(line)["step"])
+                break
+    return found
 
 
-def _day(name: str, fleet: bool, steps: int, work: pathlib.Path, with_faults: bool) -> dict:
+def _day(name: str, fleet: bool, steps: int, work: pathlib.Path, schedule) -> dict:
+    """One run under `schedule` (GROUP_FAULTS, BURST_FAULTS or none), timed from its first
+    step."""
     import signal as sig
 
     run_dir = work / name
@@ -248,11 +271,16 @@ def _day(name: str, fleet: bool, steps: int, work: pathlib.Path, with_faults: bo
         [*launch, "--", *group_train(steps, run_dir), *extra], stdout=log, stderr=log, cwd=ROOT
     )
     done = []
-    while p.poll() is None and not _started(run_dir, fleet):
+    while p.poll() is None and _progress(run_dir, fleet) < 0:
         time.sleep(0.2)
     t_first = time.monotonic()
-    for at, kind, who in GROUP_FAULTS if with_faults else ():
-        while p.poll() is None and time.monotonic() - t_first < at:
+    by_time = schedule is BURST_FAULTS
+    for at, kind, who in schedule:
+        # The fault is due at a time from the first step, or when the run first reaches a
+        # fraction of its steps (its furthest step: a restarted job passes it again).
+        while p.poll() is None and not (
+            time.monotonic() - t_first >= at if by_time else _progress(run_dir, fleet) >= at * steps
+        ):
             time.sleep(0.1)
         if p.poll() is not None or (kind == "lighthouse" and not fleet):
             continue
@@ -264,13 +292,14 @@ def _day(name: str, fleet: bool, steps: int, work: pathlib.Path, with_faults: bo
         if pid is None:
             continue
         at_s = round(time.monotonic() - t_first, 1)
+        at_step = _progress(run_dir, fleet)
         if kind == "stop":
             _signal(pid, sig.SIGSTOP)
             time.sleep(STOP_S)
             _signal(pid, sig.SIGCONT)
         else:
-            _signal(pid, sig.SIGKILL)
-        done.append({"at_s": at_s, "fault": kind, "who": who})
+            _signal(pid, sig.SIGTERM if kind == "term" else sig.SIGKILL)
+        done.append({"at_s": at_s, "at_step": at_step, "fault": kind, "who": who})
     p.wait()
     wall = time.monotonic() - t0
     return {"name": name, "exit": p.returncode, "wall_s": wall, "faults": done}
@@ -282,15 +311,15 @@ def _last_loss(run_dir: pathlib.Path, steps: int, fleet: bool) -> float:
     return sum(values) / len(values)
 
 
-def groups_study(steps: int, work: pathlib.Path, out: pathlib.Path) -> None:
+def groups_study(steps: int, work: pathlib.Path, out: pathlib.Path, schedule: str) -> None:
     from jaxdist.groups import accounting
     from jaxdist.metrics import goodput
 
     rows = []
     for fleet in (True, False):
         kind = "replica groups" if fleet else "whole-job restarts"
-        calm = _day(f"{kind}, no faults", fleet, steps, work, False)
-        day = _day(kind, fleet, steps, work, True)
+        calm = _day(f"{kind}, no faults", fleet, steps, work, ())
+        day = _day(kind, fleet, steps, work, SCHEDULES[schedule])
         run_dir = work / kind
         if fleet:
             rep = accounting.fleet_report(run_dir)
@@ -310,19 +339,25 @@ def groups_study(steps: int, work: pathlib.Path, out: pathlib.Path) -> None:
             f"{kind}: exit {day['exit']}, wall {day['wall_s']:.0f} s (no faults "
             f"{calm['wall_s']:.0f} s), rounds committed {committed}, work share {share:.1%}, "
             f"goodput {day['goodput']:.1%}, tokens lost {lost:,}, final loss "
-            f"{day['final_loss']:.4f}; faults at (s, kind, group): "
-            f"{[(f['at_s'], f['fault'], f['who']) for f in day['faults']]}"
+            f"{day['final_loss']:.4f}; faults at (s, step, kind, group): "
+            f"{[(f['at_s'], f['at_step'], f['fault'], f['who']) for f in day['faults']]}"
         )
     ratio = rows[0]["goodput"] / rows[1]["goodput"]
     print(f"replica groups' goodput / whole-job restarts': {ratio:.2f}x")
-    (out / "chaos_groups.json").write_text(json.dumps({"steps": steps, "days": rows}, indent=2))
-    print(f"wrote {out / 'chaos_groups.json'}")
+    name = "chaos_groups.json" if schedule == "fractions" else f"chaos_groups_{schedule}.json"
+    record = {"steps": steps, "schedule": schedule, "days": rows}
+    (out / name).write_text(json.dumps(record, indent=2))
+    print(f"wrote {out / name}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--groups", action="store_true", help="replica groups vs whole-job restarts")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument(
+        "--schedule", choices=sorted(SCHEDULES), default="fractions",
+        help="--groups: the chaos study's fractions of the run, or the first study's burst",
+    )  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results"))
     ap.add_argument("--keep", default=None, help="run here and keep the run directories")
     ap.add_argument("--plot", default=None, help="only redraw the plot of this chaos.json")
@@ -339,7 +374,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             work = pathlib.Path(args.keep or tmp)
             work.mkdir(parents=True, exist_ok=True)
-            groups_study(args.steps, work, out)
+            groups_study(args.steps, work, out, args.schedule)
         return
     shm_root = "/dev/shm" if pathlib.Path("/dev/shm").is_dir() else None  # a tmpfs, if any
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir=shm_root) as shm:
