@@ -26,7 +26,8 @@ or T steps on).
 Records (the fleet's run directory RUN): rounds.jsonl, one line per committed round (written by
 the lowest participating group: its step, fragment and the step after which it was applied);
 heals.jsonl, one line per heal; outer/step-S-rank-P.npz, the outer state after the round that
-ended at step S (the lowest participating group saves it, the newest KEEP rounds kept: a whole
+ended at step S, and at step 0 the first (the lowest participating group saves it, every group
+the first, the newest KEEP rounds kept: a whole
 fleet restarted takes the one its groups' checkpoints reach, each group its own checkpoint,
 and with a delay takes that round's apply where its checkpoint came before it; groups that
 resume at different steps are not reconciled); groups/G/final.json and outer.npz (its last
@@ -147,6 +148,8 @@ class Member:
         streaming.check(theta, self.places, self.F)
         saved = self._saved(s)
         self.outer = saved or host.OuterState.first(theta, s // self.turn)
+        if s == 0:  # the first outer weights: a whole fleet restarted before its first round
+            self._save_outer(0)  # resumes from them, not from its groups' trained weights
         if saved is not None and self.T:
             # A whole fleet restarted at step s: the last round before s ended after step
             # r = last - 1 and was applied after step r + T. Where that is at s or later, its
@@ -279,14 +282,8 @@ class Member:
     def _record(self, r: "_Round", reply) -> None:
         if self.s.group != min(reply.participants):
             return
-        s = r.step
-        outer, where = self.outer, self.fleet / "outer"
-        where.mkdir(parents=True, exist_ok=True)
-        tmp = where / f"step-{s + 1}-rank-{self.rank}.tmp.npz"
-        np.savez(tmp, *outer.params, *outer.momentum, round=outer.round, step=s + 1)
-        os.replace(tmp, where / f"step-{s + 1}-rank-{self.rank}.npz")  # whole, or absent
-        for old in sorted(where.glob(f"step-*-rank-{self.rank}.npz"), key=_step_of)[:-KEEP]:
-            old.unlink(missing_ok=True)
+        s, outer = r.step, self.outer
+        self._save_outer(s + 1)
         if self.rank == 0:
             line = {
                 "round": outer.round, "step": s, "fragment": r.fragment,
@@ -296,6 +293,18 @@ class Member:
                 "outer_mean": outer.mean(),  # rank 0's pieces: a replay's check, round by round
             }  # fmt: skip
             _append(self.fleet / "rounds.jsonl", line)
+
+    def _save_outer(self, step: int) -> None:
+        """This process's pieces of the outer state as of `step` (RUN/outer), whole or absent,
+        the newest KEEP kept. At step 0 every group writes the same bytes: each through its own
+        temporary file."""
+        outer, where = self.outer, self.fleet / "outer"
+        where.mkdir(parents=True, exist_ok=True)
+        tmp = where / f"step-{step}-rank-{self.rank}.g{self.s.group}.tmp.npz"
+        np.savez(tmp, *outer.params, *outer.momentum, round=outer.round, step=step)
+        os.replace(tmp, where / f"step-{step}-rank-{self.rank}.npz")
+        for old in sorted(where.glob(f"step-*-rank-{self.rank}.npz"), key=_step_of)[:-KEEP]:
+            old.unlink(missing_ok=True)
 
     def _saved(self, s: int) -> host.OuterState | None:
         """A whole fleet restarted at step s (each group from its own checkpoint): the outer
