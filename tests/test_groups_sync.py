@@ -215,7 +215,10 @@ def test_a_stopped_group_with_a_delay_falls_behind_heals_and_ends_as_replayed(tm
     records, heals = tg._lines(run_dir / "rounds.jsonl"), tg._lines(run_dir / "heals.jsonl")
     assert [len(tg._pids(run_dir, g)) for g in range(3)] == [1, 1, 1]  # nothing restarted
     assert any(r["groups"] == [0, 2] for r in records), records
-    assert [h["group"] for h in heals] == [1] and heals[0]["from"] in (0, 2), heals
+    # Group 1 healed from a live peer (on a loaded host a group late to its first rounds
+    # heals too: that is the same path).
+    assert any(h["group"] == 1 and h["from"] in (0, 2) for h in heals), heals
+    assert all(h["from"] != h["group"] for h in heals), heals
     assert records[-1]["step"] == steps - 1 and records[-1]["groups"] == [0, 1, 2]
     assert all(r["applied_after"] == r["step"] + 1 for r in records)
     finals = tg._finals(run_dir)

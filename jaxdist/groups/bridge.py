@@ -77,6 +77,7 @@ class Bridge:
         self.python, self.group = python, group
         self.proc = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL)
         self.sock: socket.socket | None = None
+        self.on_request = None  # the round's snapshot, made when a healing peer needs it
 
     def _connected(self) -> socket.socket:
         """The sidecar's socket, once it has said it is up (waited for here, the first time)."""
@@ -105,17 +106,31 @@ class Bridge:
     def send(self, change: np.ndarray, participating: bool, snapshot, gather: bool) -> None:
         """A round's start: this process's change (float64, joined; with `gather`, the bytes of
         its sync type: jaxdist.groups.streaming.coded), whether it counts (a group that joins
-        to heal sends zeros that do not), and the state a healing peer would get. The sidecar
-        runs the round meanwhile; `receive` waits for its end."""
-        head, data = wire.raw(*snapshot)
-        header = {
-            "op": "round", "participating": participating, "gather": gather,
-            "snapshot_head": head.decode(),
-        }  # fmt: skip
-        wire.send(self._connected(), header, [change, np.frombuffer(data, np.uint8)])
+        to heal sends zeros that do not), and the state a healing peer would get: (header,
+        arrays) sent now, or a function that makes them, called only if the sidecar asks for
+        them while `receive` waits (a peer heals from this group in this round's quorum). The
+        sidecar runs the round meanwhile; `receive` waits for its end."""
+        header = {"op": "round", "participating": participating, "gather": gather}
+        arrays = [change]
+        if callable(snapshot):
+            self.on_request = snapshot
+        else:
+            head, data = wire.raw(*snapshot)
+            header["snapshot_head"] = head.decode()
+            arrays.append(np.frombuffer(data, np.uint8))
+        wire.send(self._connected(), header, arrays)
 
     def receive(self) -> Reply:
-        reply, arrays = wire.receive(self.sock)
+        while True:
+            reply, arrays = wire.receive(self.sock)
+            if reply.get("op") != "snapshot":
+                break
+            # A peer heals from this group in this round: the state as this round's change
+            # left, made now (the round's caller trains no step before its end).
+            head, data = wire.raw(*self.on_request())
+            answer = {"op": "snapshot", "snapshot_head": head.decode()}
+            wire.send(self.sock, answer, [np.frombuffer(data, np.uint8)])
+        self.on_request = None
         healed = wire.receive(self.sock) if reply["healed"] else None
         gathered = reply.get("gathered", False)
         return Reply(

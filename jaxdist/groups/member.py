@@ -203,7 +203,13 @@ class Member:
         self.inflight = _Round(f, s, [c.shape for c in change], time.monotonic())
         self.due = (s + self.T, f)
         round_ = {"fragment": f, "step": s, "payload": size}
-        self.bridge.send(payload, participating, self._snapshot(state, theta, round_), self.gather)
+        # Without a delay the group waits for the round's end before its next step, so the
+        # state a healing peer gets is made only if one asks (a copy of the whole state to the
+        # host, about 5x the weights' bytes, otherwise every round); with a delay the group
+        # trains on meanwhile, and it is copied now.
+        snapshot = lambda: self._snapshot(state, theta, round_)  # noqa: E731
+        snapshot = snapshot() if self.T else snapshot
+        self.bridge.send(payload, participating, snapshot, self.gather)
 
     def _finish(self, state):
         """The round in flight's end: its outer step (or, for a group behind, a peer's state).

@@ -4,8 +4,11 @@ as a script, `python sidecar.py --socket PATH ...`, by its JAX process (jaxdist.
 
 Each round the JAX process sends, over a Unix socket, its change (one float64 vector, its pieces
 of the round's fragment joined, or with a 16- or 8-bit --sync-dtype the bytes of the change in
-that type) and the state a healing peer would need (outer weights, momentum, weights, its inner
-state, round, step and fragment). The sidecar runs torchft's Manager: a quorum from the
+that type). The state a healing peer would need (outer weights, momentum, weights, its inner
+state, round, step and fragment) comes with it where the group trains on during the round
+(--sync-delay); without a delay the sidecar asks for it only when the quorum names a peer that
+heals from this group (the JAX process, waiting for the round's end, answers). The sidecar
+runs torchft's Manager: a quorum from the
 lighthouse (healing this group from a peer if it is behind), one all-reduce (a sum) among the
 same-rank processes of the groups in the quorum, or for bytes one all-gather (the JAX process
 dequantizes and sums them: these bytes are never decoded here), `should_commit` within the
@@ -137,8 +140,11 @@ def _watch_parent() -> None:
 
 
 class Sidecar:
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, args, sock):
+        self.args, self.sock = args, sock
+        # The JAX process's socket: the main thread's rounds and the quorum thread's requests
+        # for a snapshot take turns on it.
+        self.io = threading.Lock()
         self.snapshot = {"head": b'{"arrays": []}', "data": b""}
         self.healed = None
         timeout = timedelta(seconds=args.timeout)
@@ -155,7 +161,7 @@ class Sidecar:
         self.manager = ft_manager.Manager(
             pg=pg,
             load_state_dict=self._load,
-            state_dict=lambda: self.snapshot,
+            state_dict=self._state_dict,
             min_replica_size=args.min_groups,
             use_async_quorum=False,  # a round's quorum before its all-reduce: healing first
             timeout=timeout,
@@ -177,10 +183,27 @@ class Sidecar:
     def _load(self, snap) -> None:
         self.healed = snap
 
+    def _state_dict(self) -> dict:
+        """What a peer healing from this group gets (called in the quorum, on torchft's
+        thread): the round's snapshot as sent, or asked of the JAX process now, which is
+        waiting for this round's end."""
+        if self.snapshot is None:
+            with self.io:
+                send(self.sock, {"op": "snapshot"})
+                header, arrays = receive(self.sock)
+            if header.get("op") != "snapshot":
+                raise RuntimeError(f"asked for a snapshot, got {header.get('op')!r}")
+            self.snapshot = {"head": header["snapshot_head"].encode(), "data": bytes(arrays[0])}
+        return self.snapshot
+
     def round(self, header: dict, arrays: list) -> tuple[dict, list]:
         """One round: quorum (and healing), the all-reduce (or all-gather), the commit vote."""
         M, G = self.args.groups, self.args.group
-        self.snapshot = {"head": header["snapshot_head"].encode(), "data": bytes(arrays[1])}
+        # Sent with the change (a group that trains on during its round), or asked for.
+        sent = "snapshot_head" in header
+        self.snapshot = (
+            {"head": header["snapshot_head"].encode(), "data": bytes(arrays[1])} if sent else None
+        )
         self.healed = None
         t0 = time.monotonic()
         self.manager.start_quorum()
@@ -257,14 +280,15 @@ def main(argv=None) -> int:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.socket)
     try:
-        side = Sidecar(args)
+        side = Sidecar(args, sock)
     except Exception as e:  # noqa: BLE001 - said in one line to the JAX process
         send(sock, {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
         return 1
     send(sock, {"ok": True, "torch": torch.__version__})
     while True:
         try:
-            header, arrays = receive(sock)
+            with side.io:
+                header, arrays = receive(sock)
         except Exception:  # noqa: BLE001 - the JAX process closed its end: the run is over
             break
         if header.get("op") == "close":
@@ -278,12 +302,13 @@ def main(argv=None) -> int:
             out = [] if header.get("gather") else [np.zeros_like(arrays[0])]
             reply["gathered"] = bool(header.get("gather"))
             side.healed = None
-        send(sock, reply, out)
-        if side.healed is not None:  # the peer's state, as it sent it (never decoded here)
-            from wire import _LENGTHS
+        with side.io:  # after a snapshot asked for, if a late quorum thread still asks
+            send(sock, reply, out)
+            if side.healed is not None:  # the peer's state, as it sent it (never decoded here)
+                from wire import _LENGTHS
 
-            head, data = side.healed["head"], side.healed["data"]
-            sock.sendall(_LENGTHS.pack(len(head), len(data)) + head + data)
+                head, data = side.healed["head"], side.healed["data"]
+                sock.sendall(_LENGTHS.pack(len(head), len(data)) + head + data)
     side.manager.shutdown(wait=False)
     return 0
 
