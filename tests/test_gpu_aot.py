@@ -153,9 +153,9 @@ def _report(compiles, command: tuple[str, ...]) -> dict:
 PEER_PEAK_GIB = {("gpt2-124m", 32): 15.6, ("1b", 8): 33.1}
 # The same checks on every preset and both GPUs, with `-m experiment` (48-84 s each of the
 # suite's time on CI's two cores). The suite holds parts of them on tiny models: data and fsdp
-# across two hosts of H100s (below), fp32 matmuls and unfused attention flagged (FP32), cuDNN's
-# fused attention on H100s (tests/test_context.py), MoE's Pallas experts
-# (tests/test_grouped_gemm.py).
+# across two hosts of H100s (below), the report's warnings (fp32 matmuls and unfused attention
+# compiled: FP32, -m experiment), cuDNN's fused attention on H100s (tests/test_context.py),
+# MoE's Pallas experts (tests/test_grouped_gemm.py).
 _SWEEP = pytest.mark.experiment
 CASES = [
     pytest.param("gpt2-124m", "h200:1", 32, "auto", marks=_SWEEP),
@@ -235,7 +235,32 @@ def test_two_hosts_put_data_across_hosts_and_fsdp_inside(compiles):
     assert {c["axis"] for c in r["collectives"]} >= {"data", "fsdp"}
 
 
+def test_the_reports_warnings_name_what_would_make_the_step_slow_or_fail():
+    """aot.warnings on a report as the GPU compiler's reading gives it (the compile itself:
+    the next test, -m experiment)."""
+    from jaxdist.compiled.aot import warnings
+
+    report = {
+        "attention_kernel": "xla (fallback: T x T scores in memory)",
+        "gemms": {"not_16bit": {"router": 1, "btd,de->bte": 2}},
+        "kernels": {"host_transfers": 3},
+        "per_device_bytes": {"peak_estimate": 3 * 2**30},
+    }
+    assert warnings(report, 2 * 2**30) == [
+        "attention is not fused: xla (fallback: T x T scores in memory)",
+        "3 matmuls with 32-bit operands (slower than bf16 on tensor cores): see gemms.not_16bit",
+        "3 host transfers inside the step",
+        "peak 3.0 GiB per device is over the 2.0 GiB a program may hold on the device",
+    ]
+    fused = {
+        **report, "attention_kernel": "cudnn fused (forward and backward)",
+        "gemms": {"not_16bit": {}}, "kernels": {"host_transfers": 0},
+    }  # fmt: skip
+    assert warnings(fused, 4 * 2**30) == []
+
+
 @pytest.mark.slow
+@pytest.mark.experiment  # a GPU compile of its own, 45 s of the suite: its reading is above
 @needs_gpu_aot
 def test_report_flags_fp32_matmuls_and_unfused_attention(compiles):
     # fp32 compute: cuDNN's attention takes 16-bit inputs only, so XLA's runs, on fp32 dots.
