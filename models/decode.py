@@ -3,10 +3,10 @@
 Legend: as models/transformer.py, and S cache length (key positions), T the tokens given in
 this call (the whole prompt at prefill, 1 per decode step), starting at position `pos`.
 
-`forward` computes exactly the layer of transformer._block (same weights, norms, RoPE, biases)
-for T new tokens, attending to the cache, which it extends by their keys and values. The cache
-is laid out by logical axes like every activation: rows over the batch axes, kv groups over the
-tensor axis.
+`forward` computes exactly the layer training runs (models/layer.py: the same weights, norms,
+RoPE, biases) for T new tokens, attending to the cache, which it extends by their keys and
+values. The cache is laid out by logical axes like every activation: rows over the batch axes,
+kv groups over the tensor axis.
 
 Latent attention (models/mla.py) caches what DeepSeek-V3's does, per layer and token: the normed
 latent c [C] and the rotated RoPE key [P], not each head's keys and values (DeepSeek-V3: 576
@@ -28,15 +28,8 @@ from jaxdist.inference.generate import Decoder
 from jaxdist.parallel.attention import padded_values
 from jaxdist.rules import constrain
 from models import mla
-from models.transformer import (
-    LOGICAL,
-    TransformerConfig,
-    after_attention,
-    latent,
-    logits,
-    of_stack,
-    qkv,
-)
+from models.layer import after_attention, latent, qkv
+from models.transformer import LOGICAL, TransformerConfig, logits, of_stack
 from models.transformer_config import stacks
 
 CACHE_LOGICAL = {

@@ -20,10 +20,11 @@ layers are dense (dense_layers, DeepSeek-V3's first_k_dense_replace) has two sta
 scanned: the dense layers' weights named dense_... (dense_w_up_LDF), then the MoE layers' under
 the usual names; a model of one kind keeps one stack and its names (transformer_config.stacks).
 
-The attention and dense MLP projections are einsums through jaxdist.kernels.fp8 (`_project`):
-in the compute dtype, or in FP8 where the step's --fp8 runs them so; with --fp8 delayed the
-model holds their scales and amax histories (Fp8Meta, stacked over L like the weights; A: the
-history's length), which the step keeps apart from the weights. The head, the embeddings, the
+One layer's math is models/layer.py. The attention and dense MLP projections run through
+jaxdist.kernels.fp8 (layer.project): in the compute dtype, or in FP8 where the step's --fp8
+runs them so; with --fp8 delayed the model holds their scales and amax histories (Fp8Meta,
+stacked over L like the weights; A: the history's length), which the step keeps apart from the
+weights. The head, the embeddings, the
 router, the norms, attention itself and MoE experts stay in the compute dtype.
 
 Packed documents (jaxdist.kernels.documents): given `docs`, attention stays inside each document
@@ -31,7 +32,6 @@ Packed documents (jaxdist.kernels.documents): given `docs`, attention stays insi
 them a row is one causal sequence at positions 0..T-1.
 """
 
-import functools
 import math
 
 import jax
@@ -46,7 +46,8 @@ from jaxdist.model import Stages
 from jaxdist.optim import ExpertBias
 from jaxdist.parallel.attention import attention, document_mask
 from jaxdist.rules import constrain, gathered
-from models import mla, moe, mtp, remat, rope
+from models import moe, mtp, remat
+from models.layer import PROJECTIONS, after_attention, norm, qkv
 from models.mla import MLA_LOGICAL
 from models.moe import MOE_LOGICAL
 from models.transformer_config import (
@@ -95,15 +96,6 @@ LOGICAL |= {
     MTP + "eh_proj_LID": ("layers", None, "embed"),
     MTP + "head_norm_scale_LD": ("layers", "embed"),
 }
-# The projections that may run in FP8: each weight's einsum with its input (one layer's).
-PROJECTIONS = {
-    "wqkv_LDGQH": "btd,dgqh->btgqh",
-    "wo_LNHD": "btnh,nhd->btd",
-    "w_up_LDF": "btd,df->btf",
-    "w_gate_LDF": "btd,df->btf",
-    "w_down_LFD": "btf,fd->btd",
-}
-
 # Projections into the residual stream: their init shrinks with depth (GPT-2).
 _OUT_PROJECTIONS = ("wo_LNHD", "w_down_LFD", "w_down_LEFD", "shared_w_down_LFD")
 # Layer weights kept in float32 whatever the compute dtype: the selection bias moves by steps
@@ -326,8 +318,8 @@ def predict_ahead(
     for k in range(c.mtp_depth):
         w = {n: _stored(_compute(c, weights[n][k]), LOGICAL[MTP + n][1:]) for n in own}
         ahead_BT, target_BT, mask_BT = mtp.shifted(tokens_BT, targets_BT, docs, k + 1)
-        e_BTD = _norm(c, embed(c, p, ahead_BT, docs), w["enorm_scale_LD"], None)
-        h_BTD = _norm(c, x_BTD, w["hnorm_scale_LD"], None)
+        e_BTD = norm(c, embed(c, p, ahead_BT, docs), w["enorm_scale_LD"], None)
+        h_BTD = norm(c, x_BTD, w["hnorm_scale_LD"], None)
         eh_BTI = jnp.concatenate([e_BTD, h_BTD], axis=-1)  # HF's order: embedding first
         x_BTD = constrain(
             jnp.einsum("bti,id->btd", eh_BTI, w["eh_proj_LID"]), ("batch", "seq", "embed")
@@ -335,7 +327,7 @@ def predict_ahead(
         layer = {n: v[k : k + 1] for n, v in weights.items() if n not in own}
         layer_state = {n: v[k : k + 1] for n, v in state.items()}
         x_BTD, layer_stats = run_layers(block, layer, x_BTD, docs, layer_state)
-        depths.append((_norm(c, x_BTD, w["head_norm_scale_LD"], None), target_BT, mask_BT))
+        depths.append((norm(c, x_BTD, w["head_norm_scale_LD"], None), target_BT, mask_BT))
         stats.append(layer_stats)
     return depths, jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
 
@@ -373,7 +365,7 @@ def logits(c: TransformerConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
 
 
 def final_norm(c: TransformerConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
-    return _norm(
+    return norm(
         c,
         x_BTD,
         _cast(c, "norm_f_scale_D", p["norm_f_scale_D"]),
@@ -388,40 +380,14 @@ def head_weight(c: TransformerConfig, p: dict) -> jax.Array:
     return gathered(_compute(c, p["head_DV"]), LOGICAL["head_DV"])
 
 
-def _norm(c: TransformerConfig, x_BTD, scale_D, bias_D):
-    # Statistics in fp32 whatever the compute dtype: bf16 variance loses too many bits.
-    x32 = x_BTD.astype(jnp.float32)
-    if c.style == "gpt2":
-        x32 = x32 - x32.mean(-1, keepdims=True)
-    var = jnp.mean(jnp.square(x32), -1, keepdims=True)
-    y = (x32 * jax.lax.rsqrt(var + c.norm_eps)).astype(x_BTD.dtype) * scale_D
-    return y if bias_D is None else y + bias_D
-
-
-def _rope(c: TransformerConfig, x_BTNH, positions_BT):
-    """Rotary positions; positions_BT per token ([1, T] broadcasts over the batch)."""
-    freqs_H2 = jnp.asarray(rope.inv_freq(c.rope_theta, c.rope_scaling, x_BTNH.shape[-1]))
-    angles_BTH2 = positions_BT[..., None].astype(jnp.float32) * freqs_H2
-    sin, cos = jnp.sin(angles_BTH2)[:, :, None, :], jnp.cos(angles_BTH2)[:, :, None, :]
-    scale = rope.attention_scale(c.rope_scaling)
-    if scale != 1.0:  # yarn: cos and sin scaled, so attention logits by scale**2
-        sin, cos = sin * scale, cos * scale
-    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTNH.dtype)
-
-
-def _attention(c: TransformerConfig, q_BTNH, k_BTGH, v_BTGH, mask_B1TS):
-    return attention(q_BTNH, k_BTGH, v_BTGH, mask_B1TS, c.attention)
-
-
 def _block(c: TransformerConfig, x_BTD, w, positions_BT, mask_B1TS, fp8_state=None):
     # Each layer's weights in their stored layout, as _cast explains. Expert weights stay as
     # stored too: jaxdist.parallel.experts gathers them inside its shard_map.
     w = {k: v if k in EXPERT_WEIGHTS else _stored(v, LOGICAL[k][1:]) for k, v in w.items()}
     w |= fp8_state or {}
     q_BTNH, k_BTGH, v_BTGH = qkv(c, x_BTD, w, positions_BT)
-    return after_attention(c, x_BTD, _attention(c, q_BTNH, k_BTGH, v_BTGH, mask_B1TS), w)
+    attn_BTNH = attention(q_BTNH, k_BTGH, v_BTGH, mask_B1TS, c.attention)
+    return after_attention(c, x_BTD, attn_BTNH, w)
 
 
 def _stored(v: jax.Array, logical: tuple[str, ...]) -> jax.Array:
@@ -432,68 +398,3 @@ def _stored(v: jax.Array, logical: tuple[str, ...]) -> jax.Array:
     # and reductions as collective-permute rings overlapped with the matmul's chunks). GPUs
     # compile the same either way (reduce-scatter).
     return constrain(v, logical, "param")
-
-
-def _project(x, w: dict, name: str) -> jax.Array:
-    """x through the layer's weight `name` (its einsum in PROJECTIONS): in FP8 where the
-    step's --fp8 runs this projection so, else in the compute dtype."""
-    return fp8.einsum(PROJECTIONS[name], x, w[name], fp8.layer_meta(w, name))
-
-
-def qkv(c: TransformerConfig, x_BTD, w, positions_BT):
-    """A layer's queries [B, T, N, H], keys and values [B, T, G, H] (RoPE applied, Llama)
-    from its input; models/decode.py shares it with the training layer. Latent attention:
-    queries [B, T, N, U], keys [B, T, N, U], values [B, T, N, W] (models/mla.py)."""
-    if c.mla:
-        q_BTNU, c_BTC, kr_BTP = latent(c, x_BTD, w, positions_BT)
-        return q_BTNU, *mla.expand(c, w, c_BTC, kr_BTP)
-    B, T, _ = x_BTD.shape
-    h_BTD = _norm(c, x_BTD, w["norm1_scale_LD"], w.get("norm1_bias_LD"))
-    qkv_BTGQH = _project(h_BTD, w, "wqkv_LDGQH")
-    qkv_BTGQH = remat.checkpoint_name(qkv_BTGQH, remat.QKV_PROJ)
-    if c.attention_bias:
-        qkv_BTGQH = qkv_BTGQH + w["bias_qkv_LGQH"]
-    qkv_BTGQH = constrain(qkv_BTGQH, ("batch", "seq", "kv_heads", "qkv", "head_dim"))
-    q_per_group = c.num_heads // c.num_kv_heads
-    # Head n of the query is head n % (N/G) of group n // (N/G), as jax's GQA expects.
-    q_BTNH = qkv_BTGQH[:, :, :, :q_per_group].reshape(B, T, c.num_heads, c.head_dim)
-    k_BTGH = qkv_BTGQH[:, :, :, q_per_group]
-    v_BTGH = qkv_BTGQH[:, :, :, q_per_group + 1]
-    if c.qk_norm:
-        q_BTNH = _norm(c, q_BTNH, w["q_norm_scale_LH"], None)
-        k_BTGH = _norm(c, k_BTGH, w["k_norm_scale_LH"], None)
-    if c.style == "llama":
-        q_BTNH, k_BTGH = _rope(c, q_BTNH, positions_BT), _rope(c, k_BTGH, positions_BT)
-    return q_BTNH, k_BTGH, v_BTGH
-
-
-def latent(c: TransformerConfig, x_BTD, w, positions_BT):
-    """Latent attention's queries [B, T, N, U], latent [B, T, C] and RoPE key [B, T, P] of a
-    layer's input (models/mla.py); generation caches the latter two."""
-    h_BTD = _norm(c, x_BTD, w["norm1_scale_LD"], w.get("norm1_bias_LD"))
-    return mla.latent(c, h_BTD, w, positions_BT, functools.partial(_rope, c))
-
-
-def after_attention(c: TransformerConfig, x_BTD, attn_BTNH, w):
-    """The rest of the layer from its attention output: output projection, residual, MLP (or
-    MoE); returns the layer's output and its MoE statistics ({} for a dense MLP)."""
-    attn_BTNH = constrain(attn_BTNH, ("batch", "seq", "heads", "head_dim"))
-    out_BTD = _project(attn_BTNH, w, "wo_LNHD")
-    out_BTD = remat.checkpoint_name(out_BTD, remat.OUT_PROJ)
-    if c.out_bias:
-        out_BTD = out_BTD + w["bias_o_LD"]
-    x_BTD = x_BTD + constrain(out_BTD, ("batch", "seq", "embed"))
-
-    h_BTD = _norm(c, x_BTD, w["norm2_scale_LD"], w.get("norm2_bias_LD"))
-    if c.num_experts:
-        y_BTD, aux = moe.moe_mlp(c, h_BTD, w)
-        return x_BTD + constrain(y_BTD, ("batch", "seq", "embed")), aux
-    up_BTF = _project(h_BTD, w, "w_up_LDF") + w.get("bias_up_LF", 0)
-    if c.style == "llama":
-        gate_BTF = _project(h_BTD, w, "w_gate_LDF") + w.get("bias_gate_LF", 0)
-        up_BTF = jax.nn.silu(gate_BTF) * up_BTF
-    else:
-        up_BTF = jax.nn.gelu(up_BTF, approximate=True)
-    up_BTF = constrain(up_BTF, ("batch", "seq", "mlp"))
-    down_BTD = _project(up_BTF, w, "w_down_LFD") + w.get("bias_down_LD", 0)
-    return x_BTD + constrain(down_BTD, ("batch", "seq", "embed")), {}

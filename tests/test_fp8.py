@@ -36,6 +36,7 @@ from jaxdist.step import build
 from jaxdist.train import fit
 from meshes.presets import STANDARD_RULES
 from models import transformer
+from models.layer import PROJECTIONS, norm
 from models.presets import get_model_config, model_spec
 from models.transformer import Transformer
 from tests.helpers import mesh_for
@@ -170,7 +171,7 @@ def _observed(mc, layout, first, tokens_BT1, M: int) -> dict[tuple, float]:
         with activation_rules(layout, mesh_for("single")):
             x_BTD = transformer.embed(mc, p, inputs_BT)
             norm1 = [transformer._compute(mc, p[k][0]) for k in ("norm1_scale_LD", "norm1_bias_LD")]
-            h_BTD = transformer._norm(mc, x_BTD, *norm1)
+            h_BTD = norm(mc, x_BTD, *norm1)
             out_BTD, _ = transformer.run_layers(mc, transformer._layers(p), x_BTD, None, fp8_state)
             ce = lambda x, t: cross_entropy(transformer.logits(mc, p, x), t)  # noqa: E731
             g = [jax.grad(ce)(out_BTD[m::M], targets_BT[m::M]) for m in range(M)]
@@ -179,7 +180,7 @@ def _observed(mc, layout, first, tokens_BT1, M: int) -> dict[tuple, float]:
     h_amax, g_amaxes = (np.asarray(a) for a in amaxes(p, fp8_state, tokens_BT1))
     observed = {("wqkv_LDGQH", "x", 0): float(h_amax)}
     observed[("w_down_LFD", "g", mc.num_layers - 1)] = float(g_amaxes.max())
-    for weight in transformer.PROJECTIONS:
+    for weight in PROJECTIONS:
         for layer in range(mc.num_layers if weight in p else 0):
             w = transformer._compute(mc, p[weight][layer])  # as the GEMM takes it
             observed[(weight, "w", layer)] = float(jnp.max(jnp.abs(w)))

@@ -302,7 +302,7 @@ def _say_fp8(layout, mesh, model_cfg) -> None:
     if step.fp8 == "off":
         return
     from jaxdist.kernels import fp8
-    from models.transformer import PROJECTIONS
+    from models.layer import PROJECTIONS
     from models.transformer_config import _param_shapes, stacks
 
     shapes = _param_shapes(model_cfg)
