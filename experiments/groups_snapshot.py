@@ -15,13 +15,14 @@ round's float64 change alone, made and sent the same way. Since 54f78c9 a fleet 
 """
 
 import argparse
+import pathlib
 import socket
 import statistics
 import sys
 import threading
 import time
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
@@ -78,7 +79,8 @@ def measure(model: str, repeats: int) -> dict:
             if i:  # the first is a warm-up
                 times.append(time.perf_counter() - t0)
         reader.join()
-        a.close(), b.close()
+        a.close()
+        b.close()
         out[name] = {"bytes": sum(x.nbytes for x in arrays), "s_p50": statistics.median(times)}
     return out
 

@@ -323,11 +323,15 @@ def _supervise(groups, lighthouse, run, max_restarts, start, stopped) -> None:
             for p in g.procs:  # the group's other processes wait on the lost one: end them
                 if p.poll() is None:
                     p.kill()
-            i, code = failed[0] if failed else (0, 0)
-            cause = f"group {g.index}: " + (short or restarts.cause(i, code))
+            if failed:
+                i, code = failed[0]
+                cause, exit_code = restarts.cause(i, code), code if code > 0 else 128 - code
+            else:  # stopped short: the fleet's end is not reached
+                cause, exit_code = short, 1
+            cause = f"group {g.index}: {cause}"
             if stopped or g.restarts >= max_restarts:
                 sys.stderr.write(f"jaxdist launch: {cause}; no restart left for it\n")
-                g.done, g.failed = True, code if code > 0 else (128 - code if code else 1)
+                g.done, g.failed = True, exit_code
                 continue
             g.restarts += 1
             sys.stderr.write(

@@ -26,12 +26,11 @@ or T steps on).
 Records (the fleet's run directory RUN): rounds.jsonl, one line per committed round (written by
 the lowest participating group: its step, fragment and the step after which it was applied);
 heals.jsonl, one line per heal; outer/step-S-rank-P.npz, the outer state after the round that
-ended at step S, and at step 0 the first (the lowest participating group saves it, every group
-the first, the newest KEEP rounds kept: a whole
-fleet restarted takes the one its groups' checkpoints reach, each group its own checkpoint,
-and with a delay takes that round's apply where its checkpoint came before it; groups that
-resume at different steps are not reconciled); groups/G/final.json and outer.npz (its last
-outer weights).
+ended at step S (the lowest participating group saves it) and at step 0 the first (group 0
+saves it), the newest KEEP kept: a whole fleet restarted takes the one its groups' checkpoints
+reach, each group its own checkpoint, and with a delay takes that round's apply where its
+checkpoint came before it; groups that resume at different steps are not reconciled;
+groups/G/final.json and outer.npz (its last outer weights).
 """
 
 import dataclasses
@@ -148,8 +147,8 @@ class Member:
         streaming.check(theta, self.places, self.F)
         saved = self._saved(s)
         self.outer = saved or host.OuterState.first(theta, s // self.turn)
-        if s == 0:  # the first outer weights: a whole fleet restarted before its first round
-            self._save_outer(0)  # resumes from them, not from its groups' trained weights
+        if s == 0 and self.s.group == 0:  # the first outer weights (every group's): a whole
+            self._save_outer(0)  # fleet restarted before its first round resumes from them
         if saved is not None and self.T:
             # A whole fleet restarted at step s: the last round before s ended after step
             # r = last - 1 and was applied after step r + T. Where that is at s or later, its
@@ -302,11 +301,10 @@ class Member:
 
     def _save_outer(self, step: int) -> None:
         """This process's pieces of the outer state as of `step` (RUN/outer), whole or absent,
-        the newest KEEP kept. At step 0 every group writes the same bytes: each through its own
-        temporary file."""
+        the newest KEEP kept."""
         outer, where = self.outer, self.fleet / "outer"
         where.mkdir(parents=True, exist_ok=True)
-        tmp = where / f"step-{step}-rank-{self.rank}.g{self.s.group}.tmp.npz"
+        tmp = where / f"step-{step}-rank-{self.rank}.tmp.npz"
         np.savez(tmp, *outer.params, *outer.momentum, round=outer.round, step=step)
         os.replace(tmp, where / f"step-{step}-rank-{self.rank}.npz")
         for old in sorted(where.glob(f"step-*-rank-{self.rank}.npz"), key=_step_of)[:-KEEP]:
